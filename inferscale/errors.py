@@ -1,0 +1,41 @@
+"""Typed errors. Every error a user can cause names the thing that was wrong in one line."""
+
+
+class InferScaleError(Exception):
+    """Base class for every error InferScale raises on purpose."""
+
+
+class ConfigError(InferScaleError):
+    """A setting, flag or budget is invalid."""
+
+
+class ModelLoadError(InferScaleError):
+    """The model path is missing, unreadable or of an unsupported family."""
+
+
+class MemoryItemError(InferScaleError):
+    """A memory item is malformed: empty text, too long for the model, bad id."""
+
+
+class BlobError(InferScaleError):
+    """A KV blob cannot be used."""
+
+
+class BlobCorruptError(BlobError):
+    """A KV blob is unreadable, truncated or fails its checksum."""
+
+
+class FingerprintMismatchError(BlobError):
+    """A KV blob was encoded for another model (or another memory prefix)."""
+
+
+class NotFoundError(InferScaleError):
+    """A tenant, user or item does not exist (or is not visible to the caller)."""
+
+
+class QuotaExceededError(InferScaleError):
+    """A tenant's byte quota or a tier's budget cannot hold the request."""
+
+
+class TransferError(InferScaleError):
+    """A transfer between tiers or nodes failed or timed out."""
