@@ -39,3 +39,7 @@ class QuotaExceededError(InferScaleError):
 
 class TransferError(InferScaleError):
     """A transfer between tiers or nodes failed or timed out."""
+
+
+class PromptTooLongError(InferScaleError):
+    """Prefix + memories + question + requested tokens exceed the model's context."""

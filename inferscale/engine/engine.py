@@ -1,0 +1,241 @@
+"""The engine: encode memories once, then answer with them injected (``kv``), pasted (``text``) or absent (``none``).
+
+The hot path (``prefill``) reads top to bottom:
+  text  prefix KV (cached, like any prefix cache) → prefill every memory token and the query
+  kv    prefix KV + blocks rotated into place      → prefill only the query
+  none  prefix KV                                  → prefill only the query
+  kv-recompute: kv, then re-run a chosen fraction of memory tokens with full context (see recompute.py)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from inferscale.engine.cache import assemble_memory_kv, cache_from_kv, kv_of_cache
+from inferscale.engine.encoder import encode_items
+from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
+from inferscale.errors import ConfigError, FingerprintMismatchError, PromptTooLongError
+from inferscale.kvformat import KVBlock, list_blobs, load_block
+from inferscale.models.loader import LoadedModel, load_model
+
+MODES = ("text", "kv", "kv-recompute", "none")
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its cache, how many tokens it holds, and the logits for the next token."""
+
+    cache: DynamicCache
+    length: int
+    logits: torch.Tensor  # [vocab] float32
+    prompt_tokens: int
+    memory_tokens: int
+    generated: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    memory_tokens: int
+    mode: str
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_on_newline: bool = True
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, template: PromptTemplate = DEFAULT_TEMPLATE) -> None:
+        self.loaded = loaded
+        self.template = template
+        self.tokenizer = loaded.tokenizer
+        self.prefix_ids: list[int] = self.tokenizer(template.prefix, add_special_tokens=True).input_ids
+        if self.tokenizer.bos_token_id is not None and self.prefix_ids[:1] != [self.tokenizer.bos_token_id]:
+            self.prefix_ids = [self.tokenizer.bos_token_id, *self.prefix_ids]
+        # Blocks are valid only after this exact prefix on this exact model.
+        self.prefix_sha256 = hashlib.sha256(
+            (loaded.fingerprint + json.dumps(self.prefix_ids)).encode()
+        ).hexdigest()
+        self.prefix_kv = self._prefill_prefix()
+        vocab = self.tokenizer.get_vocab()
+        # Tokens that contain a line break: literal (SentencePiece), byte-level "Ċ" (GPT-2 style) or a byte token.
+        self.newline_ids = {i for t, i in vocab.items() if "\n" in t or "Ċ" in t or t == "<0x0A>"}
+        self.stop_ids = {i for t, i in vocab.items() if t in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>")}
+        if self.tokenizer.eos_token_id is not None:
+            self.stop_ids.add(self.tokenizer.eos_token_id)
+
+    @classmethod
+    def load(cls, name_or_path: str | None = None, *, device: str | None = None, dtype: str | None = None) -> Engine:
+        return cls(load_model(name_or_path, device=device, dtype=dtype))
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    # ---- tokens -------------------------------------------------------------------------------------------
+    def item_token_ids(self, item: MemoryItem) -> list[int]:
+        return self.tokenizer(self.template.render_item(item), add_special_tokens=False).input_ids
+
+    def question_ids(self, question: str) -> list[int]:
+        return self.tokenizer(self.template.render_question(question), add_special_tokens=False).input_ids
+
+    def chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+        return self.tokenizer(self.template.render_chat(messages), add_special_tokens=False).input_ids
+
+    # ---- memories -----------------------------------------------------------------------------------------
+    def encode(
+        self,
+        items: list[MemoryItem],
+        *,
+        batch_tokens: int = 1024,
+        on_progress: Callable[[int], None] | None = None,
+        embed: Callable[[list[str]], torch.Tensor] | None = None,
+    ) -> list[KVBlock]:
+        return encode_items(self, items, batch_tokens=batch_tokens, on_progress=on_progress, embed=embed)
+
+    def check_block(self, block: KVBlock, source: str = "block") -> None:
+        if block.model_fingerprint != self.loaded.fingerprint:
+            raise FingerprintMismatchError(f"{source} (item {block.item_id!r}): encoded for another model")
+        if block.prefix_sha256 != self.prefix_sha256:
+            raise FingerprintMismatchError(f"{source} (item {block.item_id!r}): encoded after another memory prefix")
+
+    def load_blocks(self, paths: Path | list[Path]) -> list[KVBlock]:
+        """Load and verify blobs (a directory or a list of files) for this model."""
+        if isinstance(paths, (str, Path)):
+            paths = list_blobs(Path(paths))
+        return [
+            load_block(p, expect_fingerprint=self.loaded.fingerprint, expect_prefix=self.prefix_sha256) for p in paths
+        ]
+
+    # ---- prefill ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self, query_ids: list[int], blocks: list[KVBlock], mode: str = "kv", *, recompute_ratio: float = 0.15,
+        reserve_tokens: int = 0,
+    ) -> Sequence:
+        if mode not in MODES:
+            raise ConfigError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        if mode == "none":
+            blocks = []
+        for b in blocks:
+            self.check_block(b)
+        p = len(self.prefix_ids)
+        memory_tokens = sum(b.num_tokens for b in blocks)
+        total = p + memory_tokens + len(query_ids)
+        if total + reserve_tokens > self.loaded.layout.max_positions:
+            raise PromptTooLongError(
+                f"prompt of {total} tokens + {reserve_tokens} to generate exceeds the model's context of "
+                f"{self.loaded.layout.max_positions}"
+            )
+        if not query_ids:
+            raise ConfigError("empty query")
+        config = self.loaded.model.config
+        if mode == "text":
+            cache = cache_from_kv(self.prefix_kv, config)
+            ids = [t for b in blocks for t in b.token_ids] + list(query_ids)
+            logits = self._forward(ids, p, cache)
+        elif mode == "kv-recompute" and blocks:
+            from inferscale.engine.recompute import prefill_with_recompute
+
+            cache, logits = prefill_with_recompute(self, blocks, query_ids, recompute_ratio)
+        else:
+            kv, _ = assemble_memory_kv(self.prefix_kv, blocks, self.loaded.layout)
+            cache = cache_from_kv(kv, config)
+            logits = self._forward(list(query_ids), p + memory_tokens, cache)
+        return Sequence(cache=cache, length=total, logits=logits, prompt_tokens=total, memory_tokens=memory_tokens)
+
+    def _forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+        """Run ``ids`` at positions start.. over ``cache``; logits of the last position only."""
+        dev = self.device
+        out = self.loaded.model(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=torch.arange(start, start + len(ids), device=dev)[None],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1].float()
+
+    def _prefill_prefix(self) -> torch.Tensor:
+        cache = DynamicCache()
+        with torch.inference_mode():
+            self.loaded.model.model(
+                input_ids=torch.tensor([self.prefix_ids], device=self.loaded.device), cache=cache, use_cache=True
+            )
+        return kv_of_cache(cache)
+
+    # ---- decode -------------------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+        if sampling.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / sampling.temperature, dim=-1)
+        if sampling.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    @torch.inference_mode()
+    def step(self, seq: Sequence, token: int) -> None:
+        """Append ``token`` to the sequence and compute the next logits."""
+        seq.generated.append(token)
+        seq.logits = self._forward([token], seq.length, seq.cache)
+        seq.length += 1
+
+    def is_stop(self, token: int, sampling: Sampling) -> bool:
+        if token in self.stop_ids:
+            return True
+        return sampling.stop_on_newline and token in self.newline_ids
+
+    def stream(self, seq: Sequence, sampling: Sampling) -> Iterator[int]:
+        """Yield generated tokens until a stop token or the budget; the stop token itself is not yielded."""
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        for i in range(sampling.max_new_tokens):
+            token = self.sample(seq.logits, sampling, gen)
+            if self.is_stop(token, sampling):
+                return
+            yield token
+            if i + 1 < sampling.max_new_tokens:
+                self.step(seq, token)
+
+    def ask(
+        self, question: str, blocks: list[KVBlock], mode: str = "kv", *, sampling: Sampling | None = None,
+        recompute_ratio: float = 0.15,
+    ) -> Answer:
+        sampling = sampling or Sampling()
+        t0 = time.perf_counter()
+        seq = self.prefill(self.question_ids(question), blocks, mode, recompute_ratio=recompute_ratio)
+        ttft = None
+        tokens: list[int] = []
+        for tok in self.stream(seq, sampling):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens.append(tok)
+        total = time.perf_counter() - t0
+        return Answer(
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True).strip(),
+            token_ids=tokens,
+            ttft_s=ttft if ttft is not None else total,
+            total_s=total,
+            prompt_tokens=seq.prompt_tokens,
+            memory_tokens=seq.memory_tokens,
+            mode=mode,
+        )
+

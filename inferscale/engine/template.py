@@ -1,0 +1,97 @@
+"""The prompt template shared by every mode, and memory items.
+
+A prompt is   [memory prefix] [item 1] ... [item k] [question]
+and its token ids are the concatenation of each part tokenized on its own. ``text`` mode prefills exactly these
+ids; ``kv`` mode injects the items' cached KV instead. So the modes differ only in how memory tokens get their KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from inferscale.errors import MemoryItemError
+
+ITEM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    id: str
+    text: str
+    timestamp: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not ITEM_ID_RE.match(self.id):
+            raise MemoryItemError(f"memory id {self.id!r}: must match {ITEM_ID_RE.pattern}")
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise MemoryItemError(f"memory {self.id!r}: text is empty")
+        if self.timestamp is not None and not isinstance(self.timestamp, str):
+            raise MemoryItemError(f"memory {self.id!r}: timestamp must be a string")
+
+    @classmethod
+    def from_dict(cls, d: dict, *, where: str = "") -> MemoryItem:
+        if not isinstance(d, dict):
+            raise MemoryItemError(f"{where}: expected an object with id and text")
+        unknown = set(d) - {"id", "text", "timestamp"}
+        if unknown:
+            raise MemoryItemError(f"{where}: unknown field(s) {sorted(unknown)}")
+        if "id" not in d or "text" not in d:
+            raise MemoryItemError(f"{where}: needs both 'id' and 'text'")
+        ts = d.get("timestamp")
+        return cls(id=d["id"], text=d["text"], timestamp=None if ts in (None, "") else str(ts))
+
+
+def read_jsonl(path: str) -> list[MemoryItem]:
+    """Parse a JSONL file of memory items; errors name the file and line."""
+    items: list[MemoryItem] = []
+    seen: set[str] = set()
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise MemoryItemError(f"{path}: cannot read ({e.strerror or e})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MemoryItemError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        item = MemoryItem.from_dict(obj, where=f"{path}:{n}")
+        if item.id in seen:
+            raise MemoryItemError(f"{path}:{n}: duplicate memory id {item.id!r}")
+        seen.add(item.id)
+        items.append(item)
+    return items
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    prefix: str = "Facts about the user, remembered from past conversations:\n"
+    item: str = "- {text}\n"
+    item_with_time: str = "- ({timestamp}) {text}\n"
+    question: str = "\nQuestion: {question}\nShort answer:"
+    chat_turn: str = "{role}: {content}\n"
+    chat_open: str = "\nConversation:\n"
+    chat_reply: str = "Assistant:"
+
+    def render_item(self, item: MemoryItem) -> str:
+        if item.timestamp:
+            return self.item_with_time.format(text=item.text.strip(), timestamp=item.timestamp)
+        return self.item.format(text=item.text.strip())
+
+    def render_question(self, question: str) -> str:
+        return self.question.format(question=question.strip())
+
+    def render_chat(self, messages: list[tuple[str, str]]) -> str:
+        """A chat (role, content) list after the memories; the model continues as the assistant."""
+        turns = "".join(self.chat_turn.format(role=role.capitalize(), content=content.strip()) for role, content in messages)
+        return self.chat_open + turns + self.chat_reply
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()
+
+
+DEFAULT_TEMPLATE = PromptTemplate()

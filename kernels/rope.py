@@ -1,0 +1,34 @@
+"""RoPE shift: move cached keys from the positions they were encoded at to new positions.
+
+RoPE rotates each (i, i + d/2) pair of a key at position p by p·θ_i. Rotations compose, so a key encoded at p
+moves to p + Δ by one more rotation of Δ·θ_i:  k' = k·cos(Δθ) + rotate_half(k)·sin(Δθ).
+Computed in float32 and cast back, so bf16/fp16 blocks lose nothing to the trigonometry. Values are untouched.
+This is the torch reference; a Triton version must match it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def shift_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of Δ·θ for each token: delta [T] (int) , inv_freq [D/2] → two [T, D] float32 tensors."""
+    angles = delta.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # f64: Δ up to 1e5 stays exact
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+
+
+def rope_shift(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``keys`` [..., T, D] by ``delta`` (an int, or [T] per token) with frequencies ``inv_freq`` [D/2]."""
+    n = keys.shape[-2]
+    if not isinstance(delta, torch.Tensor):
+        delta = torch.full((n,), int(delta), dtype=torch.long)
+    cos, sin = shift_cos_sin(delta.cpu(), inv_freq.cpu())
+    cos, sin = cos.to(keys.device), sin.to(keys.device)
+    k32 = keys.to(torch.float32)
+    return (k32 * cos + rotate_half(k32) * sin).to(keys.dtype)
