@@ -408,6 +408,17 @@ def test_operator_runs_single_standalone_replica():
     o = workload(m, "operator")
     assert o["kind"] == "Deployment" and o["spec"]["replicas"] == 1
     assert o["spec"]["strategy"]["type"] == "Recreate"
+    c = container(o)
+    assert c["command"] == ["python", "-m", "inferscale.operator"]  # operator/__main__.py; standalone w/o --peering
+    assert c["args"] == ["--liveness=http://0.0.0.0:8080/healthz"]  # no -n: all namespaces
+    assert not any(a.startswith("--peering") for a in c["args"])
+    probe_port = c["livenessProbe"]["httpGet"]["port"]
+    assert [p["containerPort"] for p in c["ports"] if p["name"] == probe_port] == [8080]
+    c2 = container(workload(docs("values.yaml", sets=("operator.watchNamespaces={acme,globex}",
+                                                        "operator.verbose=true", "operator.healthPort=9090")),
+                            "operator"))
+    assert c2["args"] == ["--liveness=http://0.0.0.0:9090/healthz", "--namespace=acme", "--namespace=globex",
+                          "--verbose"]
     sa = one(m, "ServiceAccount")
     assert o["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
 
@@ -429,9 +440,12 @@ def test_rbac_is_least_privilege():
                                            for v in ("get", "list", "watch")}
     assert need <= granted, need - granted
     assert {v for g, r, v in granted if r == "secrets"} == {"get"}
+    assert {v for g, r, v in granted if r == "nodes"} == {"get"}  # placement reads node labels (operator/kube.py)
     assert not {v for g, r, v in granted if r in ("pods", "customresourcedefinitions", "namespaces")} - {
         "get", "list", "watch"}
-    assert not any(r in ("clusterroles", "rolebindings", "clusterrolebindings", "nodes") for _, r, _ in granted)
+    assert not {v for g, r, v in granted if r.startswith("usermemories")} - {"get", "list", "watch", "patch", "update"}
+    assert not any(r in ("clusterroles", "roles", "rolebindings", "clusterrolebindings", "serviceaccounts",
+                         "pods/exec") for _, r, _ in granted)
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     sa = one(m, "ServiceAccount")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
@@ -493,6 +507,44 @@ def test_api_keys_secret_is_mounted_as_the_tenants_file(tmp_path):
     vol2 = [v for v in s2["spec"]["template"]["spec"]["volumes"] if "secret" in v][0]
     assert vol2["secret"]["secretName"] == "tenant-keys"
     assert effective_env(m2, s2)["INFERSCALE_TENANTS_FILE"].endswith("/keys.yaml")
+
+
+def _tenants_json(m) -> dict:
+    s = workload(m, "server")
+    vol = [v for v in s["spec"]["template"]["spec"]["volumes"] if "secret" in v][0]["secret"]
+    return json.loads(base64.b64decode(one(m, "Secret", vol["secretName"])["data"][vol["items"][0]["key"]]))
+
+
+def test_tenants_from_values_render_the_servers_json_format():
+    h1, h2 = "a" * 64, "0123456789abcdef" * 4
+    m = docs("values.yaml", sets=(f"apiKeys.tenants.acme={{{h1},{h2}}}", "apiKeys.tenants.globex.keys[0]=" + h1,
+                                  "apiKeys.tenants.globex.max_k=5"))
+    # server/auth.py: {"tenant": [sha256...]} or {"tenant": {"keys": [...], "max_k": ...}}
+    assert _tenants_json(m) == {"acme": [h1, h2], "globex": {"keys": [h1], "max_k": 5}}
+    assert _tenants_json(docs("values.yaml")) == {}  # valid JSON even with no tenants (an empty file is not)
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (("apiKeys.tenants.acme[0]=not-a-hash",), "not-a-hash"),
+    (("apiKeys.tenants.Acme_Co[0]=" + "a" * 64,), "Acme_Co"),  # a tenant is a namespace name
+    (("apiKeys.tenants.acme.keys[0]=" + "a" * 64, "apiKeys.tenants.acme.maxk=3"), "maxk"),
+])
+def test_schema_rejects_bad_tenants(sets, needle):
+    proc = helm(*template_args("values.yaml", sets=sets), check=False)
+    assert proc.returncode != 0 and needle in proc.stderr, proc.stderr
+
+
+def test_kv_host_path_is_prepared_for_the_fleet_user():
+    m = docs("values.yaml", sets=("server.podSecurityContext.runAsUser=2000", "server.podSecurityContext.runAsGroup=3000"))
+    spec = workload(m, "server")["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["command"][-3:] == ["/var/lib/inferscale/kv", "2000", "3000"]
+    assert init["volumeMounts"] == [{"name": "kv", "mountPath": "/var/lib/inferscale/kv"}]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    assert init["image"] == container(workload(m, "server"))["image"]
+    off = workload(docs("values.yaml", sets=("kv.prepareHostPath=false",)), "server")["spec"]["template"]["spec"]
+    assert "initContainers" not in off
 
 
 def test_image_is_shared_by_operator_server_and_encoder():

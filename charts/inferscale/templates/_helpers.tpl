@@ -142,3 +142,12 @@ controller-revision-hash label: 52). Call with (dict "ctx" $ "suffix" "server").
 {{- $max := sub 51 (len .suffix) | int }}
 {{- printf "%s-%s" (include "inferscale.fullname" .ctx | trunc $max | trimSuffix "-") .suffix }}
 {{- end }}
+
+{{/* The tenants file: apiKeys.tenantsFile verbatim, else apiKeys.tenants as JSON ("{}" = no tenants). */}}
+{{- define "inferscale.tenantsFileContent" -}}
+{{- if .Values.apiKeys.tenantsFile }}
+{{- .Values.apiKeys.tenantsFile }}
+{{- else }}
+{{- toPrettyJson (.Values.apiKeys.tenants | default dict) }}
+{{- end }}
+{{- end }}
