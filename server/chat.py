@@ -1,0 +1,194 @@
+"""``POST /v1/chat/completions``: retrieve the user's top-k memories, hand them to the engine worker with the
+chat, and return or stream the answer. Span tree: ``chat <model>`` > retrieval, kv_fetch, prefill, decode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
+
+from inferscale.engine.engine import Sampling
+from inferscale.server.auth import Tenant, require_tenant
+from inferscale.server.httperrors import ApiError, body as error_body, from_typed
+from inferscale.server.scheduler import GenJob
+from inferscale.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionRequest, Choice, ErrorBody,
+                                       MemoryOptions, MemoryUsage, Usage)
+from inferscale.errors import InferScaleError
+
+router = APIRouter(tags=["chat"])
+TTFT_HEADER = "x-inferscale-ttft-ms"
+
+
+def _prompt(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
+    """(retrieval query = last user message, the chat turns)."""
+    turns = [(m.role if m.role != "developer" else "system", m.text()) for m in req.messages if m.role != "tool"]
+    users = [t for r, t in turns if r == "user"]
+    if not users or not users[-1].strip():
+        raise ApiError(400, "messages: needs a user message with non-empty content", param="messages")
+    return users[-1], [(r, t) for r, t in turns if t.strip()]
+
+
+def _ids_builder(turns: list[tuple[str, str]]):
+    if len(turns) == 1:  # one question: the engine's question template, same as `inferscale ask`
+        return lambda eng: eng.question_ids(turns[0][1])
+    return lambda eng: eng.chat_ids(turns)
+
+
+def _limits(req: ChatCompletionRequest, tenant: Tenant, settings) -> tuple[MemoryOptions, int, str, int]:
+    opts = req.inferscale or MemoryOptions()
+    k = opts.k if opts.k is not None else min(settings.default_k, tenant.max_k)
+    mode = opts.mode or settings.default_mode
+    max_tokens = req.max_completion_tokens or req.max_tokens or min(settings.default_max_tokens, tenant.max_tokens)
+    if k > tenant.max_k:
+        raise ApiError(429, f"inferscale.k={k} exceeds this tenant's limit of {tenant.max_k}", type="rate_limit_error",
+                       code="k_limit_exceeded", param="inferscale.k")
+    if max_tokens > tenant.max_tokens:
+        raise ApiError(429, f"max_tokens={max_tokens} exceeds this tenant's limit of {tenant.max_tokens}",
+                       type="rate_limit_error", code="max_tokens_limit_exceeded", param="max_tokens")
+    return opts, k, mode, max_tokens
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion,
+             responses={s: {"model": ErrorBody} for s in (400, 401, 404, 413, 429)})
+async def chat_completions(req: ChatCompletionRequest, request: Request,
+                           tenant: Annotated[Tenant, Depends(require_tenant)]):
+    t0 = time.perf_counter()
+    app = request.app.state
+    settings, tel = app.settings, app.telemetry
+    if req.model not in app.model_ids:
+        raise ApiError(404, f"model {req.model!r} does not exist; this server serves {app.model_ids[0]!r}",
+                       code="model_not_found", param="model")
+    opts, k, mode, max_tokens = _limits(req, tenant, settings)
+    if mode not in app.modes:
+        raise ApiError(400, f"inferscale.mode {mode!r} is not available in this build (have: {', '.join(app.modes)})",
+                       code="mode_unavailable", param="inferscale.mode")
+    query, turns = _prompt(req)
+    if not tenant.acquire():
+        app.telemetry.prom.rejected.labels("in_flight").inc()
+        raise ApiError(429, f"too many requests in flight for this tenant (limit {tenant.max_in_flight})",
+                       type="rate_limit_error", code="rate_limit_exceeded")
+    span = tel.tracer.start_span(f"chat {req.model}", kind=trace.SpanKind.SERVER, attributes={
+        "gen_ai.operation.name": "chat", "gen_ai.request.model": req.model, "gen_ai.request.max_tokens": max_tokens,
+        "inferscale.tenant": tenant.name, "inferscale.user": req.user or "", "inferscale.mode": mode,
+        "inferscale.k": k, "inferscale.stream": req.stream})
+    ctx = trace.set_span_in_context(span)
+    job = None
+    handed_off = False
+    try:
+        blocks, chosen = [], []
+        if mode != "none" and req.user is not None:
+            blocks, chosen = await app.memories.retrieve(tenant.name, req.user, query, k, tel.tracer, ctx)
+        effective_mode = mode if req.user is not None else "none"
+        sampling = Sampling(max_new_tokens=max_tokens, temperature=req.temperature or 0.0,
+                            top_p=req.top_p if req.top_p is not None else 1.0, seed=req.seed)
+        job = GenJob(build_ids=_ids_builder(turns), blocks=blocks, mode=effective_mode, sampling=sampling,
+                     loop=asyncio.get_running_loop(), events=asyncio.Queue(), tracer=tel.tracer, context=ctx,
+                     recompute_ratio=opts.recompute_ratio if opts.recompute_ratio is not None else settings.recompute_ratio)
+        app.worker.submit(job)
+        first = await job.events.get()
+        if first[0] == "error":
+            err = first[1]
+            raise from_typed(err) if isinstance(err, InferScaleError) else err
+        ttft = (first[3] if first[0] == "token" else time.perf_counter()) - t0
+        span.set_attribute("gen_ai.server.time_to_first_token", ttft)
+        span.set_attribute("inferscale.ttft_ms", ttft * 1000)
+        span.set_attribute("inferscale.retrieved", len(chosen))
+        tel.ttft.record(ttft, {"gen_ai.operation.name": "chat", "gen_ai.request.model": req.model,
+                               "inferscale.mode": effective_mode})
+        tel.prom.ttft.labels(effective_mode).observe(ttft)
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        meta = MemoryUsage(mode=effective_mode, k=k, items=chosen, memory_tokens=0, ttft_ms=round(ttft * 1000, 3))
+        headers = {TTFT_HEADER: f"{ttft * 1000:.3f}"}
+        if req.stream:
+            handed_off = True
+            gen = _stream(job, first, rid, req, meta, span, tenant, tel)
+            return StreamingResponse(gen, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+        text, reason, info = await _collect(job, first)
+        meta.memory_tokens = info.get("memory_tokens", 0)
+        usage = Usage(prompt_tokens=info.get("prompt_tokens", 0), completion_tokens=info.get("completion_tokens", 0),
+                      total_tokens=info.get("prompt_tokens", 0) + info.get("completion_tokens", 0))
+        _finish_span(span, usage, reason, tel, effective_mode)
+        out = ChatCompletion(id=rid, created=int(time.time()), model=req.model, usage=usage, inferscale=meta,
+                             choices=[Choice(message=AssistantMessage(content=text.strip()), finish_reason=reason)])
+        return JSONResponse(out.model_dump(), headers=headers)
+    except BaseException as e:
+        if job is not None:
+            job.cancelled = True
+        span.record_exception(e)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+        raise
+    finally:
+        if not handed_off:
+            tenant.release()
+            span.end()
+
+
+async def _collect(job: GenJob, first: tuple) -> tuple[str, str, dict]:
+    parts: list[str] = []
+    ev = first
+    while True:
+        if ev[0] == "token":
+            parts.append(ev[2])
+        elif ev[0] == "done":
+            return "".join(parts), ev[1], ev[2]
+        elif ev[0] == "error":
+            err = ev[1]
+            raise from_typed(err) if isinstance(err, InferScaleError) else err
+        ev = await job.events.get()
+
+
+def _finish_span(span, usage: Usage, reason: str, tel, mode: str) -> None:
+    span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+    span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+    span.set_attribute("gen_ai.response.finish_reasons", [reason])
+    tel.prom.tokens.labels(mode).inc(usage.completion_tokens)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _stream(job: GenJob, first: tuple, rid: str, req: ChatCompletionRequest, meta: MemoryUsage, span,
+                  tenant: Tenant, tel):
+    created = int(time.time())
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        ev = first
+        while True:
+            if ev[0] == "token":
+                if ev[2]:
+                    yield chunk({"content": ev[2]})
+            elif ev[0] == "done":
+                info = ev[2]
+                usage = Usage(prompt_tokens=info["prompt_tokens"], completion_tokens=info["completion_tokens"],
+                              total_tokens=info["prompt_tokens"] + info["completion_tokens"])
+                meta.memory_tokens = info["memory_tokens"]
+                _finish_span(span, usage, ev[1], tel, meta.mode)
+                yield chunk({}, ev[1], inferscale=meta.model_dump())
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                                "choices": [], "usage": usage.model_dump()})
+                break
+            else:  # an error after the first token: report it in-band, as OpenAI does
+                err = ev[1]
+                a = from_typed(err) if isinstance(err, InferScaleError) else ApiError(500, str(err), type="server_error")
+                span.set_status(trace.Status(trace.StatusCode.ERROR, a.message))
+                yield _sse(error_body(a.message, a.type, a.code))
+                break
+            ev = await job.events.get()
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled = True  # no-op when finished; stops decoding when the client went away
+        tenant.release()
+        span.end()

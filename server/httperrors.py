@@ -1,0 +1,97 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}`` for every failure, never a bare 500."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferscale import errors as E
+from inferscale.server.auth import AuthError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.headers = headers
+
+
+def body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def response(status: int, message: str, type: str, code: str | None = None, param: str | None = None,
+             headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body(message, type, code, param), status_code=status, headers=headers)
+
+
+# Typed engine/store errors -> (status, type, code).
+_TYPED: list[tuple[type, int, str, str]] = [
+    (E.NotFoundError, 404, "not_found_error", "not_found"),
+    (E.PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
+    (E.MemoryItemError, 400, "invalid_request_error", "invalid_memory_item"),
+    (E.ConfigError, 400, "invalid_request_error", "invalid_value"),
+    (E.QuotaExceededError, 429, "insufficient_quota", "quota_exceeded"),
+    (E.FingerprintMismatchError, 409, "conflict_error", "fingerprint_mismatch"),
+    (E.BlobCorruptError, 503, "server_error", "blob_corrupt"),
+    (E.TransferError, 502, "server_error", "transfer_failed"),
+    (E.InferScaleError, 400, "invalid_request_error", None),
+]
+
+
+def from_typed(e: E.InferScaleError) -> ApiError:
+    for cls, status, type_, code in _TYPED:
+        if isinstance(e, cls):
+            return ApiError(status, str(e), type=type_, code=code)
+    return ApiError(500, str(e), type="server_error")
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or None
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, e: ApiError):
+        return response(e.status, e.message, e.type, e.code, e.param, e.headers)
+
+    @app.exception_handler(AuthError)
+    async def _auth(_: Request, e: AuthError):
+        return response(e.status, str(e), "authentication_error" if e.status == 401 else "permission_error", e.code,
+                        headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(E.InferScaleError)
+    async def _typed(_: Request, e: E.InferScaleError):
+        a = from_typed(e)
+        return response(a.status, a.message, a.type, a.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {"msg": "invalid request", "loc": (), "type": "invalid"}
+        if first.get("type") == "json_invalid":
+            return response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
+                            "invalid_request_error", "invalid_json")
+        param = _param(tuple(first.get("loc", ())))
+        msg = f"{param}: {first['msg']}" if param else str(first["msg"])
+        if len(errs) > 1:
+            msg += f" (and {len(errs) - 1} more)"
+        return response(400, msg, "invalid_request_error", "invalid_value", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        type_ = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return response(e.status_code, str(e.detail), type_, None, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):
+        log.exception("unhandled error")
+        return response(500, f"internal error: {type(e).__name__}", "server_error", "internal_error")

@@ -1,0 +1,163 @@
+"""Memories: the tenant API (``/v1/memories/{user}``) and the service behind it and behind retrieval.
+
+Every store call names the caller's tenant, which comes only from its API key: a user id means nothing outside
+its tenant, so another tenant's user is simply not found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+import torch
+from fastapi import APIRouter, Depends, Path, Request
+from opentelemetry import trace
+
+from inferscale.engine.template import MemoryItem
+from inferscale.errors import NotFoundError
+from inferscale.kvformat import KVBlock
+from inferscale.retrieval import top_k
+from inferscale.server.auth import Tenant, require_tenant
+from inferscale.server.httperrors import ApiError
+from inferscale.server.schemas import (ID_PATTERN, ErrorBody, MemoryInfo, MemoryList, PutMemories, PutMemoriesResult,
+                                       Removed)
+
+ENCODE_CHUNK = 16  # items per engine call, so decoding interleaves with a large upload
+
+
+def _count(removed: Any) -> int:
+    return removed if isinstance(removed, int) else len(removed or [])
+
+
+def fetch_tiers(stats: Any) -> dict[str, int]:
+    """Tier -> blocks from a store's FetchStats (a ``tiers`` dict, or one ``<tier>`` count attribute per tier)."""
+    tiers = getattr(stats, "tiers", None)
+    if isinstance(tiers, dict):
+        return {str(k): int(v) for k, v in tiers.items() if v}
+    out = {}
+    for name in ("gpu", "dram", "disk", "peer"):
+        v = getattr(stats, name, None)
+        if isinstance(v, int) and v:
+            out[name] = v
+    return out
+
+
+class MemoryService:
+    def __init__(self, store, embedder, worker, engine, prom=None) -> None:
+        self.store, self.embedder, self.worker, self.engine, self.prom = store, embedder, worker, engine, prom
+
+    @property
+    def fingerprint(self) -> str:
+        return self.engine.loaded.fingerprint
+
+    async def put(self, tenant: str, user: str, body: PutMemories) -> PutMemoriesResult:
+        t0 = time.perf_counter()
+        ids = [i.id for i in body.items]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ApiError(400, f"duplicate memory id(s): {', '.join(dupes[:5])}", param="items", code="duplicate_id")
+        items = [MemoryItem(id=i.id, text=i.text, timestamp=i.timestamp or None) for i in body.items]
+        emb = await asyncio.to_thread(self.embedder.embed, [i.text for i in items])
+        nbytes = 0
+        for start in range(0, len(items), ENCODE_CHUNK):
+            chunk, rows = items[start:start + ENCODE_CHUNK], emb[start:start + ENCODE_CHUNK]
+            blocks = await self.worker.call(lambda eng, c=chunk, r=rows: eng.encode(c, embed=lambda _texts: r))
+            for b in blocks:
+                await asyncio.to_thread(self.store.put, tenant, user, b)
+                nbytes += b.nbytes
+        removed = 0
+        if body.replace:
+            keep = set(ids)
+            for info in await asyncio.to_thread(self.store.list, tenant, user):
+                if info_id(info) not in keep:
+                    removed += _count(await asyncio.to_thread(self.store.delete, tenant, user, info_id(info)))
+        if self.prom is not None:
+            self.prom.encoded.inc(len(items))
+        return PutMemoriesResult(user=user, encoded=len(items), removed=removed, bytes=nbytes,
+                                 seconds=round(time.perf_counter() - t0, 4))
+
+    async def list(self, tenant: str, user: str) -> MemoryList:
+        infos = await asyncio.to_thread(self.store.list, tenant, user)
+        return MemoryList(user=user, items=[to_info(i) for i in infos])
+
+    async def delete(self, tenant: str, user: str, item_id: str | None = None) -> Removed:
+        infos = await asyncio.to_thread(self.store.list, tenant, user)  # NotFoundError for an unknown user
+        if item_id is not None:
+            infos = [i for i in infos if info_id(i) == item_id]
+            if not infos:
+                raise NotFoundError(f"memory {item_id!r} of user {user!r} not found")
+        nbytes = sum(int(getattr(i, "bytes", 0) or 0) for i in infos)
+        removed = _count(await asyncio.to_thread(self.store.delete, tenant, user, item_id))
+        return Removed(removed_blocks=removed, removed_bytes=nbytes)
+
+    async def retrieve(self, tenant: str, user: str, query: str, k: int, tracer: trace.Tracer,
+                       ctx: Any) -> tuple[list[KVBlock], list[str]]:
+        """Top-k of the user's memories for ``query``, fetched from the store (spans: retrieval, kv_fetch)."""
+        with tracer.start_as_current_span("retrieval", context=ctx, attributes={"inferscale.k": k}) as span:
+            ids, matrix = await asyncio.to_thread(self.store.embeddings, tenant, user, self.fingerprint)
+            span.set_attribute("inferscale.candidates", len(ids))
+            if not ids or k <= 0:
+                chosen = []
+            else:
+                q = await asyncio.to_thread(self.embedder.embed, [query])
+                chosen = [i for i, _ in top_k(q[0], ids, torch.as_tensor(matrix), k)]
+            span.set_attribute("inferscale.retrieved", len(chosen))
+        if not chosen:
+            return [], []
+        with tracer.start_as_current_span("kv_fetch", context=ctx) as span:
+            blocks, stats = await asyncio.to_thread(self.store.get_many, tenant, user, chosen, self.fingerprint)
+            tiers = fetch_tiers(stats)
+            nbytes = int(getattr(stats, "bytes", 0) or sum(b.nbytes for b in blocks))
+            span.set_attribute("inferscale.kv.tier", ",".join(sorted(tiers)) or "none")
+            span.set_attribute("inferscale.kv.bytes", nbytes)
+            span.set_attribute("inferscale.kv.blocks", len(blocks))
+            for tier, n in tiers.items():
+                span.set_attribute(f"inferscale.kv.blocks.{tier}", n)
+            if self.prom is not None:
+                self.prom.kv_bytes.labels(",".join(sorted(tiers)) or "none").inc(nbytes)
+        return blocks, chosen
+
+
+def info_id(info: Any) -> str:
+    return info["id"] if isinstance(info, dict) else getattr(info, "id", None) or getattr(info, "item_id")
+
+
+def to_info(info: Any) -> MemoryInfo:
+    get = info.get if isinstance(info, dict) else lambda k, d=None: getattr(info, k, d)
+    return MemoryInfo(id=info_id(info), text=get("text"), timestamp=get("timestamp"),
+                      tokens=get("tokens", get("num_tokens")), bytes=get("bytes", get("nbytes")), tier=get("tier"))
+
+
+# ---- routes -------------------------------------------------------------------------------------------------
+router = APIRouter(prefix="/v1/memories", tags=["memories"])
+UserPath = Annotated[str, Path(pattern=ID_PATTERN, description="the user, scoped to the caller's tenant")]
+ItemPath = Annotated[str, Path(pattern=ID_PATTERN)]
+TenantDep = Annotated[Tenant, Depends(require_tenant)]
+ERRORS = {s: {"model": ErrorBody} for s in (400, 401, 404, 413, 429)}
+
+
+def _svc(request: Request) -> MemoryService:
+    return request.app.state.memories
+
+
+@router.put("/{user}", response_model=PutMemoriesResult, responses=ERRORS)
+async def put_memories(user: UserPath, body: PutMemories, request: Request, tenant: TenantDep) -> PutMemoriesResult:
+    """Encode the items now (KV through the engine, embeddings for retrieval) and store them; same ids replace."""
+    return await _svc(request).put(tenant.name, user, body)
+
+
+@router.get("/{user}", response_model=MemoryList, responses=ERRORS)
+async def get_memories(user: UserPath, request: Request, tenant: TenantDep) -> MemoryList:
+    return await _svc(request).list(tenant.name, user)
+
+
+@router.delete("/{user}", response_model=Removed, responses=ERRORS)
+async def delete_user(user: UserPath, request: Request, tenant: TenantDep) -> Removed:
+    """Delete all of the user's memories from every tier."""
+    return await _svc(request).delete(tenant.name, user)
+
+
+@router.delete("/{user}/{item}", response_model=Removed, responses=ERRORS)
+async def delete_item(user: UserPath, item: ItemPath, request: Request, tenant: TenantDep) -> Removed:
+    return await _svc(request).delete(tenant.name, user, item)

@@ -1,0 +1,200 @@
+"""Request and response bodies: the OpenAI chat-completions schema, plus the ``inferscale`` extension object."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+ItemId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+UserId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
+TenantName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
+HARD_MAX_K = 1000
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# ---- chat completions ---------------------------------------------------------------------------------------
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... are accepted and ignored
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class MemoryOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    k: int | None = Field(None, ge=0, le=HARD_MAX_K, description="memories to retrieve (top-k by cosine similarity)")
+    mode: Literal["kv", "text", "kv-recompute", "none"] | None = Field(
+        None, description="kv: inject cached KV; text: paste memories into the prompt; none: no memories"
+    )
+    recompute_ratio: float | None = Field(None, ge=0.0, le=1.0, description="kv-recompute: fraction of tokens re-run")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other OpenAI fields are accepted and ignored
+    model: str
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    user: UserId | None = Field(None, description="whose memories to use (scoped to the caller's tenant)")
+    inferscale: MemoryOptions | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class MemoryUsage(BaseModel):
+    mode: str
+    k: int
+    items: list[str]
+    memory_tokens: int
+    ttft_ms: float
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    inferscale: MemoryUsage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "inferscale"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- memories -----------------------------------------------------------------------------------------------
+class MemoryItemIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: ItemId
+    text: Annotated[str, StringConstraints(min_length=1, max_length=8192, pattern=r"\S")]
+    timestamp: str | None = Field(None, max_length=64)
+
+
+class PutMemories(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: list[MemoryItemIn] = Field(..., min_length=1, max_length=10000)
+    replace: bool = Field(False, description="also delete the user's items that are not in this list")
+
+
+class PutMemoriesResult(BaseModel):
+    user: str
+    encoded: int
+    removed: int
+    bytes: int
+    seconds: float
+
+
+class MemoryInfo(BaseModel):
+    id: str
+    text: str | None = None
+    timestamp: str | None = None
+    tokens: int | None = None
+    bytes: int | None = None
+    tier: str | None = None
+
+
+class MemoryList(BaseModel):
+    user: str
+    items: list[MemoryInfo]
+
+
+class Removed(BaseModel):
+    removed_blocks: int
+    removed_bytes: int = 0
+
+
+# ---- internal (operator -> pod), docs/interfaces.md -----------------------------------------------------------
+class PullSource(BaseModel):
+    node: str
+    dir: str
+    peer: str | None = None
+
+
+class PullRequest(BaseModel):
+    tenant: TenantName
+    user: UserId
+    source: PullSource
+    items: list[ItemId] | None = None
+
+
+class PullResult(BaseModel):
+    tenant: str
+    user: str
+    blocks: int
+    bytes: int
+    tier: Literal["dram", "gpu"]
+
+
+class PurgeRequest(BaseModel):
+    tenant: TenantName
+    user: UserId
+    items: list[ItemId] | None = None
+
+
+class Capacity(BaseModel):
+    node: str
+    pod: str
+    bytes_used: int
+    bytes_capacity: int
+    users: int

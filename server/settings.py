@@ -1,0 +1,88 @@
+"""The server's one settings object: defaults, then ``INFERSCALE_*`` environment variables, then CLI flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from inferscale.errors import ConfigError
+
+DEFAULT_MODEL = "gemma-3-270m"
+
+# field name -> environment variable (docs/interfaces.md, "Environment"; the rest are server extras).
+ENV = {
+    "data_dir": "INFERSCALE_DATA_DIR",
+    "model": "INFERSCALE_MODEL",
+    "host": "INFERSCALE_HOST",
+    "port": "INFERSCALE_PORT",
+    "tenants_file": "INFERSCALE_TENANTS_FILE",
+    "device": "INFERSCALE_DEVICE",
+    "dram_budget_bytes": "INFERSCALE_DRAM_BUDGET_BYTES",
+    "gpu_budget_bytes": "INFERSCALE_GPU_BUDGET_BYTES",
+    "nixl_port": "INFERSCALE_NIXL_PORT",
+    "internal_token": "INFERSCALE_INTERNAL_TOKEN",
+    "node_name": "INFERSCALE_NODE_NAME",
+    "pod_name": "INFERSCALE_POD_NAME",
+    "default_k": "INFERSCALE_DEFAULT_K",
+    "default_mode": "INFERSCALE_DEFAULT_MODE",
+    "max_k": "INFERSCALE_MAX_K",
+    "max_tokens": "INFERSCALE_MAX_TOKENS",
+    "max_in_flight": "INFERSCALE_MAX_IN_FLIGHT",
+    "max_active": "INFERSCALE_MAX_ACTIVE",
+    "console_traces": "INFERSCALE_CONSOLE_TRACES",
+}
+
+
+class Settings(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    data_dir: Path = Path("~/.local/share/inferscale").expanduser()
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    tenants_file: Path | None = None  # default: <data_dir>/tenants.json
+    device: str | None = None  # cpu | cuda; None = cuda when available
+    dram_budget_bytes: int = Field(4 << 30, ge=0)
+    gpu_budget_bytes: int = Field(0, ge=0)
+    nixl_port: int = Field(5555, ge=0, le=65535)
+    internal_token: str | None = None  # None = /internal/v1/* disabled
+    node_name: str = Field(default_factory=lambda: os.uname().nodename)
+    pod_name: str = ""
+    # Request defaults and the per-tenant limits a tenants-file entry does not override.
+    default_k: int = Field(20, ge=0)
+    default_mode: Literal["kv", "text", "kv-recompute", "none"] = "kv"
+    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
+    default_max_tokens: int = Field(64, ge=1)
+    max_k: int = Field(64, ge=0)
+    max_tokens: int = Field(512, ge=1)
+    max_in_flight: int = Field(32, ge=1)
+    # The engine worker: sequences decoded together, prefills admitted between two decode rounds.
+    max_active: int = Field(64, ge=1)
+    max_prefills_per_round: int = Field(4, ge=1)
+    console_traces: bool = False
+    max_body_bytes: int = Field(16 << 20, ge=1024)
+
+    @property
+    def tenants_path(self) -> Path:
+        return self.tenants_file or self.data_dir / "tenants.json"
+
+    @property
+    def store_dir(self) -> Path:
+        return self.data_dir / "store"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> Settings:
+        """Environment first, then ``overrides`` (CLI flags; ``None`` values are ignored)."""
+        env = os.environ if env is None else env
+        values: dict = {name: env[var] for name, var in ENV.items() if env.get(var, "") != ""}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            first = e.errors()[0]
+            name = str(first["loc"][0]) if first["loc"] else "?"
+            where = ENV.get(name, name)
+            raise ConfigError(f"setting {where}: {first['msg']}") from None

@@ -1,0 +1,109 @@
+"""A live server on loopback (uvicorn in a thread) over a tiny random-weight engine and the real offline embedder,
+shared by the server tests; spans and metrics go to in-memory exporters."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for tiny_models
+
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+from inferscale.server.auth import hash_key  # noqa: E402
+
+KEYS = {"acme": "isk-acme-key", "globex": "isk-globex-key", "tight": "isk-tight-key"}
+MODEL = "gemma-3-270m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    from inferscale.retrieval import Embedder
+
+    return Embedder()
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    import tiny_models
+
+    return tiny_models.engine("gemma3")
+
+
+class Live:
+    def __init__(self, app, url, spans, metrics, settings):
+        self.app, self.url, self.spans, self.metrics, self.settings = app, url, spans, metrics, settings
+
+    def client(self, tenant: str = "acme", **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=60, **kw)
+
+    def headers(self, tenant: str = "acme") -> dict:
+        return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory, tiny_engine, embedder):
+    import uvicorn
+
+    from inferscale.server.app import create_app
+    from inferscale.server.settings import Settings
+
+    data = tmp_path_factory.mktemp("data")
+    tenants = data / "tenants.json"
+    tenants.write_text(json.dumps({
+        "acme": [hash_key(KEYS["acme"])],
+        "globex": [hash_key(KEYS["globex"])],
+        "tight": {"keys": [hash_key(KEYS["tight"])], "max_k": 3, "max_tokens": 8, "max_in_flight": 1},
+    }))
+    settings = Settings(data_dir=data, tenants_file=tenants, model=MODEL, internal_token="internal-secret",
+                        default_max_tokens=8, max_tokens=64, max_k=50, node_name="node-a", pod_name="pod-a")
+    spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
+    app = create_app(settings, engine=tiny_engine, embedder=embedder, span_exporter=spans, metric_reader=metrics)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield Live(app, f"http://127.0.0.1:{port}", spans, metrics, settings)
+    server.should_exit = True
+    thread.join(10)
+
+
+SAMPLE = [
+    {"id": "m1", "text": "caroline went to a support group in may", "timestamp": "2023-05-08"},
+    {"id": "m2", "text": "melanie painted the beach at sunset"},
+    {"id": "m3", "text": "caroline moved to paris with her dog"},
+    {"id": "m4", "text": "melanie went camping with her brother in june"},
+    {"id": "m5", "text": "caroline reads a book about her sister"},
+]
+
+
+@pytest.fixture(scope="session")
+def memories(live):
+    """User 'caroline' of tenant acme with five memories."""
+    import httpx
+
+    r = httpx.put(f"{live.url}/v1/memories/caroline", json={"items": SAMPLE}, headers=live.headers("acme"), timeout=60)
+    assert r.status_code == 200, r.text
+    return SAMPLE

@@ -1,0 +1,75 @@
+"""The OpenAI client against a live server: non-stream and stream, with memories; models; health; memories API."""
+
+from __future__ import annotations
+
+import httpx
+
+from conftest import MODEL
+
+
+def test_models_and_health(live):
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(live.url + "/healthz").json()["status"] == "ok"
+    assert httpx.get(live.url + "/readyz").status_code == 200
+    m = httpx.get(live.url + "/metrics")
+    assert m.status_code == 200 and "inferscale_http_requests_total" in m.text
+
+
+def test_chat_non_stream_with_memories(live, memories):
+    client = live.client()
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, user="caroline", max_tokens=6,
+        messages=[{"role": "user", "content": "where did caroline move?"}],
+        extra_body={"inferscale": {"k": 3, "mode": "kv"}},
+    )
+    assert float(raw.headers["x-inferscale-ttft-ms"]) > 0
+    resp = raw.parse()
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(resp.choices[0].message.content, str)
+    assert resp.usage.completion_tokens <= 6
+    ext = resp.model_extra["inferscale"]
+    assert ext["mode"] == "kv" and len(ext["items"]) == 3 and "m3" in ext["items"]
+    assert ext["memory_tokens"] > 0
+
+
+def test_chat_stream_with_memories(live, memories):
+    client = live.client()
+    for mode in live.app.state.modes:  # kv-recompute only once the engine ships it
+        stream = client.chat.completions.create(
+            model=MODEL, user="caroline", max_tokens=5, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "who went camping?"}],
+            extra_body={"inferscale": {"k": 2, "mode": mode}},
+        )
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes and finishes[-1] in ("stop", "length")
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 5
+
+
+def test_same_answer_stream_and_not(live, memories):
+    client = live.client()
+    kw = dict(model=MODEL, user="caroline", max_tokens=6, messages=[{"role": "user", "content": "who painted the beach?"}],
+              extra_body={"inferscale": {"k": 2}})
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+    assert full == streamed.strip()
+
+
+def test_memories_crud(live):
+    h = live.headers("acme")
+    items = [{"id": "a1", "text": "the user likes paris"}, {"id": "a2", "text": "the user has a cat"}]
+    r = httpx.put(f"{live.url}/v1/memories/crud-user", json={"items": items}, headers=h)
+    assert r.status_code == 200 and r.json()["encoded"] == 2
+    got = httpx.get(f"{live.url}/v1/memories/crud-user", headers=h).json()
+    assert sorted(i["id"] for i in got["items"]) == ["a1", "a2"]
+    r = httpx.delete(f"{live.url}/v1/memories/crud-user/a1", headers=h)
+    assert r.status_code == 200 and r.json()["removed_blocks"] == 1
+    assert httpx.delete(f"{live.url}/v1/memories/crud-user/a1", headers=h).status_code == 404
+    r = httpx.put(f"{live.url}/v1/memories/crud-user", json={"items": [{"id": "a3", "text": "x y"}], "replace": True}, headers=h)
+    assert r.json()["removed"] == 1
+    assert [i["id"] for i in httpx.get(f"{live.url}/v1/memories/crud-user", headers=h).json()["items"]] == ["a3"]
+    assert httpx.delete(f"{live.url}/v1/memories/crud-user", headers=h).json()["removed_blocks"] == 1
+    assert httpx.get(f"{live.url}/v1/memories/crud-user", headers=h).status_code == 404
