@@ -625,3 +625,28 @@ def test_notes_render():
     assert "kubectl apply -f crds/examples/usermemory-inline.yaml" in notes
     assert "CPU only" in notes
     assert "no tenant API keys are configured" in notes
+
+
+def test_readme_install_commands_match_the_chart():
+    """The README's commands use files that exist and object names the chart really renders."""
+    import shlex
+
+    readme = (CHART / "README.md").read_text()
+    for path in set(re.findall(r"\b((?:charts/inferscale/|crds/)[\w./-]+\.ya?ml)\b", readme)):
+        assert (ROOT / path).is_file(), f"README names a missing file: {path}"
+    installs = [re.sub(r"\\\n\s*", "", block) for block in re.findall(r"^helm install .*?(?<!\\)$", readme,
+                                                                        re.M | re.S)]
+    assert len(installs) >= 2
+    h = "b" * 64
+    for line in installs:
+        argv = shlex.split(line.replace("$HASH", h))
+        assert argv[:4] == ["helm", "install", "inferscale", "charts/inferscale"], argv
+        rest = [a.replace("charts/inferscale/", str(CHART) + "/") for a in argv[4:] if a != "--create-namespace"]
+        out = helm("template", "inferscale", str(CHART), "--include-crds", *rest).stdout
+        m = [d for d in yaml.safe_load_all(out) if d]
+        assert _tenants_json(m) == {"acme": [h]}
+        names = {f"{x['kind'].lower()}/{x['metadata']['name']}" for x in m}
+        for ref in re.findall(r"rollout status (\S+)", readme):
+            if "values-gpu" in line:
+                assert ref in names, ref
+        assert "service/inferscale" in names and "svc/inferscale 8000:8000" in readme
