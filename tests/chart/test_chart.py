@@ -241,6 +241,7 @@ def test_chart_crd_is_identical_to_top_level_crd():
     (("image.pullPolicy=Sometimes",), "pullPolicy"),
     (("kv.hostPath=relative/dir",), "hostPath"),
     (("otel.enabled=true",), "endpoint"),           # enabled without an endpoint
+    (("otel.protocol=grpc",), "protocol"),          # the images have only the OTLP/HTTP exporter
 ])
 def test_schema_rejects_bad_values(sets, needle):
     proc = helm(*template_args("values.yaml", sets=sets), check=False)
@@ -563,12 +564,12 @@ def test_config_change_rolls_pods():
 
 def test_otel_settings():
     m = docs("values.yaml", sets=("otel.enabled=true", "otel.endpoint=http://collector.obs:4318",
-                                  "otel.protocol=grpc", "otel.resourceAttributes=team=ml",
+                                  "otel.resourceAttributes=team=ml",
                                   "otel.headersSecret.name=otlp-auth"))
     for comp in ("operator", "server"):
         env = effective_env(m, workload(m, comp))
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.obs:4318"
-        assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+        assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
         assert env["OTEL_SDK_DISABLED"] == "false"
         assert env["OTEL_SERVICE_NAME"] == f"inferscale-{comp}"
         assert env["OTEL_RESOURCE_ATTRIBUTES"] == "k8s.namespace.name=inferscale,team=ml"
