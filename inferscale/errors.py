@@ -43,3 +43,7 @@ class TransferError(InferScaleError):
 
 class PromptTooLongError(InferScaleError):
     """Prefix + memories + question + requested tokens exceed the model's context."""
+
+
+class StorageError(InferScaleError):
+    """The node's disk tier cannot be written (full disk, permissions); no partial file is left behind."""

@@ -18,9 +18,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def shift_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of Δ·θ for each token: delta [T] (int) , inv_freq [D/2] → two [T, D] float32 tensors."""
-    angles = delta.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]  # f64: Δ up to 1e5 stays exact
+    # A block shares one Δ, so trigonometry runs once per distinct Δ, in float64 (exact for Δ up to ~1e5).
+    uniq, inverse = torch.unique(delta, return_inverse=True)
+    angles = uniq.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+    return angles.cos().to(torch.float32)[inverse], angles.sin().to(torch.float32)[inverse]
 
 
 def rope_shift(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -27,27 +27,53 @@ def cache_from_kv(kv: torch.Tensor, config, *, windowed: bool = True) -> Dynamic
     return cache
 
 
-def assemble_memory_kv(
-    prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLayout
-) -> tuple[torch.Tensor, list[int]]:
-    """[prefix][block 1]...[block k] as one tensor, each block's keys rotated from its encoded positions to its
-    place. Returns the KV [layers, 2, H, N, D] and each block's start position."""
+def injected_cache(
+    prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLayout, config, *, windowed: bool = True
+) -> DynamicCache:
+    """The cache of [prefix][block 1]...[block k], each block's keys rotated from the positions it was encoded at
+    to the positions it now occupies.
+
+    Per group of layers sharing a type (one θ, one window), only the tokens the model can still attend to are
+    gathered and rotated: on a sliding layer that is the last window-1 tokens, so the work per request stays flat
+    as k grows. ``windowed=False`` keeps every token on every layer (for passes with their own masks)."""
     p = prefix_kv.shape[3]
-    lengths = [b.num_tokens for b in blocks]
-    n = p + sum(lengths)
-    out = torch.empty((*prefix_kv.shape[:3], n, prefix_kv.shape[4]), dtype=prefix_kv.dtype, device=prefix_kv.device)
-    out[:, :, :, :p] = prefix_kv
-    starts, deltas = [], []
-    pos = p
-    for block, length in zip(blocks, lengths):
-        out[:, :, :, pos : pos + length] = block.kv.to(device=out.device, dtype=out.dtype)
+    starts, pos = [], p
+    for b in blocks:
         starts.append(pos)
-        deltas.append(torch.full((length,), pos - block.start_pos, dtype=torch.long))
-        pos += length
-    if blocks:
-        delta = torch.cat(deltas)
-        # One rotation per group of layers sharing a θ (Gemma3: sliding 10k, full 1M), all blocks at once.
-        for idx, inv_freq in layout.freq_groups().values():
-            keys = out[idx, 0, :, p:]
-            out[idx, 0, :, p:] = rope_shift(keys, delta, inv_freq)
-    return out, starts
+        pos += b.num_tokens
+    n = pos
+    cache = DynamicCache(config=config) if windowed else DynamicCache()
+    dtype, device = prefix_kv.dtype, prefix_kv.device
+    for ltype, (idx, inv_freq) in layout.freq_groups().items():
+        window = layout.layers[idx[0]].sliding_window if windowed else None
+        keep_from = max(0, n - (window - 1)) if window else 0  # first position this layer group still needs
+        index = torch.tensor(idx, device=device)
+        parts, deltas = [], []
+        if keep_from < p:
+            parts.append(prefix_kv[:, :, :, keep_from:].index_select(0, index))
+        for b, start in zip(blocks, starts):
+            if start + b.num_tokens <= keep_from:
+                continue
+            skip = max(0, keep_from - start)
+            parts.append(b.kv[:, :, :, skip:].to(device=device, dtype=dtype).index_select(0, index))
+            deltas.append(torch.full((b.num_tokens - skip,), start - b.start_pos, dtype=torch.long))
+        kv = torch.cat(parts, dim=3)  # [layers in group, 2, H, kept tokens, D]
+        if deltas:
+            delta = torch.cat(deltas)
+            mem = kv.shape[3] - delta.numel()  # the kept prefix tokens come first and never move
+            kv[:, 0, :, mem:] = rope_shift(kv[:, 0, :, mem:], delta, inv_freq)
+        for j, li in enumerate(idx):
+            if windowed:
+                _fill(cache.layers[li], kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), n)
+            else:
+                cache.update(kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), li)
+    return cache
+
+
+def _fill(layer, keys: torch.Tensor, values: torch.Tensor, total: int) -> None:
+    """Load a cache layer without another copy. A sliding layer holds only its tail but must know the total
+    length it has seen, which positions its masks from."""
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = total

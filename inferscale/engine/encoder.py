@@ -14,7 +14,6 @@ import torch
 from inferscale.engine.cache import cache_from_kv, kv_of_cache
 from inferscale.engine.masks import attention_mask_arg
 from inferscale.engine.template import MemoryItem
-from inferscale.errors import MemoryItemError
 from inferscale.kvformat import KVBlock
 
 
@@ -45,12 +44,7 @@ def encode_items(
 ) -> list[KVBlock]:
     model, layout = engine.loaded.model, engine.loaded.layout
     p = len(engine.prefix_ids)
-    token_lists = [engine.item_token_ids(item) for item in items]
-    for item, ids in zip(items, token_lists):
-        if p + len(ids) + 1 > layout.max_positions:
-            raise MemoryItemError(
-                f"memory {item.id!r}: {len(ids)} tokens do not fit the model's context of {layout.max_positions}"
-            )
+    token_lists = [engine.checked_item_ids(item) for item in items]  # all checked before any work
     embeddings = embed([item.text for item in items]) if embed is not None and items else None
     blocks: list[KVBlock | None] = [None] * len(items)
     for group in pack([len(t) for t in token_lists], batch_tokens):

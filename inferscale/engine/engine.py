@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from inferscale.engine.cache import assemble_memory_kv, cache_from_kv, kv_of_cache
+from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
 from inferscale.engine.encoder import encode_items
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
-from inferscale.errors import ConfigError, FingerprintMismatchError, PromptTooLongError
+from inferscale.errors import ConfigError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
 from inferscale.kvformat import KVBlock, list_blobs, load_block
 from inferscale.models.loader import LoadedModel, load_model
 
@@ -110,6 +110,16 @@ class Engine:
     ) -> list[KVBlock]:
         return encode_items(self, items, batch_tokens=batch_tokens, on_progress=on_progress, embed=embed)
 
+    def checked_item_ids(self, item: MemoryItem) -> list[int]:
+        """The item's token ids; MemoryItemError if it cannot be encoded (it would not fit the model's context)."""
+        ids = self.item_token_ids(item)
+        if len(self.prefix_ids) + len(ids) + 1 > self.loaded.layout.max_positions:
+            raise MemoryItemError(
+                f"memory {item.id!r}: {len(ids)} tokens do not fit the model's context of "
+                f"{self.loaded.layout.max_positions}"
+            )
+        return ids
+
     def check_block(self, block: KVBlock, source: str = "block") -> None:
         if block.model_fingerprint != self.loaded.fingerprint:
             raise FingerprintMismatchError(f"{source} (item {block.item_id!r}): encoded for another model")
@@ -156,8 +166,7 @@ class Engine:
 
             cache, logits = prefill_with_recompute(self, blocks, query_ids, recompute_ratio)
         else:
-            kv, _ = assemble_memory_kv(self.prefix_kv, blocks, self.loaded.layout)
-            cache = cache_from_kv(kv, config)
+            cache = injected_cache(self.prefix_kv, blocks, self.loaded.layout, config)
             logits = self._forward(list(query_ids), p + memory_tokens, cache)
         return Sequence(cache=cache, length=total, logits=logits, prompt_tokens=total, memory_tokens=memory_tokens)
 

@@ -68,7 +68,9 @@ def load_model(name_or_path: str | None = None, *, device: str | None = None, dt
         else:
             raise ModelLoadError(f"model path {path} is neither a Hugging Face directory nor a .gguf file")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     torch_dtype = _dtype(dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
@@ -94,8 +96,19 @@ def _dtype(dtype: str | None, device: str | None) -> torch.dtype:
             return getattr(torch, dtype)
         except AttributeError:
             raise ModelLoadError(f"unknown dtype {dtype!r}") from None
-    # fp32 on CPU (no fast bf16 matmul on most CPUs, and exactness for tests); bf16 on GPU.
-    return torch.bfloat16 if (device or "cpu").startswith("cuda") else torch.float32
+    # bf16 on GPUs and on CPUs with native bf16 math (AVX512-BF16/AMX: ~2x faster than fp32 here, half the
+    # KV bytes); fp32 elsewhere, where bf16 matmuls are emulated and slow.
+    if (device or "cpu").startswith("cuda") or _cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def _default_model_dir() -> tuple[Path, str]:

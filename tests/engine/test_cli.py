@@ -1,0 +1,83 @@
+"""`inferscale encode` / `ask` on a model directory, and their one-line errors on bad input."""
+
+import json
+
+import pytest
+
+import tiny_models as tm
+from inferscale.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-qwen3")
+    tm.model("qwen3").save_pretrained(d)
+    tm.tokenizer().save_pretrained(d)
+    return d
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_encode_then_ask(model_dir, tmp_path, capsys):
+    items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"},
+                                           {"id": "b", "text": "melanie painted the beach", "timestamp": "may 2023"}])
+    out = tmp_path / "blobs"
+    assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors", "b.safetensors"]
+    assert main(["ask", "where did caroline go?", "--blobs", str(out), "--model", str(model_dir), "--json",
+                 "--max-tokens", "4"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["memories"] == 2 and result["memory_tokens"] > 0 and result["ttft_ms"] > 0
+    # --only re-encodes just the named item
+    before = (out / "a.safetensors").stat().st_mtime_ns
+    assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir), "--only", "b"]) == 0
+    assert (out / "a.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([{"id": "a", "text": "   "}], "text is empty"),
+    ([{"id": "a", "text": "ok"}, "{not json"], ":2: not valid JSON"),
+    ([{"id": "../x", "text": "ok"}], "must match"),
+    ([{"id": "a", "text": "ok"}, {"id": "a", "text": "again"}], "duplicate memory id 'a'"),
+    ([{"id": "a", "text": "word " * 3000}], "do not fit the model's context"),
+])
+def test_bad_items_fail_with_one_line_and_keep_old_blobs(model_dir, tmp_path, capsys, rows, message):
+    out = tmp_path / "blobs"
+    good = _write(tmp_path / "good.jsonl", [{"id": "a", "text": "caroline went to paris"}])
+    assert main(["encode", str(good), "--out", str(out), "--model", str(model_dir)]) == 0
+    before = (out / "a.safetensors").read_bytes()
+    capsys.readouterr()
+    bad = _write(tmp_path / "bad.jsonl", rows)
+    assert main(["encode", str(bad), "--out", str(out), "--model", str(model_dir)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("inferscale: error")]
+    assert len(errors) == 1 and message in errors[0]
+    assert (out / "a.safetensors").read_bytes() == before
+
+
+def test_unknown_model_path(tmp_path, capsys):
+    items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "x"}])
+    assert main(["encode", str(items), "--out", str(tmp_path), "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_corrupt_and_foreign_blobs_are_named(model_dir, tmp_path, capsys):
+    items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"}])
+    out = tmp_path / "blobs"
+    assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir)]) == 0
+    blob = out / "a.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[-5] ^= 0x55
+    blob.write_bytes(bytes(data))
+    assert main(["ask", "q?", "--blobs", str(out), "--model", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "a.safetensors" in err and "checksum" in err
+    # a blob from another model
+    other = tmp_path / "other-model"
+    tm.model("qwen3", seed=7).save_pretrained(other)
+    tm.tokenizer().save_pretrained(other)
+    assert main(["encode", str(items), "--out", str(out), "--model", str(other)]) == 0
+    assert main(["ask", "q?", "--blobs", str(out), "--model", str(model_dir)]) == 2
+    assert "a.safetensors: encoded for model" in capsys.readouterr().err

@@ -1,0 +1,116 @@
+"""Injected KV must reproduce what the model computes from text, on every supported family."""
+
+import pytest
+import torch
+
+import tiny_models as tm
+from inferscale.engine import MemoryItem
+from inferscale.engine.cache import injected_cache, kv_of_cache
+from inferscale.kernels.rope import rope_shift
+
+ITEMS = [
+    MemoryItem("m0", "caroline went to paris in may 2023 with her sister"),
+    MemoryItem("m1", "melanie painted the beach and her dog", timestamp="june 2022"),
+    MemoryItem("m2", "they went camping with the kids and the cat"),
+    MemoryItem("m3", "caroline loves the support group where she reads"),
+]
+
+
+@pytest.fixture(scope="module", params=tm.FAMILIES)
+def engine(request):
+    # A window of 8 is far shorter than the prompts, so sliding layers must trim exactly as the model does.
+    return tm.engine(request.param, sliding_window=8)
+
+
+def _encode_at(engine, item, offset):
+    """Reference: prefix + item run as one sequence at positions offset.., keys of the item's tokens."""
+    ids = engine.prefix_ids + engine.item_token_ids(item)
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        engine.loaded.model.model(
+            input_ids=torch.tensor([ids]), position_ids=torch.arange(offset, offset + len(ids))[None], cache=cache,
+            use_cache=True,
+        )
+    return kv_of_cache(cache, start=len(engine.prefix_ids))
+
+
+# Beyond a few hundred positions the reference itself drifts: HF computes position·θ in float32 (angle error
+# ~1e-4 rad at 1000), while rope_shift uses float64 angles. The shift is checked where the reference is exact.
+@pytest.mark.parametrize("delta", [1, 37, 200])
+def test_rope_shift_equals_encoding_at_offset(engine, delta):
+    block = engine.encode(ITEMS[:1])[0]
+    reference = _encode_at(engine, ITEMS[0], delta)
+    for spec in engine.loaded.layout.layers:
+        shifted = rope_shift(block.kv[spec.index, 0], delta, spec.inv_freq)
+        assert (shifted - reference[spec.index, 0]).abs().max() < 1e-4
+        assert torch.equal(block.kv[spec.index, 1], block.kv[spec.index, 1])  # values never move
+        assert (block.kv[spec.index, 1] - reference[spec.index, 1]).abs().max() < 1e-4
+
+
+def test_rope_shift_is_not_identity(engine):
+    block = engine.encode(ITEMS[:1])[0]
+    spec = engine.loaded.layout.layers[0]
+    assert (rope_shift(block.kv[0, 0], 5, spec.inv_freq) - block.kv[0, 0]).abs().max() > 1e-3
+
+
+def test_one_block_at_encoded_positions_equals_text(engine):
+    blocks = engine.encode(ITEMS[:1])
+    q = engine.question_ids("where did caroline go?")
+    text, kv = engine.prefill(q, blocks, "text"), engine.prefill(q, blocks, "kv")
+    assert (text.logits - kv.logits).abs().max() < 1e-4
+    for _ in range(4):  # and decoding continues identically
+        tok = int(text.logits.argmax())
+        engine.step(text, tok)
+        engine.step(kv, tok)
+        assert (text.logits - kv.logits).abs().max() < 1e-4
+
+
+def test_k_blocks_cache_length_and_windows(engine):
+    blocks = engine.encode(ITEMS)
+    q = engine.question_ids("what did melanie paint?")
+    seq = engine.prefill(q, blocks, "kv")
+    expected = len(engine.prefix_ids) + sum(b.num_tokens for b in blocks) + len(q)
+    assert seq.length == expected == seq.cache.get_seq_length()
+    for spec, layer in zip(engine.loaded.layout.layers, seq.cache.layers):
+        held = layer.keys.shape[-2]
+        assert held == (expected if spec.sliding_window is None else min(expected, spec.sliding_window - 1))
+    tokens = []
+    for _ in range(5):
+        tok = int(seq.logits.argmax())
+        tokens.append(tok)
+        engine.step(seq, tok)
+    assert seq.length == expected + 5 and len(seq.generated) == 5
+
+
+def test_multi_block_injection_matches_manual_rotation(engine):
+    """k>1: each block's keys equal its encoded keys rotated by (target start - encoded start)."""
+    blocks = engine.encode(ITEMS)
+    layout = engine.loaded.layout
+    cache = injected_cache(engine.prefix_kv, blocks, layout, engine.loaded.model.config, windowed=False)
+    kv = kv_of_cache(cache)
+    pos = len(engine.prefix_ids)
+    for b in blocks:
+        for spec in layout.layers:
+            want = rope_shift(b.kv[spec.index, 0], pos - b.start_pos, spec.inv_freq)
+            assert torch.allclose(kv[spec.index, 0, :, pos : pos + b.num_tokens], want, atol=1e-6)
+            assert torch.equal(kv[spec.index, 1, :, pos : pos + b.num_tokens], b.kv[spec.index, 1])
+        pos += b.num_tokens
+
+
+def test_packed_encoding_equals_one_by_one(engine):
+    packed = engine.encode(ITEMS, batch_tokens=4096)
+    single = [engine.encode([item])[0] for item in ITEMS]
+    for a, b in zip(packed, single):
+        assert a.token_ids == b.token_ids and a.start_pos == b.start_pos == len(engine.prefix_ids)
+        assert (a.kv - b.kv).abs().max() < 1e-4
+
+
+def test_modes_differ_where_they_should(engine):
+    blocks = engine.encode(ITEMS)
+    q = engine.question_ids("where did caroline go?")
+    none = engine.prefill(q, blocks, "none")
+    kv = engine.prefill(q, blocks, "kv")
+    assert none.memory_tokens == 0 and kv.memory_tokens > 0
+    assert (none.logits - kv.logits).abs().max() > 1e-3
