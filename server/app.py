@@ -24,16 +24,13 @@ log = logging.getLogger(__name__)
 
 
 def open_store(settings: Settings):
-    """The tiered store (inferscale.store.KVStore) when installed, else the single-node LocalStore."""
-    try:
-        from inferscale.store import KVStore  # type: ignore[attr-defined]
-    except ImportError:
-        from inferscale.server.localstore import LocalStore
+    """The tiered store. With an internal token (cluster mode) it also serves peers on INFERSCALE_NIXL_PORT."""
+    from inferscale.store import KVStore
 
-        return LocalStore(settings.store_dir, dram_budget_bytes=settings.dram_budget_bytes,
-                          gpu_budget_bytes=settings.gpu_budget_bytes, node=settings.node_name)
+    cluster = bool(settings.internal_token)
     return KVStore(settings.store_dir, dram_budget_bytes=settings.dram_budget_bytes,
-                   gpu_budget_bytes=settings.gpu_budget_bytes, node=settings.node_name)
+                   gpu_budget_bytes=settings.gpu_budget_bytes, node=settings.node_name, device=settings.device,
+                   peer_port=settings.nixl_port if cluster else None, peer_token=settings.internal_token)
 
 
 class BodyLimit:
@@ -79,6 +76,7 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
         from inferscale.retrieval import Embedder
 
         embedder = Embedder()
+    owns_store = store is None
     store = store if store is not None else open_store(settings)
     tenants = tenants or TenantRegistry(settings.tenants_path, max_k=settings.max_k, max_tokens=settings.max_tokens,
                                         max_in_flight=settings.max_in_flight)
@@ -91,6 +89,8 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
         yield
         worker.close()
         telemetry.shutdown()
+        if owns_store and hasattr(store, "close"):
+            store.close()
 
     app = FastAPI(title="InferScale", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible chat completions with per-user memories injected as KV state.")

@@ -41,7 +41,7 @@ _TYPED: list[tuple[type, int, str, str]] = [
     (E.QuotaExceededError, 429, "insufficient_quota", "quota_exceeded"),
     (E.FingerprintMismatchError, 409, "conflict_error", "fingerprint_mismatch"),
     (E.BlobCorruptError, 503, "server_error", "blob_corrupt"),
-    (E.TransferError, 502, "server_error", "transfer_failed"),
+    (E.TransferError, 424, "failed_dependency", "transfer_failed"),  # the named source could not provide it
     (E.InferScaleError, 400, "invalid_request_error", None),
 ]
 

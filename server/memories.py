@@ -7,6 +7,7 @@ its tenant, so another tenant's user is simply not found.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Annotated, Any
 
@@ -78,8 +79,10 @@ class MemoryService:
                                  seconds=round(time.perf_counter() - t0, 4))
 
     async def list(self, tenant: str, user: str) -> MemoryList:
-        infos = await asyncio.to_thread(self.store.list, tenant, user)
-        return MemoryList(user=user, items=[to_info(i) for i in infos])
+        def run() -> list[MemoryInfo]:
+            return [to_info(i) for i in self.store.list(tenant, user)]
+
+        return MemoryList(user=user, items=await asyncio.to_thread(run))
 
     async def delete(self, tenant: str, user: str, item_id: str | None = None) -> Removed:
         infos = await asyncio.to_thread(self.store.list, tenant, user)  # NotFoundError for an unknown user
@@ -87,7 +90,7 @@ class MemoryService:
             infos = [i for i in infos if info_id(i) == item_id]
             if not infos:
                 raise NotFoundError(f"memory {item_id!r} of user {user!r} not found")
-        nbytes = sum(int(getattr(i, "bytes", 0) or 0) for i in infos)
+        nbytes = sum(int(to_info(i).bytes or 0) for i in infos)
         removed = _count(await asyncio.to_thread(self.store.delete, tenant, user, item_id))
         return Removed(removed_blocks=removed, removed_bytes=nbytes)
 
@@ -120,13 +123,31 @@ class MemoryService:
 
 
 def info_id(info: Any) -> str:
-    return info["id"] if isinstance(info, dict) else getattr(info, "id", None) or getattr(info, "item_id")
+    return info["id"] if isinstance(info, dict) else getattr(info, "item_id", None) or getattr(info, "id")
+
+
+def blob_meta(path: str | None) -> dict[str, str]:
+    """The metadata of a KV blob (text, timestamp, ...) from its safetensors header alone."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 1 << 24:
+                return {}
+            return json.loads(f.read(n)).get("__metadata__", {})
+    except (OSError, ValueError):
+        return {}
 
 
 def to_info(info: Any) -> MemoryInfo:
+    """A store ItemInfo (inferscale.store.ItemInfo) as the API shows it; text and timestamp from the blob header."""
     get = info.get if isinstance(info, dict) else lambda k, d=None: getattr(info, k, d)
-    return MemoryInfo(id=info_id(info), text=get("text"), timestamp=get("timestamp"),
-                      tokens=get("tokens", get("num_tokens")), bytes=get("bytes", get("nbytes")), tier=get("tier"))
+    tiers = get("tiers") or []
+    meta = blob_meta(get("path"))
+    return MemoryInfo(id=info_id(info), tokens=get("tokens"), bytes=get("kv_bytes", get("bytes")),
+                      tier=tiers[0] if tiers else get("tier"), text=meta.get("text", get("text")),
+                      timestamp=meta.get("timestamp") or get("timestamp"))
 
 
 # ---- routes -------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ class Settings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     tenants_file: Path | None = None  # default: <data_dir>/tenants.json
     device: str | None = None  # cpu | cuda; None = cuda when available
-    dram_budget_bytes: int = Field(4 << 30, ge=0)
+    dram_budget_bytes: int = Field(2 << 30, ge=0)
     gpu_budget_bytes: int = Field(0, ge=0)
     nixl_port: int = Field(5555, ge=0, le=65535)
     internal_token: str | None = None  # None = /internal/v1/* disabled

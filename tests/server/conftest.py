@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from inferscale.server.auth import hash_key  # noqa: E402
 
-KEYS = {"acme": "isk-acme-key", "globex": "isk-globex-key", "tight": "isk-tight-key"}
+KEYS = {"acme": "isk-acme-key", "globex": "isk-globex-key", "tight": "isk-tight-key", "fuzz": "isk-fuzz-key"}
 MODEL = "gemma-3-270m"
 
 
@@ -64,6 +64,7 @@ def live(tmp_path_factory, tiny_engine, embedder):
     import uvicorn
 
     from inferscale.server.app import create_app
+    from inferscale.store import KVStore
     from inferscale.server.settings import Settings
 
     data = tmp_path_factory.mktemp("data")
@@ -71,12 +72,15 @@ def live(tmp_path_factory, tiny_engine, embedder):
     tenants.write_text(json.dumps({
         "acme": [hash_key(KEYS["acme"])],
         "globex": [hash_key(KEYS["globex"])],
+        "fuzz": [hash_key(KEYS["fuzz"])],
         "tight": {"keys": [hash_key(KEYS["tight"])], "max_k": 3, "max_tokens": 8, "max_in_flight": 1},
     }))
     settings = Settings(data_dir=data, tenants_file=tenants, model=MODEL, internal_token="internal-secret",
                         default_max_tokens=8, max_tokens=64, max_k=50, node_name="node-a", pod_name="pod-a")
     spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
-    app = create_app(settings, engine=tiny_engine, embedder=embedder, span_exporter=spans, metric_reader=metrics)
+    store = KVStore(settings.store_dir, dram_budget_bytes=64 << 20, node="node-a", nixl=False)
+    app = create_app(settings, engine=tiny_engine, embedder=embedder, store=store, span_exporter=spans,
+                     metric_reader=metrics)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -88,6 +92,7 @@ def live(tmp_path_factory, tiny_engine, embedder):
     yield Live(app, f"http://127.0.0.1:{port}", spans, metrics, settings)
     server.should_exit = True
     thread.join(10)
+    store.close()
 
 
 SAMPLE = [

@@ -1,0 +1,70 @@
+"""``inferscale serve``: engine, store, retrieval and the OpenAI-compatible API in one process (single node).
+
+Settings come from ``INFERSCALE_*`` (docs/interfaces.md) and these flags, which win. With no tenants file, one is
+created holding a single tenant, and that tenant's fresh API key is printed once (only its hash is stored)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from inferscale.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="bind address (INFERSCALE_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (INFERSCALE_PORT, default 8000)")
+    p.add_argument("--model", help="model name or path (INFERSCALE_MODEL, default gemma-3-270m)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="INFERSCALE_DEVICE (default: cuda when available)")
+    p.add_argument("--data-dir", help="store and tenants file live here (INFERSCALE_DATA_DIR)")
+    p.add_argument("--tenants-file", help="hashed API keys, JSON (INFERSCALE_TENANTS_FILE; default DATA_DIR/tenants.json)")
+    p.add_argument("--tenant", default="default", help="name of the tenant created when there is no tenants file")
+    p.add_argument("--default-k", type=int, help="memories retrieved when a request does not say (default 20)")
+    p.add_argument("--default-mode", choices=["kv", "text", "kv-recompute", "none"], help="default memory mode (kv)")
+    p.add_argument("--console-traces", action="store_true", default=None, help="also print spans to stdout")
+
+
+def settings_from_args(args: argparse.Namespace):
+    from inferscale.server.settings import Settings
+
+    return Settings.from_env(host=args.host, port=args.port, model=args.model, device=args.device,
+                             data_dir=args.data_dir, tenants_file=args.tenants_file, default_k=args.default_k,
+                             default_mode=args.default_mode, console_traces=args.console_traces)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inferscale.server.app import create_app
+    from inferscale.server.auth import TENANT_RE, create_tenants_file
+
+    settings = settings_from_args(args)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    path = settings.tenants_path
+    if not path.exists():
+        if not TENANT_RE.match(args.tenant):
+            raise ConfigError(f"--tenant {args.tenant!r}: must be a DNS label (lowercase letters, digits, '-')")
+        try:
+            key = create_tenants_file(path, args.tenant)
+        except OSError as e:
+            raise ConfigError(f"tenants file {path}: cannot create ({e.strerror or e})") from None
+        print(f"Created {path} with tenant {args.tenant!r}. Its API key (shown once, stored hashed):\n\n    {key}\n")
+        print(f"Try:  INFERSCALE_API_KEY={key} inferscale demo --url http://{_client_host(settings.host)}:{settings.port}\n")
+    print(f"Loading {settings.model} and the retrieval embedder...", flush=True)
+    app = create_app(settings)
+    print(f"InferScale serving {settings.model} on http://{settings.host}:{settings.port}  (store: {settings.store_dir}, "
+          f"tenants: {', '.join(app.state.tenants.names)})", flush=True)
+    level = "info" if logging.getLogger().level <= logging.INFO else "warning"
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=level, access_log=level == "info")
+    return 0
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+if __name__ == "__main__":
+    from inferscale.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,0 +1,76 @@
+"""Bad input answers 4xx with an OpenAI-style error body, never a 500."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import MODEL
+
+Q = [{"role": "user", "content": "who went camping?"}]
+
+
+def _err(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+@pytest.mark.parametrize("body,status,code", [
+    ("{not json", 400, "invalid_json"),
+    ("[]", 400, "invalid_value"),
+    ({"model": "gpt-4o", "messages": Q}, 404, "model_not_found"),
+    ({"model": MODEL, "messages": []}, 400, "invalid_value"),
+    ({"model": MODEL}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "   "}]}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "inferscale": {"k": -1}}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "inferscale": {"k": 100000}}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "inferscale": {"mode": "telepathy"}}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "max_tokens": 0}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "n": 2}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "user": "../etc"}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "inferscale": {"k": 51}}, 429, "k_limit_exceeded"),
+    ({"model": MODEL, "messages": Q, "max_tokens": 65}, 429, "max_tokens_limit_exceeded"),
+    ({"model": MODEL, "messages": Q, "user": "nobody", "inferscale": {"k": 3}}, 404, "not_found"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_chat_requests(live, body, status, code, stream):
+    if isinstance(body, dict):
+        body = {**body, "stream": stream}
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, headers=live.headers())
+    else:
+        r = httpx.post(live.url + "/v1/chat/completions", content=body,
+                       headers={**live.headers(), "content-type": "application/json"})
+    err = _err(r, status)
+    if code:
+        assert err["code"] == code
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_too_long(live, stream):
+    # The tiny model's context is 2048 positions.
+    long = " ".join(["caroline"] * 3000)
+    r = httpx.post(live.url + "/v1/chat/completions", headers=live.headers(),
+                   json={"model": MODEL, "messages": [{"role": "user", "content": long}], "stream": stream})
+    assert _err(r, 400)["code"] == "context_length_exceeded"
+
+
+def test_body_too_large(live):
+    r = httpx.post(live.url + "/v1/chat/completions", headers={**live.headers(), "content-type": "application/json"},
+                   content=b"x" * (live.settings.max_body_bytes + 1))
+    _err(r, 413)
+
+
+def test_bad_memories(live):
+    h, u = live.headers(), live.url + "/v1/memories/"
+    _err(httpx.put(u + "bob", json={"items": []}, headers=h), 400)
+    _err(httpx.put(u + "bob", json={"items": [{"id": "bad id", "text": "x"}]}, headers=h), 400)
+    _err(httpx.put(u + "bob", json={"items": [{"id": "a", "text": " "}]}, headers=h), 400)
+    _err(httpx.put(u + "bob", json={"items": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]}, headers=h), 400)
+    _err(httpx.put(u + "bob", content=b"{", headers={**h, "content-type": "application/json"}), 400)
+    _err(httpx.put(u + "-bob", json={"items": [{"id": "a", "text": "x"}]}, headers=h), 400)
+    _err(httpx.get(u + "never-seen", headers=h), 404)
+    _err(httpx.get(live.url + "/v1/nothing-here", headers=h), 404)

@@ -1,0 +1,42 @@
+"""The operator's internal API: pull from a node-local dir, purge from every tier, capacity."""
+
+from __future__ import annotations
+
+import httpx
+
+from inferscale.engine.template import MemoryItem
+from inferscale.kvformat import save_block
+
+INTERNAL = {"Authorization": "Bearer internal-secret"}
+
+
+def test_internal_needs_token(live):
+    for h in ({}, {"Authorization": "Bearer isk-acme-key"}):
+        assert httpx.get(live.url + "/internal/v1/capacity", headers=h).status_code == 401
+
+
+def test_pull_purge_capacity(live, tiny_engine, embedder, tmp_path):
+    items = [MemoryItem("p1", "melanie plays with her dog"), MemoryItem("p2", "melanie lives in london")]
+    for b in tiny_engine.encode(items, embed=embedder.embed):
+        save_block(b, tmp_path)
+    body = {"tenant": "globex", "user": "melanie", "source": {"node": "node-a", "dir": str(tmp_path), "peer": None},
+            "items": None}
+    for _ in range(2):  # idempotent
+        r = httpx.post(live.url + "/internal/v1/pull", json=body, headers=INTERNAL)
+        assert r.status_code == 200, r.text
+        assert r.json()["blocks"] == 2 and r.json()["bytes"] > 0 and r.json()["tier"] == "dram"
+    g = live.client("globex").chat.completions.create(model="gemma-3-270m", user="melanie", max_tokens=3,
+                                                      messages=[{"role": "user", "content": "where does she live?"}])
+    assert g.model_extra["inferscale"]["items"]
+    cap = httpx.get(live.url + "/internal/v1/capacity", headers=INTERNAL).json()
+    assert cap["node"] == "node-a" and cap["pod"] == "pod-a" and cap["users"] >= 1
+    r = httpx.post(live.url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": ["p1"]},
+                   headers=INTERNAL)
+    assert r.json()["removed_blocks"] == 1
+    r = httpx.post(live.url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None},
+                   headers=INTERNAL)
+    assert r.json()["removed_blocks"] == 1
+    r = httpx.post(live.url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None},
+                   headers=INTERNAL)
+    assert r.json() == {"removed_blocks": 0, "removed_bytes": 0}
+    assert httpx.get(live.url + "/v1/memories/melanie", headers=live.headers("globex")).status_code == 404

@@ -1,0 +1,76 @@
+"""Tenancy: the key decides the tenant; other tenants' users are invisible (404, no data); limits answer 429."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from conftest import KEYS, MODEL
+
+Q = [{"role": "user", "content": "where did caroline move?"}]
+
+
+def test_wrong_or_missing_key_is_401(live):
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic abc"}):
+        for method, path in (("GET", "/v1/models"), ("GET", "/v1/memories/caroline"),
+                             ("POST", "/v1/chat/completions")):
+            r = httpx.request(method, live.url + path, headers=headers, json={"model": MODEL, "messages": Q})
+            assert r.status_code == 401, (method, path, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_other_tenants_user_is_404_and_no_data(live, memories):
+    # caroline belongs to acme; globex asks for her.
+    h = live.headers("globex")
+    r = httpx.get(f"{live.url}/v1/memories/caroline", headers=h)
+    assert r.status_code == 404 and "caroline" not in r.json().get("items", "")
+    assert "support group" not in r.text
+    assert httpx.delete(f"{live.url}/v1/memories/caroline", headers=h).status_code == 404
+    assert httpx.delete(f"{live.url}/v1/memories/caroline/m1", headers=h).status_code == 404
+    with pytest.raises(openai.NotFoundError) as e:
+        live.client("globex").chat.completions.create(model=MODEL, user="caroline", messages=Q,
+                                                      extra_body={"inferscale": {"k": 3}})
+    assert "support group" not in str(e.value.body)
+    # ...and acme still has her, untouched.
+    assert len(httpx.get(f"{live.url}/v1/memories/caroline", headers=live.headers("acme")).json()["items"]) == 5
+
+
+def test_same_user_id_in_two_tenants_is_two_users(live):
+    for tenant, text in (("acme", "the user likes paris"), ("globex", "the user likes london")):
+        r = httpx.put(f"{live.url}/v1/memories/shared-id", json={"items": [{"id": "x", "text": text}]},
+                      headers=live.headers(tenant))
+        assert r.status_code == 200
+    for tenant, text in (("acme", "paris"), ("globex", "london")):
+        items = httpx.get(f"{live.url}/v1/memories/shared-id", headers=live.headers(tenant)).json()["items"]
+        assert [i["text"] for i in items] == [f"the user likes {text}"]
+    httpx.delete(f"{live.url}/v1/memories/shared-id", headers=live.headers("globex"))
+    assert httpx.get(f"{live.url}/v1/memories/shared-id", headers=live.headers("acme")).status_code == 200
+
+
+def test_limits_are_429(live):
+    c = live.client("tight")
+    with pytest.raises(openai.RateLimitError) as e:
+        c.chat.completions.create(model=MODEL, messages=Q, extra_body={"inferscale": {"k": 4}})
+    assert e.value.body["code"] == "k_limit_exceeded"
+    with pytest.raises(openai.RateLimitError):
+        c.chat.completions.create(model=MODEL, messages=Q, max_tokens=9)
+    assert c.chat.completions.create(model=MODEL, messages=Q, max_tokens=8).choices
+
+
+def test_in_flight_limit_is_429(live):
+    """tight allows one request in flight: while a stream is open, a second request is refused."""
+    c = live.client("tight")
+    stream = c.chat.completions.create(model=MODEL, messages=Q, stream=True, max_tokens=8)
+    first = next(iter(stream))  # the request is in flight until the stream ends
+    assert first.choices[0].delta.role == "assistant"
+    with pytest.raises(openai.RateLimitError) as e:
+        c.chat.completions.create(model=MODEL, messages=Q, max_tokens=2)
+    assert e.value.body["code"] == "rate_limit_exceeded"
+    list(stream)
+    stream.close()
+    assert c.chat.completions.create(model=MODEL, messages=Q, max_tokens=2).choices
