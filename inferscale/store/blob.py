@@ -1,0 +1,151 @@
+"""Reading KV blobs (``inferscale.kvformat``) in place from raw bytes: a DRAM arena slot or a file header.
+
+The store moves whole blob images (header + tensors) between tiers, so one byte range per item travels and
+the checksum in the header can be verified wherever the bytes land, without decoding through safetensors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inferscale.errors import BlobCorruptError
+from inferscale.kvformat import FORMAT_VERSION, KVBlock
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+}
+MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a KV blob
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """Where the tensors sit inside one blob image, and its metadata."""
+
+    meta: dict[str, str]
+    size: int  # bytes of the whole blob image
+    kv_range: tuple[int, int]
+    kv_dtype: torch.dtype
+    kv_shape: tuple[int, ...]
+    emb_range: tuple[int, int] | None
+    emb_shape: tuple[int, ...] | None
+
+    @property
+    def item_id(self) -> str:
+        return self.meta.get("item_id", "")
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta.get("model_fingerprint", "")
+
+    @property
+    def sha256(self) -> str:
+        return self.meta.get("sha256", "")
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_range[1] - self.kv_range[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.kv_shape[3] if len(self.kv_shape) == 5 else 0
+
+
+def parse_header(head: bytes | memoryview, *, source: str, total: int | None = None) -> BlobInfo:
+    """Parse the safetensors header at the start of ``head`` (which may be just the header bytes)."""
+    try:
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        n = int.from_bytes(bytes(head[:8]), "little")
+        if n > MAX_HEADER or 8 + n > len(head):
+            raise ValueError("truncated header")
+        header = json.loads(bytes(head[8 : 8 + n]))
+        meta = header.pop("__metadata__", {}) or {}
+        kv = header["kv"]
+        start = 8 + n
+        kv_range = (start + kv["data_offsets"][0], start + kv["data_offsets"][1])
+        emb = header.get("embedding")
+        emb_range = (start + emb["data_offsets"][0], start + emb["data_offsets"][1]) if emb else None
+        end = max([kv_range[1]] + ([emb_range[1]] if emb_range else []))
+        dtype = _DTYPES[kv["dtype"]]
+        shape = tuple(int(s) for s in kv["shape"])
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BlobCorruptError(f"{source}: not a readable KV blob ({e})") from None
+    if meta.get("format") != "inferscale-kv" or meta.get("format_version") != FORMAT_VERSION:
+        raise BlobCorruptError(f"{source}: not an InferScale KV blob of format {FORMAT_VERSION}")
+    if len(shape) != 5 or shape[1] != 2:
+        raise BlobCorruptError(f"{source}: kv shape {shape} is not [layers, 2, heads, tokens, dim]")
+    if total is not None and end != total:
+        raise BlobCorruptError(f"{source}: blob is {total} bytes, header describes {end}")
+    return BlobInfo(
+        meta=meta, size=end, kv_range=kv_range, kv_dtype=dtype, kv_shape=shape, emb_range=emb_range,
+        emb_shape=tuple(emb["shape"]) if emb else None,
+    )
+
+
+def read_header(path: Path) -> BlobInfo:
+    """Parse a blob file's header without reading its tensors."""
+    try:
+        with open(path, "rb") as f:
+            first = f.read(8)
+            n = int.from_bytes(first, "little") if len(first) == 8 else 0
+            if n > MAX_HEADER:
+                raise BlobCorruptError(f"{path}: not a readable KV blob (header of {n} bytes)")
+            head = first + f.read(n)
+            total = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        raise BlobCorruptError(f"{path}: cannot read ({e.strerror or e})") from None
+    return parse_header(head, source=str(path), total=total)
+
+
+def tensor_digest(image: memoryview, info: BlobInfo) -> str:
+    """sha256 of the tensor bytes (kv, then embedding), as ``kvformat.tensor_sha256`` computes it."""
+    h = hashlib.sha256()
+    h.update(image[info.kv_range[0] : info.kv_range[1]])  # hashlib drops the GIL on large buffers
+    if info.emb_range is not None:
+        h.update(image[info.emb_range[0] : info.emb_range[1]])
+    return h.hexdigest()
+
+
+def verify(image: memoryview, *, source: str, expect_sha: str | None, expect_item: str | None = None,
+           expect_fingerprint: str | None = None) -> BlobInfo:
+    """Parse and check one blob image: header sane, sha256 of its tensors equals the header's and ``expect_sha``
+    (the catalogue's or the peer's), item and fingerprint as expected. Raises BlobCorruptError."""
+    info = parse_header(image, source=source, total=len(image))
+    digest = tensor_digest(image, info)
+    if digest != info.sha256 or (expect_sha is not None and digest != expect_sha):
+        raise BlobCorruptError(f"{source}: checksum mismatch (item {info.item_id!r})")
+    if expect_item is not None and info.item_id != expect_item:
+        raise BlobCorruptError(f"{source}: holds item {info.item_id!r}, expected {expect_item!r}")
+    if expect_fingerprint is not None and info.fingerprint != expect_fingerprint:
+        raise BlobCorruptError(f"{source}: holds model {info.fingerprint[:16]}, expected {expect_fingerprint[:16]}")
+    return info
+
+
+def block_from_image(image: torch.Tensor, info: BlobInfo, *, kv: torch.Tensor | None = None) -> KVBlock:
+    """A KVBlock over a uint8 blob image. ``kv`` overrides the kv tensor (e.g. a GPU copy); otherwise the kv is
+    a zero-copy view of ``image`` when aligned (the caller keeps the image alive), else a copy."""
+    if kv is None:
+        a, b = info.kv_range
+        raw = image[a:b]
+        itemsize = torch.empty((), dtype=info.kv_dtype).element_size()
+        if raw.data_ptr() % itemsize == 0:
+            kv = raw.view(info.kv_dtype).view(info.kv_shape)
+        else:
+            kv = raw.clone().view(info.kv_dtype).view(info.kv_shape)
+    emb = None
+    if info.emb_range is not None:
+        a, b = info.emb_range
+        emb = image[a:b].clone().view(torch.float32).view(info.emb_shape)  # small; an owned copy
+    m = info.meta
+    return KVBlock(
+        item_id=m["item_id"], text=m.get("text", ""), token_ids=json.loads(m.get("token_ids", "[]")),
+        start_pos=int(m.get("start_pos", "0")), kv=kv, model_fingerprint=m["model_fingerprint"],
+        prefix_sha256=m.get("prefix_sha256", ""), timestamp=m.get("timestamp") or None, embedding=emb,
+        extra=json.loads(m.get("extra") or "{}"),
+    )

@@ -1,0 +1,188 @@
+"""The node's catalogue: one SQLite file listing every item, its size, checksum, tier residency, last access,
+pin and corrupt flags, and its retrieval embedding.
+
+Disk is the source of truth: the catalogue is rebuilt from the blobs when missing or unreadable. Residency in
+DRAM/GPU is volatile, so it is cleared when the catalogue is opened."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS items (
+  tenant TEXT NOT NULL, user TEXT NOT NULL, fingerprint TEXT NOT NULL, item TEXT NOT NULL,
+  path TEXT NOT NULL, size INTEGER NOT NULL, kv_bytes INTEGER NOT NULL, tokens INTEGER NOT NULL,
+  sha256 TEXT NOT NULL, dram INTEGER NOT NULL DEFAULT 0, gpu INTEGER NOT NULL DEFAULT 0,
+  last_access REAL NOT NULL DEFAULT 0, pinned INTEGER NOT NULL DEFAULT 0, corrupt INTEGER NOT NULL DEFAULT 0,
+  embedding BLOB, created REAL NOT NULL,
+  PRIMARY KEY (tenant, user, fingerprint, item)
+);
+CREATE INDEX IF NOT EXISTS items_tenant_user ON items (tenant, user);
+"""
+COLS = "tenant, user, fingerprint, item, path, size, kv_bytes, tokens, sha256, dram, gpu, last_access, pinned, corrupt, created"
+
+
+@dataclass
+class ItemInfo:
+    """One catalogued item, as ``KVStore.list`` returns it."""
+
+    tenant: str
+    user: str
+    fingerprint: str
+    item_id: str
+    path: str
+    size: int  # bytes of the blob (what moves between tiers)
+    kv_bytes: int
+    tokens: int
+    sha256: str
+    tiers: list[str] = field(default_factory=list)  # fastest first, of "gpu", "dram", "disk"
+    last_access: float = 0.0
+    pinned: bool = False
+    corrupt: bool = False
+    created: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.tenant, self.user, self.fingerprint, self.item_id)
+
+
+def _info(row: tuple) -> ItemInfo:
+    t, u, fp, item, path, size, kvb, tok, sha, dram, gpu, last, pinned, corrupt, created = row
+    tiers = [name for name, on in (("gpu", gpu), ("dram", dram), ("disk", 1)) if on]
+    return ItemInfo(t, u, fp, item, path, size, kvb, tok, sha, tiers, last, bool(pinned), bool(corrupt), created)
+
+
+class Catalogue:
+    """Thread-safe (one connection, one lock); every write is its own short transaction."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        fresh = not self.path.exists()
+        try:
+            self._db = self._open()
+            self._db.execute("SELECT count(*) FROM items").fetchone()
+        except sqlite3.DatabaseError as e:
+            # An unreadable catalogue is rebuilt from the disk tier rather than trusted or fatal.
+            log.warning("catalogue %s unreadable (%s); rebuilding from disk", self.path, e)
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            fresh = True
+            self._db = self._open()
+        self.fresh = fresh
+        with self._lock, self._db:
+            self._db.execute("UPDATE items SET dram = 0, gpu = 0 WHERE dram != 0 OR gpu != 0")
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, timeout=30, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(SCHEMA)
+        return db
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- writes ---------------------------------------------------------------------------------------------
+    def upsert(self, info: ItemInfo, embedding: bytes | None) -> None:
+        """Insert or replace an item (a re-put clears its corrupt flag and keeps its pin)."""
+        emb = embedding
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT INTO items (tenant, user, fingerprint, item, path, size, kv_bytes, tokens, sha256, dram, gpu,"
+                " last_access, pinned, corrupt, embedding, created) VALUES (?,?,?,?,?,?,?,?,?,0,0,?,0,0,?,?)"
+                " ON CONFLICT (tenant, user, fingerprint, item) DO UPDATE SET path=excluded.path, size=excluded.size,"
+                " kv_bytes=excluded.kv_bytes, tokens=excluded.tokens, sha256=excluded.sha256, dram=0, gpu=0,"
+                " corrupt=0, embedding=excluded.embedding, created=excluded.created",
+                (*info.key, info.path, info.size, info.kv_bytes, info.tokens, info.sha256, info.last_access, emb,
+                 info.created),
+            )
+
+    def delete(self, keys: list[tuple[str, str, str, str]]) -> None:
+        with self._lock, self._db:
+            self._db.executemany("DELETE FROM items WHERE tenant=? AND user=? AND fingerprint=? AND item=?", keys)
+
+    def set_flag(self, keys: list[tuple[str, str, str, str]], column: str, value: int) -> None:
+        assert column in ("dram", "gpu", "pinned", "corrupt")
+        if not keys:
+            return
+        with self._lock, self._db:
+            self._db.executemany(
+                f"UPDATE items SET {column}=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
+                [(value, *k) for k in keys],
+            )
+
+    def record(self, touched: list[tuple[str, str, str, str]], changes: dict[tuple[str, int], list]) -> None:
+        """One transaction per request: last access of ``touched`` and residency flips {(column, value): keys}."""
+        now = time.time()
+        with self._lock, self._db:
+            if touched:
+                self._db.executemany(
+                    "UPDATE items SET last_access=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
+                    [(now, *k) for k in touched])
+            for (column, value), keys in changes.items():
+                assert column in ("dram", "gpu")
+                if keys:
+                    self._db.executemany(
+                        f"UPDATE items SET {column}=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
+                        [(value, *k) for k in keys])
+
+    def touch(self, keys: list[tuple[str, str, str, str]], when: float | None = None) -> None:
+        when = time.time() if when is None else when
+        with self._lock, self._db:
+            self._db.executemany(
+                "UPDATE items SET last_access=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
+                [(when, *k) for k in keys],
+            )
+
+    # -- reads ----------------------------------------------------------------------------------------------
+    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def items(self, tenant: str, user: str | None = None, fingerprint: str | None = None,
+              item_ids: list[str] | None = None) -> list[ItemInfo]:
+        sql, args = f"SELECT {COLS} FROM items WHERE tenant=?", [tenant]
+        if user is not None:
+            sql += " AND user=?"
+            args.append(user)
+        if fingerprint is not None:
+            sql += " AND fingerprint=?"
+            args.append(fingerprint)
+        if item_ids is not None:
+            if not item_ids:
+                return []
+            sql += f" AND item IN ({','.join('?' * len(item_ids))})"
+            args.extend(item_ids)
+        return [_info(r) for r in self._query(sql + " ORDER BY user, item, fingerprint", tuple(args))]
+
+    def all_items(self) -> list[ItemInfo]:
+        return [_info(r) for r in self._query(f"SELECT {COLS} FROM items")]
+
+    def users(self, tenant: str) -> list[str]:
+        return [r[0] for r in self._query("SELECT DISTINCT user FROM items WHERE tenant=? ORDER BY user", (tenant,))]
+
+    def embeddings(self, tenant: str, user: str, fingerprint: str) -> list[tuple[str, bytes]]:
+        return self._query(
+            "SELECT item, embedding FROM items WHERE tenant=? AND user=? AND fingerprint=? AND embedding IS NOT NULL"
+            " AND corrupt=0 ORDER BY item", (tenant, user, fingerprint))
+
+    def pinned_keys(self) -> set[tuple[str, str, str, str]]:
+        return {tuple(r) for r in self._query("SELECT tenant, user, fingerprint, item FROM items WHERE pinned=1")}
+
+    def totals(self) -> dict[str, int]:
+        n, size, users, tenants, corrupt = self._query(
+            "SELECT count(*), coalesce(sum(size),0), count(DISTINCT tenant || '/' || user), count(DISTINCT tenant),"
+            " coalesce(sum(corrupt),0) FROM items")[0]
+        return {"items": n, "disk_bytes": size, "users": users, "tenants": tenants, "corrupt": corrupt}
+
+    def max_size(self) -> int:
+        return self._query("SELECT coalesce(max(size), 0) FROM items")[0][0]

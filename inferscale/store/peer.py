@@ -1,0 +1,111 @@
+"""The tiny metadata service next to each node's NIXL agent (G4).
+
+A puller asks over TCP "where are blocks X, Y of tenant/user?"; the owner makes them DRAM-resident, holds them
+(a lease, so they cannot be evicted mid-transfer) and answers with arena addresses, sizes and checksums plus its
+NIXL agent metadata. The puller then READs all of them in one NIXL request and says "done". Only metadata
+crosses this socket; the bytes go through NIXL. Frames: 4-byte big-endian length + JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import socketserver
+import struct
+import threading
+from typing import Any, Callable
+
+from inferscale.errors import TransferError
+
+log = logging.getLogger(__name__)
+MAX_FRAME = 16 << 20
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    data = json.dumps(msg).encode()
+    sock.sendall(struct.pack(">I", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> dict[str, Any]:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise ConnectionError(f"frame of {n} bytes")
+    return json.loads(_recv_exact(sock, n))
+
+
+def parse_peer(peer: str) -> tuple[str, int]:
+    host, sep, port = peer.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise TransferError(f"peer {peer!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def request(peer: str, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """One request/response to a peer's metadata service, bounded by ``timeout_s`` end to end."""
+    host, port = parse_peer(peer)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            send_msg(s, msg)
+            return recv_msg(s)
+    except (OSError, ConnectionError, ValueError) as e:
+        raise TransferError(f"peer {peer} unreachable or not answering ({e})") from None
+
+
+class PeerServer:
+    """Serves ``handler(msg) -> reply`` on a TCP port in daemon threads."""
+
+    def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]],
+                 token: str | None = None, timeout_s: float = 30.0) -> None:
+        outer = self
+
+        class _Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:  # one request per connection
+                self.request.settimeout(timeout_s)
+                try:
+                    msg = recv_msg(self.request)
+                    if token is not None and msg.get("token") != token:
+                        reply = {"error": "unauthorized", "message": "bad or missing peer token"}
+                    else:
+                        reply = outer._safe(handler, msg)
+                    send_msg(self.request, reply)
+                except (OSError, ConnectionError, ValueError) as e:
+                    log.debug("peer connection dropped: %s", e)
+
+        class _Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = _Server((host, port), _Handler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvstore-peer", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _safe(handler: Callable[[dict[str, Any]], dict[str, Any]], msg: dict[str, Any]) -> dict[str, Any]:
+        from inferscale.errors import InferScaleError, NotFoundError
+
+        try:
+            return handler(msg)
+        except NotFoundError as e:
+            return {"error": "not_found", "message": str(e)}
+        except InferScaleError as e:
+            return {"error": type(e).__name__, "message": str(e)}
+        except Exception as e:  # noqa: BLE001 - a bug here must not kill the service thread
+            log.exception("peer request failed")
+            return {"error": "internal", "message": f"{type(e).__name__}: {e}"}
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,641 @@
+"""KVStore: the tiered, tenant-scoped store of memory KV blocks on one node.
+
+Tiers, fastest first: G1 device (CUDA, optional), G2 DRAM arena, G3 local disk (safetensors blobs, the source
+of truth), G4 peers (other nodes' DRAM via NIXL UCX). Every call names the tenant and every lookup is keyed by
+(tenant, user, fingerprint, item): there is no path from one tenant's name to another's bytes, and identical
+content in two tenants is stored twice on purpose (no cross-tenant dedup)."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from inferscale.errors import (
+    BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError, StorageError,
+    TransferError,
+)
+from inferscale.kvformat import KVBlock, atomic_write, encode_blob, list_blobs
+from inferscale.store import peer as peerproto
+from inferscale.store.arena import Arena, align_up
+from inferscale.store.blob import BlobInfo, block_from_image, parse_header, read_header, verify
+from inferscale.store.catalogue import Catalogue, ItemInfo
+from inferscale.store.layout import CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs
+from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
+
+log = logging.getLogger(__name__)
+DEFAULT_MIN_BLOCK = 64 << 10  # budgets below this cannot hold any real block; the server passes its model's size
+LEASE_SECONDS = 30.0
+
+
+@dataclass
+class FetchStats:
+    """What one get_many cost: which tier served each block, bytes served, wall time."""
+
+    tiers: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "dram": 0, "disk": 0})
+    bytes: int = 0  # kv bytes of the blocks returned
+    bytes_read: int = 0  # blob bytes brought up from disk
+    seconds: float = 0.0
+    served: dict[str, str] = field(default_factory=dict)  # item id -> tier
+
+    def as_attributes(self, prefix: str = "kv.") -> dict[str, int | float]:
+        """Flat attributes for a tracing span."""
+        out: dict[str, int | float] = {f"{prefix}tier.{k}": v for k, v in self.tiers.items()}
+        out.update({f"{prefix}blocks": sum(self.tiers.values()), f"{prefix}bytes": self.bytes,
+                    f"{prefix}bytes_read": self.bytes_read, f"{prefix}seconds": self.seconds})
+        return out
+
+
+@dataclass
+class PullResult:
+    tenant: str
+    user: str
+    blocks: int
+    bytes: int
+    tier: str  # where the blocks now are: "dram" (or "disk" when they did not fit)
+    seconds: float
+
+
+class KVStore:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        dram_budget_bytes: int,
+        gpu_budget_bytes: int = 0,
+        tenant_quota_bytes: int | None = None,
+        node: str | None = None,
+        nixl: bool = True,
+        peer_port: int | None = None,
+        peer_host: str = "0.0.0.0",
+        peer_token: str | None = None,
+        timeout_s: float = 10.0,
+        device: str | torch.device | None = None,
+        min_block_bytes: int = DEFAULT_MIN_BLOCK,
+    ) -> None:
+        self.root = Path(root)
+        self.node = node or socket.gethostname()
+        self.timeout_s = timeout_s
+        self.peer_token = peer_token
+        for name, v in (("dram_budget_bytes", dram_budget_bytes), ("gpu_budget_bytes", gpu_budget_bytes)):
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"store root {self.root} is not usable: {e.strerror or e}") from None
+        self.catalogue = Catalogue(self.root / CATALOGUE_NAME)
+        if self.catalogue.fresh:
+            self.rebuild()
+        # A budget that cannot hold one block would make every request fail: refuse it at start.
+        floor = max(min_block_bytes, self.catalogue.max_size())
+        for name, v in (("DRAM budget", dram_budget_bytes), ("GPU budget", gpu_budget_bytes or None),
+                        ("tenant quota", tenant_quota_bytes)):
+            if v is not None and v < floor:
+                raise ConfigError(f"{name} of {v} bytes is smaller than one block ({floor} bytes)")
+        self._pins: set[Key] = self.catalogue.pinned_keys()
+        is_pinned = self._pins.__contains__
+
+        self.gpu: DeviceTier | None = None
+        if gpu_budget_bytes:
+            dev = torch.device(device) if device is not None else torch.device("cuda")
+            if dev.type == "cuda" and torch.cuda.is_available():
+                self.gpu = DeviceTier(gpu_budget_bytes, tenant_quota=tenant_quota_bytes, device=dev,
+                                      is_pinned=is_pinned)
+            else:
+                log.warning("GPU budget set but %s is unavailable: device tier disabled", dev)
+        self.arena = Arena(dram_budget_bytes, pin=self.gpu is not None)
+        self.dram = DramTier(self.arena, tenant_quota=tenant_quota_bytes, is_pinned=is_pinned)
+        self.transport = None
+        if nixl:
+            from inferscale.store.nixl_transport import NixlTransport
+
+            self.transport = NixlTransport(self.arena, name=f"{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                           timeout_s=timeout_s)
+        self._hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                          thread_name_prefix="kvstore-verify")
+        self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
+        self._leases: dict[str, tuple[list[DramEntry], threading.Timer]] = {}
+        self._lease_lock = threading.Lock()
+        self._counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
+        self.peer_server = None
+        if peer_port is not None:
+            self.peer_server = peerproto.PeerServer(peer_host, peer_port, self._handle_peer, token=peer_token,
+                                                    timeout_s=timeout_s)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    @property
+    def peer_address(self) -> str | None:
+        return None if self.peer_server is None else f"{self.node}:{self.peer_server.port}"
+
+    def close(self) -> None:
+        if self.peer_server is not None:
+            self.peer_server.close()
+        with self._lease_lock:
+            for lease in list(self._leases):
+                self._end_lease(lease)
+        self._hasher.shutdown(wait=True)
+        if self.transport is not None:
+            self.transport.close()
+        self.catalogue.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def rebuild(self) -> int:
+        """Re-catalogue every blob in the disk tier (after the catalogue was lost). Returns items found."""
+        n = 0
+        for tenant, user, path in scan_blobs(self.root):
+            try:
+                info = read_header(path)
+            except BlobCorruptError as e:
+                log.warning("rebuild: skipping %s", e)
+                continue
+            fp, item = info.fingerprint, info.item_id
+            if path.stem != item or path.parent.name != fp[:FP_DIR_LEN]:
+                log.warning("rebuild: %s holds item %r of model %s; skipped", path, item, fp[:16])
+                continue
+            emb = None
+            if info.emb_range is not None:
+                with open(path, "rb") as f:
+                    f.seek(info.emb_range[0])
+                    emb = f.read(info.emb_range[1] - info.emb_range[0])
+            self.catalogue.upsert(self._item_info(tenant, user, info, path, os.stat(path).st_mtime), emb)
+            n += 1
+        log.info("catalogue rebuilt from %s: %d items", self.root, n)
+        return n
+
+    # -- public API -----------------------------------------------------------------------------------------
+    def put(self, tenant: str, user: str, block: KVBlock, *, cache: bool = True) -> ItemInfo:
+        """Store a block on disk (atomically) and, when it fits, in DRAM. Replaces an item of the same key."""
+        check_name("tenant", tenant), check_name("user", user), check_name("item", block.item_id)
+        check_fingerprint(block.model_fingerprint)
+        data = encode_blob(block)
+        info = parse_header(data, source=block.item_id, total=len(data))
+        return self._store_image(tenant, user, memoryview(data), info, cache=cache)
+
+    def get_many(self, tenant: str, user: str, item_ids: list[str], fingerprint: str, *,
+                 copy: bool = False) -> tuple[list[KVBlock], FetchStats]:
+        """The blocks of ``item_ids`` (in that order) from the fastest tier holding each, promoting them.
+
+        kv tensors served from DRAM are zero-copy, read-only views of the arena, valid for as long as the caller
+        holds them (the slot is not reused meanwhile); ``copy=True`` returns owned tensors instead."""
+        t0 = time.perf_counter()
+        rows = list({r.key: r for r in self._rows(tenant, user, fingerprint, list(item_ids))}.values())
+        keys = [r.key for r in rows]  # unique; duplicates in item_ids share a block
+        protect = set(keys)
+        stats = FetchStats()
+        out: dict[Key, KVBlock] = {}
+        changes: dict[tuple[str, int], list[Key]] = {("dram", 1): [], ("dram", 0): [], ("gpu", 1): [], ("gpu", 0): []}
+        if self.gpu is not None:
+            for k in keys:
+                b = self.gpu.get(k)
+                if b is not None:
+                    out[k] = b
+                    stats.served[k[3]] = "gpu"
+        rest = [r for r in rows if r.key not in out]
+        entries, loaded, evicted = self._ensure_dram(tenant, rest, protect)
+        changes[("dram", 0)] += evicted
+        from_disk = {e.key for e in loaded}
+        changes[("dram", 1)] += list(from_disk)
+        for r in rest:
+            e = entries[r.key]
+            b = block_from_image(self.dram.lease_view(e), e.info)
+            if copy:
+                b.kv = b.kv.clone()
+            if self.gpu is not None:
+                b, ev = self.gpu.put(r.key, b, protect, cache=not e.dead)
+                changes[("gpu", 0)] += ev
+                changes[("gpu", 1)].append(r.key)
+            out[r.key] = b
+            stats.served[r.item_id] = "disk" if r.key in from_disk else "dram"
+            if r.key in from_disk:
+                stats.bytes_read += e.size
+        by_item = {k[3]: out[k] for k in keys}
+        blocks = [by_item[i] for i in item_ids]
+        for tier in stats.served.values():
+            stats.tiers[tier] += 1
+        stats.bytes = sum(b.nbytes for b in blocks)
+        self._counters["gpu_hits"] += stats.tiers["gpu"]
+        self._counters["dram_hits"] += stats.tiers["dram"]
+        self._counters["disk_reads"] += stats.tiers["disk"]
+        self.catalogue.record(keys, changes)
+        stats.seconds = time.perf_counter() - t0
+        return blocks, stats
+
+    def delete(self, tenant: str, user: str, item_id: str | None = None, *, fingerprint: str | None = None) -> int:
+        """Remove an item (every fingerprint of it) or all of a user's items from every tier. Returns blocks
+        removed; NotFoundError when there was nothing to remove."""
+        n, _ = self._remove(tenant, user, None if item_id is None else [item_id], fingerprint)
+        if n == 0:
+            what = f"item {item_id!r}" if item_id is not None else "memories"
+            raise NotFoundError(f"{what} not found for tenant {tenant!r} user {user!r}")
+        return n
+
+    def purge(self, tenant: str, user: str, item_ids: list[str] | None = None) -> tuple[int, int]:
+        """Idempotent delete for the internal purge endpoint: (removed blocks, removed bytes), zeros if absent."""
+        return self._remove(tenant, user, item_ids, None)
+
+    def list(self, tenant: str, user: str) -> list[ItemInfo]:
+        check_name("tenant", tenant), check_name("user", user)
+        rows = self.catalogue.items(tenant, user)
+        if not rows:
+            raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this node")
+        for r in rows:  # residency from the tiers themselves, never stale
+            r.tiers = ([*(["gpu"] if self.gpu is not None and self.gpu.resident(r.key) else []),
+                        *(["dram"] if self.dram.resident(r.key) else []), "disk"])
+        return rows
+
+    def users(self, tenant: str) -> list[str]:
+        check_name("tenant", tenant)
+        users = self.catalogue.users(tenant)
+        if not users:
+            raise NotFoundError(f"tenant {tenant!r} has no memories on this node")
+        return users
+
+    def embeddings(self, tenant: str, user: str, fingerprint: str) -> tuple[list[str], torch.Tensor]:
+        """(item ids, [n, dim] float32) of the user's items encoded with an embedding, one catalogue query."""
+        check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
+        rows = self.catalogue.embeddings(tenant, user, fingerprint)
+        if not rows and not self.catalogue.items(tenant, user):
+            raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this node")
+        if not rows:
+            return [], torch.empty(0, 0, dtype=torch.float32)
+        ids = [r[0] for r in rows]
+        return ids, torch.stack([torch.frombuffer(bytearray(r[1]), dtype=torch.float32) for r in rows])
+
+    def pin(self, tenant: str, user: str, item_ids: list[str] | None = None) -> int:
+        """Keep these items resident once loaded (never evicted). Returns items pinned."""
+        return self._set_pin(tenant, user, item_ids, True)
+
+    def unpin(self, tenant: str, user: str, item_ids: list[str] | None = None) -> int:
+        return self._set_pin(tenant, user, item_ids, False)
+
+    def import_dir(self, tenant: str, user: str, directory: str | os.PathLike, items: list[str] | None = None,
+                   *, load: bool = True) -> PullResult:
+        """Adopt an encoding Job's output (``DIR/<id>.safetensors``): verify each blob, store it in the disk tier
+        and, with ``load``, in DRAM. Every blob is checked before any is stored."""
+        t0 = time.perf_counter()
+        check_name("tenant", tenant), check_name("user", user)
+        d = Path(directory)
+        if not d.is_dir():
+            raise NotFoundError(f"blob directory {d} does not exist")
+        paths = {p.stem: p for p in list_blobs(d)}
+        if items is not None:
+            missing = [i for i in items if i not in paths]
+            if missing:
+                raise NotFoundError(f"items {missing} not found in {d}")
+            paths = {i: paths[i] for i in items}
+        images = []
+        for item, p in paths.items():
+            check_name("item", item)
+            try:
+                data = p.read_bytes()
+            except OSError as e:
+                raise BlobCorruptError(f"{p}: cannot read ({e.strerror or e})") from None
+            info = verify(memoryview(data), source=str(p), expect_sha=None, expect_item=item)
+            images.append((data, info))
+        tier, nbytes = ("dram" if load else "disk"), 0
+        for data, info in images:
+            self._store_image(tenant, user, memoryview(data), info, cache=load)
+            nbytes += len(data)
+            if load and not self.dram.resident((tenant, user, info.fingerprint, info.item_id)):
+                tier = "disk"
+        return PullResult(tenant, user, len(images), nbytes, tier, time.perf_counter() - t0)
+
+    def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
+                       fingerprint: str | None = None) -> PullResult:
+        """Copy a user's blocks from a peer node's DRAM (NIXL UCX READ, one request) into this node's DRAM and
+        disk, verifying every checksum. TransferError when the peer is unreachable or too slow."""
+        t0 = time.perf_counter()
+        check_name("tenant", tenant), check_name("user", user)
+        for i in item_ids or []:
+            check_name("item", i)
+        if fingerprint is not None:
+            check_fingerprint(fingerprint)
+        if self.transport is None or not self.transport.has_ucx:
+            raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
+        reply = peerproto.request(peer, {"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
+                                         "fingerprint": fingerprint, "token": self.peer_token}, self.timeout_s)
+        if reply.get("error") == "not_found":
+            raise NotFoundError(f"peer {peer}: {reply.get('message')}")
+        if "error" in reply:
+            raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
+        lease, blocks = reply["lease"], reply["blocks"]
+        try:
+            agent = self.transport.add_remote(base64.b64decode(reply["agent"]))
+            sizes = [b["size"] for b in blocks]
+            offsets, evicted = self.dram.reserve(tenant, sizes)
+            try:
+                self.transport.read_remote(agent, [(b["addr"], b["size"]) for b in blocks], offsets)
+            except TransferError as e:
+                self.transport.forget_remote(agent)
+                if not getattr(e, "inflight", False):  # a transfer still in flight may yet write: leak, not reuse
+                    self.dram.abort(tenant, offsets, sizes)
+                raise
+        finally:
+            try:
+                peerproto.request(peer, {"op": "release", "lease": lease, "token": self.peer_token}, self.timeout_s)
+            except TransferError as e:
+                log.warning("releasing lease at %s: %s", peer, e)
+        self.catalogue.record([], {("dram", 0): evicted})
+        good, bad = self._verify_slots(
+            tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
+                      b["fingerprint"]) for o, b in zip(offsets, blocks)])
+        nbytes = 0
+        for (off, size, info) in good:
+            self._store_image(tenant, user, self.arena.view(off, size), info, cache=False)
+            key = (tenant, user, info.fingerprint, info.item_id)
+            self.dram.release(self.dram.commit(key, off, size, info))
+            nbytes += size
+        self.catalogue.set_flag([(tenant, user, i.fingerprint, i.item_id) for _, _, i in good], "dram", 1)
+        self._counters["peer_pulls"] += len(good)
+        if bad:
+            self._raise_corrupt(tenant, user, bad, mark=True)
+        return PullResult(tenant, user, len(good), nbytes, "dram", time.perf_counter() - t0)
+
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = {"node": self.node, **self.catalogue.totals(), **self.dram.stats(), **self._counters}
+        s.update(self.gpu.stats() if self.gpu is not None else {"gpu_blocks": 0, "gpu_bytes": 0, "gpu_budget": 0})
+        s["bytes_used"], s["bytes_capacity"] = s["dram_bytes"], s["dram_budget"]
+        s["nixl_backends"] = [] if self.transport is None else list(self.transport.backends)
+        s["peer"] = self.peer_address
+        return s
+
+    # -- internals ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _item_info(tenant: str, user: str, info: BlobInfo, path: Path, created: float) -> ItemInfo:
+        return ItemInfo(tenant, user, info.fingerprint, info.item_id, str(path), info.size, info.kv_bytes,
+                        info.tokens, info.sha256, [], 0.0, False, False, created)
+
+    def _store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
+        check_name("item", info.item_id)
+        check_fingerprint(info.fingerprint)
+        key = (tenant, user, info.fingerprint, info.item_id)
+        path = blob_path(self.root, *key)
+        emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
+        item = self._item_info(tenant, user, info, path, time.time())
+        # File and catalogue change together: a reader never sees a new file with an old catalogue entry for
+        # longer than this section, and two writers of one key cannot leave them disagreeing.
+        with self._write_lock:
+            try:
+                atomic_write(path, image)
+            except OSError as e:  # atomic_write removed its temp file; the old blob (if any) is intact
+                raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
+            self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
+            if self.gpu is not None:
+                self.gpu.drop(lambda k: k == key)
+            self.catalogue.upsert(item, emb)
+            gen = self.dram.generation(key)
+        if cache:
+            try:
+                (off,), evicted = self.dram.reserve(tenant, [len(image)], {key})
+            except QuotaExceededError:
+                return item  # does not fit now; it is on disk and loads on demand
+            self.arena.np[off : off + len(image)] = memoryview(image).cast("B")
+            self.dram.release(self.dram.commit(key, off, len(image), info, gen))
+            self.catalogue.record([], {("dram", 0): evicted, ("dram", 1): [key]})
+        return item
+
+    def _rows(self, tenant: str, user: str, fingerprint: str, item_ids: list[str]) -> list[ItemInfo]:
+        check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
+        for i in item_ids:
+            check_name("item", i)
+        found = {r.item_id: r for r in self.catalogue.items(tenant, user, fingerprint, list(set(item_ids)))}
+        missing = [i for i in item_ids if i not in found]
+        if missing:
+            if not self.catalogue.items(tenant, user):
+                raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this node")
+            other = {r.item_id for r in self.catalogue.items(tenant, user, None, missing)}
+            if other:
+                raise FingerprintMismatchError(
+                    f"items {sorted(other)} of {tenant}/{user} were encoded for another model than "
+                    f"{fingerprint[:16]}; re-encode them")
+            raise NotFoundError(f"items {missing} not found for tenant {tenant!r} user {user!r}")
+        corrupt = [found[i] for i in item_ids if found[i].corrupt]
+        if corrupt:
+            self._raise_corrupt(tenant, user, [r.item_id for r in corrupt], mark=False)
+        return [found[i] for i in item_ids]
+
+    def _raise_corrupt(self, tenant: str, user: str, items: list[str], *, mark: bool) -> None:
+        if mark:
+            rows = self.catalogue.items(tenant, user, None, items)
+            self.catalogue.set_flag([r.key for r in rows], "corrupt", 1)
+            self._counters["corrupt"] += len(items)
+        err = BlobCorruptError(f"items {sorted(set(items))} of {tenant}/{user} are corrupt; re-encode them")
+        err.item_ids = sorted(set(items))  # type: ignore[attr-defined]
+        raise err
+
+    def _ensure_dram(self, tenant: str, rows: list[ItemInfo], protect: set[Key]
+                     ) -> tuple[dict[Key, DramEntry], list[DramEntry], list[Key]]:
+        """DRAM entries (one reference each, owned by the caller) for ``rows``, loading misses from disk in
+        one batch. Returns (entries, entries loaded from disk, keys evicted)."""
+        entries: dict[Key, DramEntry] = {}
+        misses = []
+        for r in rows:
+            e = self.dram.acquire(r.key)
+            if e is None:
+                misses.append(r)
+            else:
+                entries[r.key] = e
+        if not misses:
+            return entries, [], []
+        try:
+            loaded, evicted = self._load_from_disk(tenant, misses, protect)
+        except BaseException:
+            for e in entries.values():
+                self.dram.release(e)
+            raise
+        entries.update({e.key: e for e in loaded})
+        return entries, loaded, evicted
+
+    def _load_from_disk(self, tenant: str, rows: list[ItemInfo], protect: set[Key]
+                        ) -> tuple[list[DramEntry], list[Key]]:
+        fds: list[int] = []
+        missing: list[str] = []
+        opened: list[ItemInfo] = []
+        gens = {r.key: self.dram.generation(r.key) for r in rows}  # before the files are opened
+        try:
+            for r in rows:
+                try:
+                    fds.append(os.open(r.path, os.O_RDONLY))
+                    opened.append(r)
+                except OSError:
+                    missing.append(r.item_id)
+            sizes = [os.fstat(fd).st_size for fd in fds]
+            for r, s in zip(list(opened), sizes):
+                if s != r.size:
+                    missing.append(r.item_id)  # truncated or replaced behind our back
+            if missing:
+                self._raise_corrupt(tenant, rows[0].user, missing, mark=True)
+            offsets, evicted = self.dram.reserve(tenant, sizes, protect)
+            try:
+                if self.transport is not None and self.transport.has_posix:
+                    self.transport.read_files(list(zip(fds, sizes)), offsets)
+                else:
+                    for fd, off, size in zip(fds, offsets, sizes):
+                        _pread_into(fd, self.arena.view(off, size))
+            except BaseException:
+                self.dram.abort(tenant, offsets, sizes)
+                raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        good, bad = self._verify_slots(
+            tenant, [(o, s, r.path, r.sha256, r.item_id, r.fingerprint) for o, s, r in zip(offsets, sizes, opened)],
+            recheck=lambda item, sha: self._changed_since(
+                (tenant, rows[0].user, rows[0].fingerprint, item), sha, gens))
+        loaded = [self.dram.commit(r.key, off, size, info, gens[r.key])
+                  for (off, size, info), r in zip(good, [r for r in opened if r.item_id not in bad])]
+        if bad:
+            for e in loaded:
+                self.dram.release(e)
+            self._raise_corrupt(tenant, rows[0].user, bad, mark=True)
+        return loaded, evicted
+
+    def _changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
+        """Whether an intact blob that disagrees with the catalogue row read earlier is explained by a put
+        of the key since then (not corruption). Waits out a put in progress."""
+        with self._write_lock:
+            if self.dram.generation(key) != gens[key]:
+                return True
+            rows = self.catalogue.items(key[0], key[1], key[2], [key[3]])
+            return bool(rows) and rows[0].sha256 == sha
+
+    def _verify_slots(self, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
+                      recheck: Callable[[str, str], bool] | None = None
+                      ) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
+        """Verify blob images in reserved arena slots, in parallel. Bad slots are given back. Returns
+        ([(offset, size, info)] of good ones in order, [item ids] of bad ones).
+
+        An intact blob whose checksum differs from the expected one may be a newer version written by a
+        concurrent put: ``recheck(item, sha)`` decides before calling it corrupt."""
+
+        def check(slot: tuple[int, int, str, str, str, str]) -> BlobInfo | None:
+            off, size, source, sha, item, fp = slot
+            try:
+                info = verify(self.arena.view(off, size), source=source, expect_sha=None, expect_item=item,
+                              expect_fingerprint=fp)
+                if info.sha256 != sha and (recheck is None or not recheck(item, info.sha256)):
+                    raise BlobCorruptError(f"{source}: checksum {info.sha256[:12]} is not the catalogued "
+                                           f"{sha[:12]} (item {item!r})")
+                return info
+            except BlobCorruptError as e:
+                log.warning("%s", e)
+                return None
+
+        infos = list(self._hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
+        good, bad = [], []
+        for (off, size, _, _, item, _), info in zip(slots, infos):
+            if info is None:
+                self.dram.abort(tenant, [off], [size])
+                bad.append(item)
+            else:
+                good.append((off, size, info))
+        return good, bad
+
+    def _remove(self, tenant: str, user: str, item_ids: list[str] | None, fingerprint: str | None
+                ) -> tuple[int, int]:
+        check_name("tenant", tenant), check_name("user", user)
+        for i in item_ids or []:
+            check_name("item", i)
+        rows = self.catalogue.items(tenant, user, fingerprint, item_ids)
+        if not rows:
+            return 0, 0
+        keys = {r.key for r in rows}
+        with self._write_lock:
+            for k in keys:
+                self.dram.invalidate(k)
+            if self.gpu is not None:
+                self.gpu.drop(keys.__contains__)
+            for r in rows:
+                Path(r.path).unlink(missing_ok=True)
+                for d in (Path(r.path).parent, Path(r.path).parent.parent):
+                    try:
+                        d.rmdir()  # only when empty
+                    except OSError:
+                        pass
+            self.catalogue.delete(list(keys))
+        self._pins.difference_update(keys)
+        return len(rows), sum(r.size for r in rows)
+
+    def _set_pin(self, tenant: str, user: str, item_ids: list[str] | None, on: bool) -> int:
+        check_name("tenant", tenant), check_name("user", user)
+        rows = self.catalogue.items(tenant, user, None, item_ids)
+        if not rows or (item_ids is not None and {r.item_id for r in rows} != set(item_ids)):
+            raise NotFoundError(f"items {item_ids or 'all'} not found for tenant {tenant!r} user {user!r}")
+        keys = [r.key for r in rows]
+        self.catalogue.set_flag(keys, "pinned", int(on))
+        (self._pins.update if on else self._pins.difference_update)(keys)
+        return len(keys)
+
+    # -- serving peers --------------------------------------------------------------------------------------
+    def _handle_peer(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "ping":
+            return {"node": self.node}
+        if op == "release":
+            with self._lease_lock:
+                self._end_lease(str(msg.get("lease")))
+            return {"ok": True}
+        if op != "locate":
+            return {"error": "bad_request", "message": f"unknown op {op!r}"}
+        if self.transport is None or not self.transport.has_ucx:
+            return {"error": "unavailable", "message": "this node has no NIXL UCX agent"}
+        tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
+        items, fp = msg.get("items"), msg.get("fingerprint")
+        rows = self.catalogue.items(tenant, user, fp, items)
+        if not rows:
+            raise NotFoundError(f"no memories for tenant {tenant!r} user {user!r} on node {self.node}")
+        if items is not None and {r.item_id for r in rows} != set(items):
+            if fp is None or len({r.item_id for r in rows}) != len(set(items)):
+                raise NotFoundError(f"items {sorted(set(items) - {r.item_id for r in rows})} not found for "
+                                    f"tenant {tenant!r} user {user!r} on node {self.node}")
+        rows = [r for r in rows if not r.corrupt]
+        entries, loaded, evicted = self._ensure_dram(tenant, rows, {r.key for r in rows})
+        self.catalogue.record([], {("dram", 0): evicted, ("dram", 1): [e.key for e in loaded]})
+        held = [entries[r.key] for r in rows]
+        lease = uuid.uuid4().hex
+        timer = threading.Timer(LEASE_SECONDS, self._expire_lease, args=(lease,))
+        timer.daemon = True
+        with self._lease_lock:
+            self._leases[lease] = (held, timer)
+        timer.start()
+        return {
+            "lease": lease, "node": self.node, "agent": base64.b64encode(self.transport.metadata()).decode(),
+            "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": self.arena.base + e.offset,
+                        "size": e.size, "sha256": e.info.sha256} for e in held],
+        }
+
+    def _expire_lease(self, lease: str) -> None:
+        with self._lease_lock:
+            self._end_lease(lease)
+
+    def _end_lease(self, lease: str) -> None:
+        held = self._leases.pop(lease, None)
+        if held is not None:
+            held[1].cancel()
+            for e in held[0]:
+                self.dram.release(e)
+
+
+def _pread_into(fd: int, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], got)
+        if n == 0:
+            raise BlobCorruptError(f"file shrank while reading (fd {fd})")
+        got += n

@@ -1,0 +1,23 @@
+import pytest
+
+from inferscale.store import KVStore
+
+
+@pytest.fixture
+def open_store(tmp_path):
+    """Factory for stores rooted in tmp_path; closes them all at the end."""
+    stores = []
+
+    def _open(root=None, **kw):
+        kw.setdefault("dram_budget_bytes", 8 << 20)
+        kw.setdefault("timeout_s", 5.0)
+        s = KVStore(root or tmp_path / "kv", **kw)
+        stores.append(s)
+        return s
+
+    yield _open
+    for s in stores:
+        try:
+            s.close()
+        except Exception:
+            pass

@@ -1,0 +1,29 @@
+"""Small synthetic blocks for store tests (no model needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from inferscale.kvformat import KVBlock
+
+FP = "f" * 64  # a model fingerprint
+OTHER_FP = "e" * 64
+LAYERS, HEADS, DIM = 2, 1, 2048  # 4 tokens -> 128 KiB of kv: above the store's 64 KiB block floor
+
+
+def make_block(item: str, tokens: int = 4, *, version: int = 0, fp: str = FP, seed: int | None = None,
+               embed: bool = True) -> KVBlock:
+    """A block whose kv is deterministic in (item, version, seed), so any mix-up is detectable."""
+    g = torch.Generator().manual_seed(seed if seed is not None else hash((item, version)) & 0xFFFFFFFF)
+    kv = torch.randn(LAYERS, 2, HEADS, tokens, DIM, generator=g)
+    kv[0, 0, 0, 0, 0] = float(version)  # the version is readable from the tensor itself
+    return KVBlock(
+        item_id=item, text=f"{item} v{version}", token_ids=list(range(tokens)), start_pos=7, kv=kv,
+        model_fingerprint=fp, prefix_sha256="p" * 64, timestamp="2023-05-08",
+        embedding=torch.randn(16, generator=g) if embed else None,
+    )
+
+
+def blob_bytes(tokens: int = 4) -> int:
+    """Approximate blob size of make_block (kv + header); for budgets."""
+    return LAYERS * 2 * HEADS * tokens * DIM * 4 + 4096

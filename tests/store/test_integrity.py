@@ -1,0 +1,87 @@
+"""Checksums on every read from disk; a full disk leaves no partial file."""
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferscale.errors import BlobCorruptError, StorageError
+
+from .helpers import FP, make_block
+
+
+def _flip_byte_in_kv(path: str) -> None:
+    data = bytearray(Path(path).read_bytes())
+    data[-200] ^= 0xFF  # inside the tensor bytes, after the header
+    Path(path).write_bytes(bytes(data))
+
+
+def test_corrupted_file_detected_and_marked(open_store):
+    s = open_store()
+    for i in range(3):
+        s.put("acme", "alice", make_block(f"m{i}"), cache=False)
+    _flip_byte_in_kv(s.list("acme", "alice")[1].path)
+    with pytest.raises(BlobCorruptError, match="m1") as e:
+        s.get_many("acme", "alice", ["m0", "m1", "m2"], FP)
+    assert e.value.item_ids == ["m1"]
+    info = {i.item_id: i for i in s.list("acme", "alice")}
+    assert info["m1"].corrupt and not info["m0"].corrupt
+    assert "dram" not in info["m1"].tiers and "dram" in info["m0"].tiers  # the good ones were still loaded
+    with pytest.raises(BlobCorruptError):  # refused straight from the catalogue now
+        s.get_many("acme", "alice", ["m1"], FP)
+    got, _ = s.get_many("acme", "alice", ["m0", "m2"], FP)
+    assert torch.equal(got[1].kv, make_block("m2").kv)
+    s.put("acme", "alice", make_block("m1", version=2))  # re-encode clears the flag
+    got, _ = s.get_many("acme", "alice", ["m1"], FP)
+    assert got[0].text == "m1 v2"
+
+
+def test_truncated_or_missing_file_detected(open_store):
+    s = open_store()
+    for i in range(2):
+        s.put("acme", "alice", make_block(f"m{i}"), cache=False)
+    p0, p1 = (i.path for i in s.list("acme", "alice"))
+    Path(p0).write_bytes(Path(p0).read_bytes()[:1000])
+    os.unlink(p1)
+    with pytest.raises(BlobCorruptError) as e:
+        s.get_many("acme", "alice", ["m0", "m1"], FP)
+    assert e.value.item_ids == ["m0", "m1"]
+
+
+def test_swapped_blob_detected(open_store):
+    """A valid blob of another item under this item's name fails the catalogue checksum."""
+    s = open_store()
+    for i in range(2):
+        s.put("acme", "alice", make_block(f"m{i}"), cache=False)
+    p0, p1 = (i.path for i in s.list("acme", "alice"))
+    Path(p0).write_bytes(Path(p1).read_bytes())
+    with pytest.raises(BlobCorruptError, match="m0"):
+        s.get_many("acme", "alice", ["m0"], FP)
+
+
+def test_full_disk_leaves_no_partial_file(open_store, monkeypatch):
+    s = open_store()
+    s.put("acme", "alice", make_block("m0", version=1))
+    before = s.list("acme", "alice")[0]
+    directory = Path(before.path).parent
+    real_write = os.write
+
+    def enospc(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    import inferscale.kvformat as kvformat
+
+    monkeypatch.setattr(kvformat.os, "fsync", enospc)
+    with pytest.raises(StorageError, match="No space left"):
+        s.put("acme", "alice", make_block("m0", version=2))
+    with pytest.raises(StorageError):
+        s.put("acme", "alice", make_block("new"))
+    monkeypatch.setattr(kvformat.os, "fsync", os.fsync)
+    assert sorted(p.name for p in directory.iterdir()) == ["m0.safetensors"]  # no temp, no partial file
+    after = s.list("acme", "alice")
+    assert [i.item_id for i in after] == ["m0"] and after[0].sha256 == before.sha256
+    got, _ = s.get_many("acme", "alice", ["m0"], FP)
+    assert got[0].text == "m0 v1"
+    assert real_write is os.write
