@@ -1,0 +1,77 @@
+"""Kopf wiring: which events call which step of `reconcile`, and the Kopf settings.
+
+Handlers are registered by `register(registry, settings)` rather than at import, so `main()` can build
+a registry from its flags, and tests from their environment, while `kopf run -m inferscale.operator`
+still finds them in the default registry (see __init__).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from . import reconcile
+from .kube import Kube, api_client, connection_info
+from .settings import FINALIZER, GROUP, PLURAL, VERSION, Settings
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+def _lock(memo: kopf.Memo, body: Any) -> asyncio.Lock:
+    # The timer runs concurrently with the change handlers of the same object (Kopf does not
+    # serialise them): both write placements, so they take turns.
+    key = body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}"
+    locks: dict[str, asyncio.Lock] = memo.locks
+    return locks.setdefault(key, asyncio.Lock())
+
+
+def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorRegistry:
+    # A failed call (API hiccup, serving pod down) is retried soon, not after Kopf's default minute.
+    backoff = max(cfg.job_poll_seconds, 1.0)
+
+    @kopf.on.login(registry=registry, retries=3, backoff=1)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(api_client())
+
+    @kopf.on.startup(registry=registry, backoff=1)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        # Progress and the diff base in annotations: the status schema is ours and has no `kopf` field.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="inferscale.io")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="inferscale.io")
+        # Events are posted explicitly (kopf.info/warn); Kopf's own log lines are not turned into
+        # Events, or every "waiting for Job" retry would post one.
+        settings.posting.level = logging.INFO
+        settings.posting.loggers = False
+        memo.cfg = cfg
+        memo.kube = Kube(await asyncio.to_thread(api_client))
+        memo.locks = {}
+        logger.info(f"inferscale operator: models={','.join(cfg.models)} image={cfg.encoder_image}")
+
+    @kopf.on.resume(*RESOURCE, registry=registry, id="reconcile", backoff=backoff)
+    @kopf.on.create(*RESOURCE, registry=registry, id="reconcile", backoff=backoff)
+    @kopf.on.update(*RESOURCE, registry=registry, id="reconcile", backoff=backoff, field="spec")
+    async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+                        **_: Any) -> None:
+        async with _lock(memo, body):
+            await reconcile.reconcile(memo.cfg, memo.kube, body, patch, logger)
+
+    @kopf.on.delete(*RESOURCE, registry=registry, id="purge", backoff=backoff)
+    async def on_delete(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+                        **_: Any) -> None:
+        async with _lock(memo, body):
+            await reconcile.purge(memo.cfg, memo.kube, body, patch, logger)
+
+    @kopf.timer(*RESOURCE, registry=registry, id="recheck", interval=cfg.recheck_seconds,
+                initial_delay=cfg.recheck_seconds)
+    async def on_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+                       **_: Any) -> None:
+        if body["metadata"].get("deletionTimestamp"):
+            return
+        async with _lock(memo, body):
+            await reconcile.recheck(memo.cfg, memo.kube, body, patch, logger)
+
+    return registry

@@ -1,0 +1,305 @@
+"""What the handlers do: encode what changed, place the blocks, purge them. Level-based and idempotent.
+
+Every step derives from the object as it is now (spec + status), never from the event that woke us, so
+a handler killed at any point and called again does the remaining work only:
+- "what is already encoded" is `status.encoded` ({id: {hash, node}}), written only after a Job
+  succeeded, so a restart re-derives the same changed set, the same Job name, and gets 409;
+- pulls and purges are idempotent on the serving pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import kopf
+
+from . import jobs, placement
+from .kube import Kube
+from .servers import ServerCallError, ServerClient, ServingPod, serving_pods
+from .settings import Settings
+from .spec import SpecError, parse
+from .status import ENCODED, PLACED, READY, VALID, set_condition
+
+Body = Mapping[str, Any]
+
+
+@dataclasses.dataclass
+class Placed:
+    placements: list[dict[str, Any]]
+    phase: str  # Ready or Degraded
+    reason: str
+    message: str
+    tokens: int | None  # from the pulls made now; None when no pod reported it
+
+
+async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger) -> None:
+    meta = body["metadata"]
+    tenant, name, gen = meta["namespace"], meta["name"], meta.get("generation")
+    status: Mapping[str, Any] = body.get("status") or {}
+    conds: list[dict[str, Any]] = list(status.get("conditions") or [])
+
+    try:
+        desired = await asyncio.to_thread(parse, body.get("spec") or {}, cfg.models,
+                                          functools.partial(kube.read_key, tenant))
+    except SpecError as e:
+        # Only the verdict changes: encoded items and placements stay, so the last good
+        # version keeps serving until the user fixes the spec.
+        patch.status.update(phase="Failed", message=e.message, observedGeneration=gen,
+                            conditions=set_condition(conds, VALID, False, e.reason, e.message, gen))
+        kopf.warn(body, reason=e.reason, message=e.message)
+        return
+    conds = set_condition(conds, VALID, True, "SpecValid", f"{len(desired.items)} item(s)", gen)
+
+    hashes = desired.item_hashes()
+    chash = desired.content_hash()
+    encoded: dict[str, dict[str, str]] = {k: dict(v) for k, v in (status.get("encoded") or {}).items()}
+    changed = sorted(i for i, h in hashes.items() if (encoded.get(i) or {}).get("hash") != h)
+    removed = sorted(set(encoded) - set(hashes))
+    job_ref: Mapping[str, Any] | None = status.get("job")
+
+    if changed:
+        jname = jobs.job_name(name, chash, changed)
+        cm = jobs.configmap_manifest(jname, tenant, name, [desired.items[i] for i in changed])
+        job = jobs.job_manifest(jname, tenant, name, desired.user_id, desired.model, changed, cfg)
+        kopf.adopt([cm, job], owner=dict(body))  # garbage-collected with the UserMemory
+        live = await asyncio.to_thread(kube.read_job, tenant, jname)
+        if live is None:
+            # ConfigMap first: a Job whose volume is missing would sit in ContainerCreating.
+            # Both names are content-derived: a 409 (we crashed after creating) is success.
+            await asyncio.to_thread(kube.create_configmap, cm)
+            if await asyncio.to_thread(kube.create_job, job):
+                kopf.info(body, reason="EncodeStarted", message=f"Job {jname} encodes {len(changed)} item(s)")
+            live = await asyncio.to_thread(kube.read_job, tenant, jname)
+        if live is None:  # deleted right behind our back: the next try re-creates it
+            raise kopf.TemporaryError(f"Job {jname} vanished", delay=cfg.job_poll_seconds)
+        phase, why = jobs.job_phase(live)
+        job_ref = {"name": jname, "items": len(changed), "phase": phase}
+        if phase == "Running":
+            msg = f"Job {jname} encodes {len(changed)} item(s)"
+            update_changed(patch, status, phase="Encoding", message=msg, job=job_ref,
+                           conditions=set_condition(conds, ENCODED, False, "Encoding", msg, gen))
+            raise kopf.TemporaryError(f"waiting for Job {jname}", delay=cfg.job_poll_seconds)
+        if phase == "Failed":
+            msg = f"Job {jname} failed: {why}"
+            patch.status.update(phase="Failed", message=msg, job=job_ref, observedGeneration=gen,
+                                conditions=set_condition(conds, ENCODED, False, "EncodeJobFailed", msg, gen))
+            kopf.warn(body, reason="EncodeJobFailed", message=msg)
+            return
+        job_pods = await asyncio.to_thread(kube.list_pods, tenant, f"job-name={jname}")
+        node = jobs.job_node(live, job_pods)
+        job_ref = {**job_ref, "node": node}
+        for i in changed:
+            encoded[i] = {"hash": hashes[i], "node": node}
+        kopf.info(body, reason="Encoded", message=f"Job {jname} encoded {len(changed)} item(s) on node {node or '?'}")
+    for i in removed:
+        encoded.pop(i, None)
+    conds = set_condition(conds, ENCODED, True, "Encoded", f"{len(encoded)} item(s) encoded", gen)
+
+    placed = await place(cfg, kube, body, desired.user_id, desired.replicas, desired.node_selector,
+                         encoded, set(changed), removed, status.get("placements") or [], logger)
+    counts = dict(status.get("counts") or {})
+    patch.status.update(
+        phase=placed.phase, message=placed.message, observedGeneration=gen, contentHash=chash,
+        model=desired.model, job=dict(job_ref) if job_ref else None,
+        # Merge-patch semantics: a key set to None is deleted from the map.
+        encoded={**{i: None for i in removed}, **encoded},
+        **placed_fields(placed, len(encoded), counts),
+        conditions=_placed_conditions(conds, placed, gen),
+    )
+
+
+def update_changed(patch: kopf.Patch, status: Mapping[str, Any], **fields: Any) -> None:
+    """Patch only the status fields that differ: a retry loop then writes nothing new."""
+    for k, v in fields.items():
+        if status.get(k) != v:
+            patch.status[k] = v
+
+
+def placed_fields(placed: Placed, items: int, counts: Mapping[str, Any]) -> dict[str, Any]:
+    tokens = placed.tokens if placed.tokens is not None else int(counts.get("tokens") or 0)
+    size = max((int(p.get("bytes") or 0) for p in placed.placements), default=0)
+    return {
+        "placements": placed.placements,
+        "nodes": ",".join(sorted({p["node"] for p in placed.placements})),
+        "counts": {"items": items, "tokens": tokens, "bytes": size},
+    }
+
+
+def _placed_conditions(conds: list[dict[str, Any]], placed: Placed, gen: int | None) -> list[dict[str, Any]]:
+    ok = placed.phase == "Ready"
+    conds = set_condition(conds, PLACED, ok, placed.reason, placed.message, gen)
+    return set_condition(conds, READY, ok, placed.reason, placed.message, gen)
+
+
+async def _serving(cfg: Settings, kube: Kube, node_selector: Mapping[str, str]) -> tuple[list[ServingPod], list[ServingPod]]:
+    """(all serving pods, those on nodes matching the user's node selector)."""
+    raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
+    pods = serving_pods(raw, cfg.server_port)
+    if not node_selector:
+        return pods, pods
+    labels: dict[str, dict[str, str] | None] = {}
+    for node in sorted({p.node for p in pods}):
+        labels[node] = await asyncio.to_thread(kube.node_labels, node)
+    return pods, [p for p in pods if (lab := labels.get(p.node)) is not None
+                  and all(lab.get(k) == v for k, v in node_selector.items())]
+
+
+def _prev_key(entry: Mapping[str, Any]) -> str:
+    return placement.key(str(entry.get("namespace") or ""), str(entry.get("pod") or ""))
+
+
+def holds(entry: Mapping[str, Any] | None, pod: ServingPod) -> bool:
+    """Whether a recorded placement still describes this pod (same uid: not a recreated namesake)."""
+    return entry is not None and (not entry.get("uid") or not pod.uid or entry.get("uid") == pod.uid)
+
+
+async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int, node_selector: Mapping[str, str],
+                encoded: Mapping[str, Mapping[str, str]], changed: set[str], removed: Sequence[str],
+                previous: Sequence[Mapping[str, Any]], logger: logging.Logger) -> Placed:
+    """Bring the chosen serving pods up to date and return the new placement.
+
+    A pod that already held the user gets only `changed` items (and a purge of `removed`); a new one
+    gets everything encoded. A pod that fails a call is skipped and another one chosen.
+    """
+    tenant = body["metadata"]["namespace"]
+    all_pods, candidates = await _serving(cfg, kube, node_selector)
+    prev = {_prev_key(e): e for e in previous}
+    everyone = {placement.pod_key(p): p for p in all_pods}
+    kv_dir = jobs.kv_dir(cfg, tenant, user)
+    tokens: int | None = None
+
+    async with ServerClient(cfg) as client:
+        caps = await asyncio.gather(*(client.capacity(p) for p in candidates), return_exceptions=True)
+        usable: list[ServingPod] = []
+        free: dict[str, int] = {}
+        for pod, cap in zip(candidates, caps):
+            if isinstance(cap, BaseException):
+                logger.warning(f"skipping serving pod {pod.namespace}/{pod.name}: {cap}")
+                continue
+            usable.append(pod)
+            free[placement.pod_key(pod)] = placement.free_from_capacity(cap)
+
+        def source(node: str, target: ServingPod) -> dict[str, Any]:
+            # Same node: the pod reads the Job's hostPath dir; else it fetches from a NIXL peer there.
+            peer = None
+            if node != target.node:
+                peer = next((p.peer for p in everyone.values() if p.node == node and p.peer), None)
+            return {"node": node, "dir": kv_dir, "peer": peer}
+
+        async def sync(pod: ServingPod) -> dict[str, Any]:
+            nonlocal tokens
+            held = prev.get(placement.pod_key(pod))
+            fresh = not holds(held, pod)
+            if not fresh and removed:
+                await client.purge(pod, tenant, user, list(removed))
+            ids = sorted(encoded) if fresh else sorted(changed & set(encoded))
+            entry: dict[str, Any] = {"node": pod.node, "pod": pod.name, "namespace": pod.namespace, "uid": pod.uid,
+                                     "tier": (held or {}).get("tier", "dram"), "bytes": int((held or {}).get("bytes") or 0)}
+            groups: dict[str, list[str]] = {}
+            for i in ids:
+                groups.setdefault(encoded[i].get("node", ""), []).append(i)
+            for node, group in sorted(groups.items()):
+                resp = await client.pull(pod, tenant, user, source(node, pod), group)
+                entry["tier"] = resp.get("tier") or entry["tier"]
+                entry["bytes"] = int(resp.get("bytes") or 0)
+                if isinstance(resp.get("tokens"), int):
+                    tokens = max(tokens or 0, resp["tokens"])
+            if fresh and not ids:
+                entry["bytes"] = 0
+            return entry
+
+        done: dict[str, dict[str, Any]] = {}
+        excluded: set[str] = set()
+        while True:
+            chosen = placement.choose(replicas, [p for p in usable if placement.pod_key(p) not in excluded],
+                                      list(prev), free)
+            pending = [p for p in chosen if placement.pod_key(p) not in done]
+            if not pending:
+                break
+            for pod in pending:
+                try:
+                    done[placement.pod_key(pod)] = await sync(pod)
+                except ServerCallError as e:
+                    excluded.add(placement.pod_key(pod))
+                    kopf.warn(body, reason="PullFailed", message=str(e))
+
+        # Pods that held the user but are no longer chosen: drop the blocks there.
+        chosen_keys = {placement.pod_key(p) for p in chosen}
+        for k, entry in prev.items():
+            pod = everyone.get(k)
+            if k not in chosen_keys and pod is not None and holds(entry, pod):
+                try:
+                    await client.purge(pod, tenant, user, None)
+                except ServerCallError as e:
+                    logger.warning(f"could not purge the dropped placement: {e}")
+
+    placements = [done[placement.pod_key(p)] for p in chosen]
+    if len(placements) >= replicas:
+        phase, reason = "Ready", "Placed"
+    elif not candidates:
+        phase, reason = "Degraded", "NoServingPods"
+    else:
+        phase, reason = "Degraded", "InsufficientReplicas"
+    message = f"{len(placements)}/{replicas} replica(s) on {', '.join(p['pod'] for p in placements) or 'no pod'}"
+    if [_prev_key(e) for e in previous] != [placement.key(p["namespace"], p["pod"]) for p in placements]:
+        kopf.info(body, reason="Placed", message=message)
+    return Placed(placements, phase, reason, message, tokens)
+
+
+async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger) -> None:
+    """The timer: if a serving pod holding the user is gone, go Degraded, then re-place."""
+    meta, spec = body["metadata"], body.get("spec") or {}
+    status: Mapping[str, Any] = body.get("status") or {}
+    # Only settled objects: while a change is being handled, the change handler owns the placement.
+    if status.get("phase") not in ("Ready", "Degraded") or status.get("observedGeneration") != meta.get("generation"):
+        return
+    tenant, name, gen = meta["namespace"], meta["name"], meta.get("generation")
+    placement_spec = spec.get("placement") or {}
+    replicas = int(placement_spec.get("replicas") or 1)
+    selector = dict(placement_spec.get("nodeSelector") or {})
+    previous = list(status.get("placements") or [])
+    alive = {placement.pod_key(p): p for p in (await _serving(cfg, kube, selector))[1]}
+    kept = [e for e in previous if (pod := alive.get(_prev_key(e))) is not None and holds(e, pod)]
+    lost = [e for e in previous if e not in kept]
+    if not lost and len(kept) >= replicas:
+        return
+    conds = list(status.get("conditions") or [])
+    if lost:
+        msg = f"serving pod(s) gone: {', '.join(str(e.get('pod')) for e in lost)}; re-placing"
+        conds = set_condition(conds, PLACED, False, "PodLost", msg, gen)
+        conds = set_condition(conds, READY, False, "PodLost", msg, gen)
+        # Written at once (not via `patch`, which lands when the handler returns) so that
+        # the Degraded state is visible while re-placing.
+        await asyncio.to_thread(kube.patch_status, tenant, name,
+                                {"phase": "Degraded", "message": msg, "conditions": conds,
+                                 "placements": kept, "nodes": ",".join(sorted({str(e.get("node")) for e in kept}))})
+        kopf.warn(body, reason="PodLost", message=msg)
+    encoded = dict(status.get("encoded") or {})
+    placed = await place(cfg, kube, body, str(spec.get("userId")), replicas, selector, encoded, set(), [], kept, logger)
+    patch.status.update(phase=placed.phase, message=placed.message,
+                        **placed_fields(placed, len(encoded), status.get("counts") or {}),
+                        conditions=_placed_conditions(conds, placed, gen))
+
+
+async def purge(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger) -> None:
+    """The finalizer: purge the user from every serving pod; raise (retry) until all of them answered."""
+    meta, spec = body["metadata"], body.get("spec") or {}
+    tenant, user = meta["namespace"], spec.get("userId")
+    if not isinstance(user, str) or not user:
+        return  # the schema requires userId: nothing can have been placed without one
+    raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
+    pods = serving_pods(raw, cfg.server_port, require_ready=False)
+    async with ServerClient(cfg) as client:
+        results = await asyncio.gather(*(client.purge(p, tenant, user, None) for p in pods), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        msg = f"purge failed on {len(failed)}/{len(pods)} serving pod(s): {failed[0]}"
+        patch.status.update(phase="Deleting", message=msg)
+        raise kopf.TemporaryError(msg, delay=cfg.job_poll_seconds)
+    removed = sum(int(r.get("removed_blocks") or 0) for r in results if isinstance(r, dict))
+    kopf.info(body, reason="Purged", message=f"removed {removed} block(s) from {len(pods)} serving pod(s)")

@@ -1,0 +1,92 @@
+"""Serving pods: finding them (label selector) and calling their internal API (docs/interfaces.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from .settings import ANNOTATION_ENDPOINT, ANNOTATION_NIXL_PEER, Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingPod:
+    name: str
+    namespace: str
+    node: str
+    endpoint: str
+    peer: str | None  # host:port of its NIXL agent, when the pod advertises one
+    uid: str = ""  # a pod recreated under the same name holds nothing: compare uids, not just names
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any], port: int, require_ready: bool = True) -> ServingPod | None:
+        """The pod as a placement target, or None when it cannot serve (not Running/Ready, deleting).
+
+        `require_ready=False` is for purging: a Running pod that fails readiness may still hold blocks.
+        """
+        meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+        if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+            return None
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        annotations = meta.get("annotations") or {}
+        endpoint = annotations.get(ANNOTATION_ENDPOINT)
+        if not endpoint and status.get("podIP"):
+            endpoint = f"http://{status['podIP']}:{port}"
+        if (require_ready and not ready) or not endpoint or not spec.get("nodeName"):
+            return None
+        return cls(name=meta["name"], namespace=meta.get("namespace", ""), node=spec["nodeName"],
+                   endpoint=endpoint.rstrip("/"), peer=annotations.get(ANNOTATION_NIXL_PEER),
+                   uid=str(meta.get("uid") or ""))
+
+
+def serving_pods(pods: Sequence[Mapping[str, Any]], port: int, require_ready: bool = True) -> list[ServingPod]:
+    found = (ServingPod.from_pod(p, port, require_ready) for p in pods)
+    return sorted((p for p in found if p is not None), key=lambda p: (p.node, p.name))
+
+
+class ServerCallError(Exception):
+    def __init__(self, pod: ServingPod, message: str) -> None:
+        super().__init__(f"serving pod {pod.namespace}/{pod.name}: {message}")
+        self.pod = pod
+
+
+class ServerClient:
+    """One AsyncClient per handler call: cheap, and nothing to close at operator shutdown."""
+
+    def __init__(self, settings: Settings) -> None:
+        headers = {"Authorization": f"Bearer {settings.internal_token}"} if settings.internal_token else {}
+        self._client = httpx.AsyncClient(headers=headers, timeout=settings.http_timeout_seconds)
+
+    async def __aenter__(self) -> ServerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+    async def _call(self, pod: ServingPod, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        try:
+            resp = await self._client.request(method, pod.endpoint + path, json=body)
+        except httpx.HTTPError as e:
+            raise ServerCallError(pod, f"{method} {path}: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise ServerCallError(pod, f"{method} {path}: HTTP {resp.status_code}: {resp.text[:200]}")
+        try:
+            data = resp.json()
+        except ValueError:
+            raise ServerCallError(pod, f"{method} {path}: response is not JSON") from None
+        if not isinstance(data, dict):
+            raise ServerCallError(pod, f"{method} {path}: response is not a JSON object")
+        return data
+
+    async def capacity(self, pod: ServingPod) -> dict[str, Any]:
+        return await self._call(pod, "GET", "/internal/v1/capacity")
+
+    async def pull(self, pod: ServingPod, tenant: str, user: str, source: Mapping[str, Any],
+                   items: list[str] | None) -> dict[str, Any]:
+        body = {"tenant": tenant, "user": user, "source": dict(source), "items": items}
+        return await self._call(pod, "POST", "/internal/v1/pull", body)
+
+    async def purge(self, pod: ServingPod, tenant: str, user: str, items: list[str] | None) -> dict[str, Any]:
+        return await self._call(pod, "POST", "/internal/v1/purge", {"tenant": tenant, "user": user, "items": items})

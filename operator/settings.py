@@ -1,0 +1,134 @@
+"""Operator settings: environment variables (docs/interfaces.md), overridable by command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from inferscale.errors import ConfigError
+
+GROUP = "inferscale.io"
+VERSION = "v1alpha1"
+PLURAL = "usermemories"
+# Label/annotation keys the operator puts on what it creates (and finds it back by).
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_TENANT = "inferscale.io/tenant"
+LABEL_USERMEMORY = "inferscale.io/usermemory"
+MANAGED_BY = "inferscale-operator"
+ANNOTATION_ENDPOINT = "inferscale.io/endpoint"
+ANNOTATION_NIXL_PEER = "inferscale.io/nixl-peer"
+FINALIZER = "inferscale.io/purge"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    server_selector: str = "app.kubernetes.io/name=inferscale,app.kubernetes.io/component=server"
+    server_namespace: str = ""  # empty: serving pods in all namespaces
+    server_port: int = 8000
+    internal_token: str = ""
+    encoder_image: str = "ghcr.io/inferscale/inferscale:latest"
+    encoder_node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    encoder_tolerations: Sequence[Mapping[str, Any]] = ()
+    encoder_gpus: int = 1
+    kv_host_path: str = "/var/lib/inferscale/kv"
+    models: tuple[str, ...] = ("gemma-3-270m",)
+    recheck_seconds: float = 30.0
+    # How often a waiting handler looks at its encode Job again.
+    job_poll_seconds: float = 5.0
+    # Timeout of one call to a serving pod's internal API.
+    http_timeout_seconds: float = 30.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        d = cls()
+
+        def get(name: str) -> str | None:
+            value = env.get(name)
+            return value if value not in (None, "") else None
+
+        try:
+            return cls(
+                server_selector=get("INFERSCALE_SERVER_SELECTOR") or d.server_selector,
+                server_namespace=env.get("INFERSCALE_SERVER_NAMESPACE", d.server_namespace),
+                server_port=int(get("INFERSCALE_SERVER_PORT") or d.server_port),
+                internal_token=env.get("INFERSCALE_INTERNAL_TOKEN", d.internal_token),
+                encoder_image=get("INFERSCALE_ENCODER_IMAGE") or d.encoder_image,
+                encoder_node_selector=_json_dict(get("INFERSCALE_ENCODER_NODE_SELECTOR"), "INFERSCALE_ENCODER_NODE_SELECTOR"),
+                encoder_tolerations=_json_list(get("INFERSCALE_ENCODER_TOLERATIONS"), "INFERSCALE_ENCODER_TOLERATIONS"),
+                encoder_gpus=int(get("INFERSCALE_ENCODER_GPUS") or d.encoder_gpus),
+                kv_host_path=get("INFERSCALE_KV_HOST_PATH") or d.kv_host_path,
+                models=_csv(get("INFERSCALE_MODELS")) or d.models,
+                recheck_seconds=float(get("INFERSCALE_RECHECK_SECONDS") or d.recheck_seconds),
+                job_poll_seconds=float(get("INFERSCALE_JOB_POLL_SECONDS") or d.job_poll_seconds),
+                http_timeout_seconds=float(get("INFERSCALE_HTTP_TIMEOUT_SECONDS") or d.http_timeout_seconds),
+            ).checked()
+        except ValueError as e:
+            raise ConfigError(f"operator settings: {e}") from e
+
+    def checked(self) -> Settings:
+        if self.encoder_gpus < 0:
+            raise ConfigError("INFERSCALE_ENCODER_GPUS must be >= 0")
+        if self.recheck_seconds <= 0 or self.job_poll_seconds <= 0:
+            raise ConfigError("INFERSCALE_RECHECK_SECONDS and INFERSCALE_JOB_POLL_SECONDS must be > 0")
+        if not self.kv_host_path.startswith("/"):
+            raise ConfigError(f"INFERSCALE_KV_HOST_PATH must be absolute: {self.kv_host_path!r}")
+        if not self.models:
+            raise ConfigError("INFERSCALE_MODELS must name at least one model")
+        return self
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _json_dict(value: str | None, name: str) -> dict[str, str]:
+    if not value:
+        return {}
+    parsed = json.loads(value)
+    if not isinstance(parsed, dict) or not all(isinstance(v, str) for v in parsed.values()):
+        raise ValueError(f"{name} must be a JSON object of strings")
+    return parsed
+
+
+def _json_list(value: str | None, name: str) -> list[dict[str, Any]]:
+    if not value:
+        return []
+    parsed = json.loads(value)
+    if not isinstance(parsed, list) or not all(isinstance(v, dict) for v in parsed):
+        raise ValueError(f"{name} must be a JSON list of objects")
+    return parsed
+
+
+# Flags mirror the environment variables; a flag given wins over its variable.
+_FLAGS: dict[str, str] = {
+    "--server-selector": "INFERSCALE_SERVER_SELECTOR",
+    "--server-namespace": "INFERSCALE_SERVER_NAMESPACE",
+    "--server-port": "INFERSCALE_SERVER_PORT",
+    "--encoder-image": "INFERSCALE_ENCODER_IMAGE",
+    "--encoder-node-selector": "INFERSCALE_ENCODER_NODE_SELECTOR",
+    "--encoder-tolerations": "INFERSCALE_ENCODER_TOLERATIONS",
+    "--encoder-gpus": "INFERSCALE_ENCODER_GPUS",
+    "--kv-host-path": "INFERSCALE_KV_HOST_PATH",
+    "--models": "INFERSCALE_MODELS",
+    "--recheck-seconds": "INFERSCALE_RECHECK_SECONDS",
+    "--job-poll-seconds": "INFERSCALE_JOB_POLL_SECONDS",
+}
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, var in _FLAGS.items():
+        parser.add_argument(flag, dest=var, default=None, metavar="VALUE", help=f"overrides ${var}")
+
+
+def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    merged = dict(os.environ if env is None else env)
+    for var in _FLAGS.values():
+        value = getattr(args, var, None)
+        if value is not None:
+            merged[var] = value
+    return Settings.from_env(merged)
