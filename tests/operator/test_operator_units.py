@@ -1,0 +1,140 @@
+"""Pure parts of the operator: spec parsing, hashing, Job manifests, placement, settings, the CLI."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+
+import pytest
+
+from inferscale.errors import ConfigError
+from inferscale.operator import jobs, placement
+from inferscale.operator.cli import main
+from inferscale.operator.servers import ServingPod, serving_pods
+from inferscale.operator.settings import Settings
+from inferscale.operator.spec import Item, SpecError, parse
+
+MODELS = ("gemma-3-270m",)
+NOW = datetime.datetime(2025, 6, 1, tzinfo=datetime.timezone.utc)
+
+
+def no_refs(kind: str, name: str, key: str) -> str:
+    raise SpecError("ReferenceNotFound", f"{kind} {name} not found")
+
+
+def spec(**kw: object) -> dict[str, object]:
+    return {"userId": "u1", "model": "gemma-3-270m", "memories": [{"id": "a", "text": "x"}], **kw}
+
+
+def test_parse_merges_reference_and_inline_items() -> None:
+    ref = '{"id": "a", "text": "from ref"}\n\n{"id": "b", "text": "only in ref", "timestamp": "2025-01-01"}\n'
+    d = parse(spec(memoriesFrom={"configMapKeyRef": {"name": "cm", "key": "k"}}), MODELS,
+              lambda kind, name, key: ref, now=NOW)
+    assert d.items == {"a": Item("a", "x"), "b": Item("b", "only in ref", "2025-01-01")}
+
+
+@pytest.mark.parametrize("bad, reason, text", [
+    (spec(model="llama-9000"), "UnknownModel", "llama-9000"),
+    (spec(memories=[{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]), "InvalidMemory", "duplicate id 'a'"),
+    (spec(memories=[{"id": "a", "text": "   "}]), "InvalidMemory", "empty text"),
+    (spec(memoriesFrom={"secretKeyRef": {"name": "s", "key": "k"}}), "ReferenceNotFound", "Secret s"),
+])
+def test_parse_names_the_problem(bad: dict[str, object], reason: str, text: str) -> None:
+    with pytest.raises(SpecError) as e:
+        parse(bad, MODELS, no_refs, now=NOW)
+    assert e.value.reason == reason and text in e.value.message
+
+
+def test_malformed_jsonl_names_the_line() -> None:
+    bad = '{"id": "a", "text": "ok"}\n{"id": "b", "text": "ok"}\n{"id": "c", "text": "unterminated\n'
+    with pytest.raises(SpecError, match=r"ConfigMap cm key k line 3: malformed JSON"):
+        parse(spec(memoriesFrom={"configMapKeyRef": {"name": "cm", "key": "k"}}), MODELS,
+              lambda *_: bad, now=NOW)
+
+
+def test_retention_keeps_the_newest() -> None:
+    items = [{"id": f"m{i}", "text": "t", "timestamp": f"2025-0{i}-01"} for i in range(1, 6)]
+    d = parse(spec(memories=items, retention={"maxItems": 2}), MODELS, no_refs, now=NOW)
+    assert list(d.items) == ["m4", "m5"]
+    d = parse(spec(memories=items, retention={"maxAgeDays": 70}), MODELS, no_refs, now=NOW)
+    assert list(d.items) == ["m4", "m5"]  # 2025-04-01 is 61 days before NOW; 03-01 is 92
+
+
+def test_hashes_change_with_text_and_model_only() -> None:
+    a = parse(spec(), MODELS, no_refs, now=NOW)
+    b = parse(spec(placement={"replicas": 3}), MODELS, no_refs, now=NOW)
+    c = parse(spec(memories=[{"id": "a", "text": "y"}]), MODELS, no_refs, now=NOW)
+    d = parse(spec(model="tiny"), ("gemma-3-270m", "tiny"), no_refs, now=NOW)
+    assert a.content_hash() == b.content_hash()
+    assert len({a.content_hash(), c.content_hash(), d.content_hash()}) == 3
+    assert a.item_hashes()["a"] != d.item_hashes()["a"]
+
+
+def test_job_name_is_deterministic_and_short() -> None:
+    n1 = jobs.job_name("x" * 253, "h1", ["b", "a"])
+    assert n1 == jobs.job_name("x" * 253, "h1", ["a", "b"]) and len(n1) <= 63
+    assert n1 != jobs.job_name("x" * 253, "h1", ["a"]) != jobs.job_name("x" * 253, "h2", ["a"])
+
+
+def test_job_phase_and_node() -> None:
+    assert jobs.job_phase({}) == ("Running", "")
+    assert jobs.job_phase({"status": {"conditions": [{"type": "Complete", "status": "True"}]}})[0] == "Succeeded"
+    failed = {"status": {"conditions": [{"type": "Failed", "status": "True", "message": "exit 2"}]}}
+    assert jobs.job_phase(failed) == ("Failed", "exit 2")
+    job = {"spec": {"template": {"spec": {"nodeSelector": {"kubernetes.io/hostname": "gpu-7"}}}}}
+    assert jobs.job_node(job, []) == "gpu-7"
+    assert jobs.job_node(job, [{"spec": {"nodeName": "gpu-3"}}]) == "gpu-3"
+
+
+def test_cpu_cluster_job_requests_no_gpu() -> None:
+    m = jobs.job_manifest("j", "t", "u", "u", "gemma-3-270m", ["a"], Settings(encoder_gpus=0))
+    assert m["spec"]["template"]["spec"]["containers"][0]["resources"] == {}
+
+
+def pod(name: str, node: str) -> ServingPod:
+    return ServingPod(name=name, namespace="ns", node=node, endpoint=f"http://{name}", peer=None)
+
+
+def test_placement_spreads_prefers_free_and_is_stable() -> None:
+    pods = [pod("a", "n1"), pod("b", "n1"), pod("c", "n2"), pod("d", "n3")]
+    free = {"ns/a": 100, "ns/b": 500, "ns/c": 10, "ns/d": 50}
+    chosen = placement.choose(2, pods, [], free)
+    assert [p.name for p in chosen] == ["b", "d"]  # most free, then most free on another node
+    assert [p.name for p in placement.choose(2, pods, ["ns/c"], free)] == ["c", "b"]  # c stays
+    assert [p.name for p in placement.choose(3, pods[:2], [], free)] == ["b", "a"]  # fewer pods than replicas
+    assert placement.choose(1, pods, ["ns/gone"], free)[0].name == "b"
+
+
+def test_serving_pods_skip_unready_and_find_endpoints() -> None:
+    def raw(name: str, ready: str, phase: str = "Running", **meta: object) -> dict[str, object]:
+        return {"metadata": {"name": name, "namespace": "ns", **meta}, "spec": {"nodeName": "n"},
+                "status": {"phase": phase, "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": ready}]}}
+    pods = serving_pods([raw("a", "True"), raw("b", "False"), raw("c", "True", "Pending"),
+                         raw("d", "True", annotations={"inferscale.io/endpoint": "http://x:1/"})], 8000)
+    assert [(p.name, p.endpoint) for p in pods] == [("a", "http://10.0.0.1:8000"), ("d", "http://x:1")]
+    assert [p.name for p in serving_pods([raw("b", "False")], 8000, require_ready=False)] == ["b"]
+
+
+def test_settings_from_env() -> None:
+    s = Settings.from_env({"INFERSCALE_MODELS": "a, b", "INFERSCALE_ENCODER_NODE_SELECTOR": '{"gpu": "yes"}',
+                           "INFERSCALE_ENCODER_GPUS": "0", "INFERSCALE_SERVER_PORT": "9000"})
+    assert s.models == ("a", "b") and s.encoder_node_selector == {"gpu": "yes"}
+    assert (s.encoder_gpus, s.server_port, s.kv_host_path) == (0, 9000, "/var/lib/inferscale/kv")
+    with pytest.raises(ConfigError, match="INFERSCALE_ENCODER_TOLERATIONS"):
+        Settings.from_env({"INFERSCALE_ENCODER_TOLERATIONS": '{"not": "a list"}'})
+    with pytest.raises(ConfigError):
+        Settings.from_env({"INFERSCALE_KV_HOST_PATH": "relative/path"})
+
+
+def test_main_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--encoder-gpus", "-1"]) == 2
+    assert "INFERSCALE_ENCODER_GPUS" in capsys.readouterr().err
+
+
+def test_operator_imports_no_model_code() -> None:
+    code = ("import sys, inferscale.operator; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy') "
+            "or m.startswith(('inferscale.engine', 'inferscale.models'))]; print(bad); sys.exit(bool(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
