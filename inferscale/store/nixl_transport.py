@@ -32,7 +32,9 @@ class NixlTransport:
         self.name = name or f"inferscale-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
-        cfg = nixl.nixl_agent_config(enable_prog_thread=True, backends=[])
+        # No progress thread: this wheel's thread busy-polls (about 2/3 of a core per idle agent). Initiators
+        # progress while they wait; a serving node progresses while it holds a lease (poll_notifs).
+        cfg = nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         self.agent = nixl.nixl_agent(self.name, cfg)
         plugins = self.agent.get_plugin_list()
         self.backends: list[str] = []
@@ -77,11 +79,12 @@ class NixlTransport:
             if spins > 200:  # spin briefly (small transfers finish in microseconds), then stop burning a core
                 time.sleep(0.0002)
 
-    def _run(self, local, remote, remote_agent: str, what: str, backends: list[str], timeout_s: float | None) -> None:
+    def _run(self, local, remote, remote_agent: str, what: str, backends: list[str], timeout_s: float | None,
+             notif: bytes = b"") -> None:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         handle, err = None, None
         try:
-            handle = self.agent.initialize_xfer("READ", local, remote, remote_agent, backends=backends)
+            handle = self.agent.initialize_xfer("READ", local, remote, remote_agent, notif_msg=notif, backends=backends)
             if self.agent.transfer(handle) == "ERR":
                 raise TransferError(f"{what}: NIXL could not post the transfer")
             self._wait(handle, what, deadline)
@@ -136,15 +139,22 @@ class NixlTransport:
                         pass
 
     def read_remote(self, remote_agent: str, remote: list[tuple[int, int]], offsets: list[int],
-                    timeout_s: float | None = None) -> None:
-        """READ peer ranges (address, size) into arena ``offsets``: one UCX request for the batch."""
+                    timeout_s: float | None = None, notif: bytes = b"") -> None:
+        """READ peer ranges (address, size) into arena ``offsets``: one UCX request for the batch. ``notif``
+        reaches the peer once the data has been read (it ends the peer's lease)."""
         if not remote:
             return
         with self.lock:
             local = self.agent.get_xfer_descs(
                 [(self.arena.base + off, size, 0) for (_, size), off in zip(remote, offsets)], "DRAM")
             rdescs = self.agent.get_xfer_descs([(addr, size, 0) for addr, size in remote], "DRAM")
-            self._run(local, rdescs, remote_agent, "peer read", ["UCX"], timeout_s)
+            self._run(local, rdescs, remote_agent, "peer read", ["UCX"], timeout_s, notif)
+
+    def poll_notifs(self) -> list[bytes]:
+        """Progress the agent and return notifications that arrived (from any peer)."""
+        with self.lock:
+            got = self.agent.get_new_notifs()
+        return [m for msgs in got.values() for m in msgs]
 
     def close(self) -> None:
         with self.lock:

@@ -127,6 +127,9 @@ class KVStore:
         self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
         self._leases: dict[str, tuple[list[DramEntry], threading.Timer]] = {}
         self._lease_lock = threading.Lock()
+        self._lease_cv = threading.Condition(self._lease_lock)
+        self._closing = False
+        self._watcher: threading.Thread | None = None
         self._counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
         self.peer_server = None
         if peer_port is not None:
@@ -141,6 +144,11 @@ class KVStore:
     def close(self) -> None:
         if self.peer_server is not None:
             self.peer_server.close()
+        self._closing = True
+        if self._watcher is not None:
+            with self._lease_cv:
+                self._lease_cv.notify_all()
+            self._watcher.join(5)
         with self._lease_lock:
             for lease in list(self._leases):
                 self._end_lease(lease)
@@ -326,32 +334,7 @@ class KVStore:
             check_name("item", i)
         if fingerprint is not None:
             check_fingerprint(fingerprint)
-        if self.transport is None or not self.transport.has_ucx:
-            raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
-        reply = peerproto.request(peer, {"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
-                                         "fingerprint": fingerprint, "token": self.peer_token}, self.timeout_s)
-        if reply.get("error") == "not_found":
-            raise NotFoundError(f"peer {peer}: {reply.get('message')}")
-        if "error" in reply:
-            raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
-        lease, blocks = reply["lease"], reply["blocks"]
-        try:
-            agent = self.transport.add_remote(base64.b64decode(reply["agent"]))
-            sizes = [b["size"] for b in blocks]
-            offsets, evicted = self.dram.reserve(tenant, sizes)
-            try:
-                self.transport.read_remote(agent, [(b["addr"], b["size"]) for b in blocks], offsets)
-            except TransferError as e:
-                self.transport.forget_remote(agent)
-                if not getattr(e, "inflight", False):  # a transfer still in flight may yet write: leak, not reuse
-                    self.dram.abort(tenant, offsets, sizes)
-                raise
-        finally:
-            try:
-                peerproto.request(peer, {"op": "release", "lease": lease, "token": self.peer_token}, self.timeout_s)
-            except TransferError as e:
-                log.warning("releasing lease at %s: %s", peer, e)
-        self.catalogue.record([], {("dram", 0): evicted})
+        blocks, offsets = self._peer_fetch(tenant, user, peer, item_ids, fingerprint)
         good, bad = self._verify_slots(
             tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
                       b["fingerprint"]) for o, b in zip(offsets, blocks)])
@@ -366,6 +349,44 @@ class KVStore:
         if bad:
             self._raise_corrupt(tenant, user, bad, mark=True)
         return PullResult(tenant, user, len(good), nbytes, "dram", time.perf_counter() - t0)
+
+    def _peer_fetch(self, tenant: str, user: str, peer: str, item_ids: list[str] | None,
+                    fingerprint: str | None) -> tuple[list[dict[str, Any]], list[int]]:
+        """Locate the blocks at the peer, READ them all in one NIXL request into reserved arena slots, end the
+        lease. Returns (the peer's block records, slot offsets); the slots are unverified and uncommitted."""
+        if self.transport is None or not self.transport.has_ucx:
+            raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
+        reply = peerproto.request(peer, {"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
+                                         "fingerprint": fingerprint, "token": self.peer_token}, self.timeout_s)
+        if reply.get("error") == "not_found":
+            raise NotFoundError(f"peer {peer}: {reply.get('message')}")
+        if "error" in reply:
+            raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
+        lease, blocks = reply["lease"], reply["blocks"]
+        done = False
+        try:
+            agent = self.transport.add_remote(base64.b64decode(reply["agent"]))
+            sizes = [b["size"] for b in blocks]
+            offsets, evicted = self.dram.reserve(tenant, sizes)
+            try:
+                # The completion notification ends the peer's lease: no extra round trip on success.
+                self.transport.read_remote(agent, [(b["addr"], b["size"]) for b in blocks], offsets,
+                                           notif=f"lease:{lease}".encode())
+                done = True
+            except TransferError as e:
+                self.transport.forget_remote(agent)
+                if not getattr(e, "inflight", False):  # a transfer still in flight may yet write: leak, not reuse
+                    self.dram.abort(tenant, offsets, sizes)
+                raise
+        finally:
+            if not done:
+                try:
+                    peerproto.request(peer, {"op": "release", "lease": lease, "token": self.peer_token},
+                                      self.timeout_s)
+                except TransferError as e:
+                    log.warning("releasing lease at %s: %s", peer, e)
+        self.catalogue.record([], {("dram", 0): evicted})
+        return blocks, offsets
 
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = {"node": self.node, **self.catalogue.totals(), **self.dram.stats(), **self._counters}
@@ -611,14 +632,37 @@ class KVStore:
         lease = uuid.uuid4().hex
         timer = threading.Timer(LEASE_SECONDS, self._expire_lease, args=(lease,))
         timer.daemon = True
-        with self._lease_lock:
+        with self._lease_cv:
             self._leases[lease] = (held, timer)
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_leases, name="kvstore-leases", daemon=True)
+                self._watcher.start()
+            self._lease_cv.notify_all()
         timer.start()
         return {
             "lease": lease, "node": self.node, "agent": base64.b64encode(self.transport.metadata()).decode(),
             "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": self.arena.base + e.offset,
                         "size": e.size, "sha256": e.info.sha256} for e in held],
         }
+
+    def _watch_leases(self) -> None:
+        """While leases are out, progress the NIXL agent (peers' READs over transports that need the target to
+        progress, e.g. TCP) and end each lease when its puller's completion notification arrives."""
+        while not self._closing:
+            with self._lease_cv:
+                if not self._leases:
+                    self._lease_cv.wait(timeout=1.0)
+                    continue
+            try:
+                msgs = self.transport.poll_notifs()
+            except Exception as e:  # noqa: BLE001 - keep serving; leases still expire on their timers
+                log.warning("polling NIXL notifications: %s", e)
+                msgs = []
+            for m in msgs:
+                if m.startswith(b"lease:"):
+                    with self._lease_lock:
+                        self._end_lease(m[6:].decode(errors="replace"))
+            time.sleep(0.0002)
 
     def _expire_lease(self, lease: str) -> None:
         with self._lease_lock:

@@ -1,0 +1,277 @@
+"""``inferscale bench store``: bring 50 memory blocks into DRAM from each source, NIXL vs the plain way.
+
+Rows (medians over repeats, same bytes, same run):
+  disk  NIXL POSIX, one request for all blobs       vs  Python open().readinto per file
+  peer  NIXL UCX READ from another process's DRAM   vs  the same bytes over a plain TCP socket between the same
+        (incl. the locate/release round trips)          two processes (request + recv_into, like an HTTP fetch)
+  dram  KVStore.get_many, all blocks DRAM-resident  vs  torch.Tensor.copy_ of the same bytes
+Plus end-to-end store rows (checksums verified; pulls also written to disk) against the plain way doing the
+same verification, so the cost of integrity is visible rather than hidden. Page cache is warm for both disk
+paths (both read the same files right after each other)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# Gemma-3-270M, the default model, as the engine holds its KV on CPU: 18 layers, 1 KV head, head_dim 256, fp32.
+GEMMA3_270M_LAYERS = 18
+GEMMA3_270M_KV_HEADS = 1
+GEMMA3_270M_HEAD_DIM = 256
+KV_DTYPE = torch.float32
+TENANT, USER = "bench", "locomo-user"
+FINGERPRINT = "bench-" + "0" * 58
+BARS = {"disk": 0.5, "dram": 0.5, "peer": 1.0}  # NIXL path bandwidth / baseline bandwidth must reach this
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="OUT", help="write the rows as JSON here")
+    p.add_argument("--blocks", type=int, default=50)
+    p.add_argument("--min-tokens", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=35)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", help="work directory (default: a temp dir, removed after)")
+
+
+def make_blocks(n: int, lo: int, hi: int, seed: int):
+    from inferscale.kvformat import KVBlock
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        kv = torch.randn(GEMMA3_270M_LAYERS, 2, GEMMA3_270M_KV_HEADS, t, GEMMA3_270M_HEAD_DIM, generator=g,
+                         dtype=KV_DTYPE)
+        out.append(KVBlock(f"m{i:03d}", f"memory {i}", list(range(t)), 0, kv, FINGERPRINT, "p" * 64,
+                           embedding=torch.randn(384, generator=g)))
+    return out
+
+
+def median_s(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None) -> float:
+    fn() if setup is None else (setup(), fn())  # warm-up
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def row(source: str, nblocks: int, nbytes: int, s: float, baseline: str, bs: float) -> dict[str, Any]:
+    gbps, bgbps = nbytes / s / 1e9, nbytes / bs / 1e9
+    r = {"source": source, "blocks": nblocks, "bytes": nbytes, "ms": round(s * 1e3, 3), "gbps": round(gbps, 3),
+         "baseline": baseline, "baseline_gbps": round(bgbps, 3), "baseline_ms": round(bs * 1e3, 3),
+         "ratio": round(gbps / bgbps, 3)}
+    if source in BARS:
+        r["bar"] = BARS[source]
+        r["pass"] = gbps / bgbps >= BARS[source]
+    return r
+
+
+# -- the peer process: a KVStore serving NIXL pulls, plus a plain socket serving the same arena bytes ------------
+def _peer_main(root: str, budget: int, conn) -> None:
+    from inferscale.store.store import KVStore
+
+    store = KVStore(root, dram_budget_bytes=budget, peer_port=0, peer_host="127.0.0.1", node="127.0.0.1")
+    ids = [i.item_id for i in store.list(TENANT, USER)]
+    store.get_many(TENANT, USER, ids, FINGERPRINT)  # DRAM-resident, as a serving node holds them
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                (n,) = struct.unpack(">I", c.recv(4))
+                want = json.loads(c.recv(n))
+                # The same bytes NIXL reads: each blob image straight from the DRAM arena, no extra copy.
+                entries = [store.dram.acquire((want["tenant"], want["user"], FINGERPRINT, i)) for i in want["items"]]
+                try:
+                    c.sendall(struct.pack(">Q", sum(e.size for e in entries)))
+                    for e in entries:
+                        c.sendall(store.arena.view(e.offset, e.size))
+                finally:
+                    for e in entries:
+                        store.dram.release(e)
+
+    threading.Thread(target=serve, daemon=True).start()
+    conn.send({"peer": store.peer_address, "socket": srv.getsockname()[1]})
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    srv.close()
+    store.close()
+
+
+def socket_fetch(port: int, items: list[str], out: memoryview) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        req = json.dumps({"tenant": TENANT, "user": USER, "items": items}).encode()
+        c.sendall(struct.pack(">I", len(req)) + req)
+        hdr = b""
+        while len(hdr) < 8:
+            hdr += c.recv(8 - len(hdr))
+        (total,) = struct.unpack(">Q", hdr)
+        got = 0
+        while got < total:
+            k = c.recv_into(out[got:total])
+            if k == 0:
+                raise ConnectionError("short read")
+            got += k
+        return got
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------
+def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from inferscale.store.store import KVStore
+
+    blocks = make_blocks(args.blocks, args.min_tokens, args.max_tokens, args.seed)
+    src_root, dst_root = work / "node-a", work / "node-b"
+    with KVStore(src_root, dram_budget_bytes=256 << 20, nixl=False) as w:
+        for b in blocks:
+            w.put(TENANT, USER, b, cache=False)
+    ids = [b.item_id for b in blocks]
+    n = len(blocks)
+    rows: list[dict[str, Any]] = []
+
+    with KVStore(src_root, dram_budget_bytes=256 << 20) as st:
+        infos = st.list(TENANT, USER)
+        paths, sizes = [i.path for i in infos], [i.size for i in infos]
+        total = sum(sizes)
+        budget = 4 * total + (64 << 20)
+    reps = args.repeats
+
+    # -- disk -> DRAM -----------------------------------------------------------------------------------
+    with KVStore(src_root, dram_budget_bytes=budget) as st:
+        offsets, _ = st.dram.reserve(TENANT, sizes)
+
+        def nixl_disk() -> None:
+            fds = [os.open(p, os.O_RDONLY) for p in paths]
+            try:
+                st.transport.read_files(list(zip(fds, sizes)), offsets)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+        staging = memoryview(bytearray(total))
+
+        def plain_disk(verify: bool = False) -> None:
+            pos = 0
+            for p, s in zip(paths, sizes):
+                with open(p, "rb", buffering=0) as f:
+                    f.readinto(staging[pos : pos + s])
+                if verify:
+                    hashlib.sha256(staging[pos : pos + s]).hexdigest()
+                pos += s
+
+        t_nixl = median_s(nixl_disk, reps)
+        t_plain = median_s(plain_disk, reps)
+        for (o, s) in [(offsets[0], sizes[0])]:  # the NIXL read put the real file bytes in the arena
+            assert bytes(st.arena.view(o, s)) == Path(paths[0]).read_bytes()
+        rows.append(row("disk", n, total, t_nixl, "python open().readinto", t_plain))
+        st.dram.abort(TENANT, offsets, sizes)
+
+        def cold_get() -> None:
+            st.get_many(TENANT, USER, ids, FINGERPRINT)
+
+        t_store = median_s(cold_get, reps, setup=lambda: st.dram.drop(lambda k: True))
+        t_plainv = median_s(lambda: plain_disk(True), reps)
+        rows.append(row("disk+verify", n, total, t_store, "readinto + sha256", t_plainv))
+
+        # -- DRAM hit ---------------------------------------------------------------------------------------
+        st.get_many(TENANT, USER, ids, FINGERPRINT)
+        src = torch.empty(total, dtype=torch.uint8)
+        src.copy_(torch.frombuffer(staging, dtype=torch.uint8))
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in: the baseline copies into warm memory
+        t_hit = median_s(lambda: st.get_many(TENANT, USER, ids, FINGERPRINT), reps)
+        t_copy = median_s(lambda: dst.copy_(src), reps)
+        rows.append(row("dram", n, total, t_hit, "torch.Tensor.copy_", t_copy))
+        t_hitc = median_s(lambda: st.get_many(TENANT, USER, ids, FINGERPRINT, copy=True), reps)
+        rows.append(row("dram-copy", n, total, t_hitc, "torch.Tensor.copy_", t_copy))
+
+    # -- peer process -> DRAM -------------------------------------------------------------------------------
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_peer_main, args=(str(src_root), budget, child), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("peer process did not start")
+        info = parent.recv()
+        with KVStore(dst_root, dram_budget_bytes=budget) as st:
+            def nixl_peer() -> None:
+                got, offs = st._peer_fetch(TENANT, USER, info["peer"], ids, FINGERPRINT)
+                st.dram.abort(TENANT, offs, [g["size"] for g in got])
+
+            buf = memoryview(bytearray(total))
+            t_ucx = median_s(nixl_peer, reps)
+            t_sock = median_s(lambda: socket_fetch(info["socket"], ids, buf), reps)
+            rows.append(row("peer", n, total, t_ucx, "tcp socket (same processes)", t_sock))
+
+            def sock_verify() -> None:
+                socket_fetch(info["socket"], ids, buf)
+                pos = 0
+                for s in sizes:
+                    hashlib.sha256(buf[pos : pos + s]).hexdigest()
+                    pos += s
+
+            few = max(1, min(reps, 5))  # each pull also writes (and fsyncs) 50 files
+            t_pull = median_s(lambda: st.pull_from_peer(TENANT, USER, info["peer"], ids), few)
+            t_sockv = median_s(sock_verify, few)
+            rows.append(row("peer+verify+persist", n, total, t_pull, "tcp socket + sha256", t_sockv))
+            got, _ = st.get_many(TENANT, USER, ids[:1], FINGERPRINT)
+            assert torch.equal(got[0].kv, blocks[0].kv)
+    finally:
+        try:
+            parent.send("stop")
+        except OSError:
+            pass
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = f"{'source':<22}{'blocks':>7}{'MB':>8}{'ms':>9}{'GB/s':>8}   {'baseline':<30}{'ms':>9}{'GB/s':>8}{'ratio':>7}  bar"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        bar = f"{'PASS' if r['pass'] else 'FAIL'} (>= {r['bar']:.0%})" if "bar" in r else "-"
+        print(f"{r['source']:<22}{r['blocks']:>7}{r['bytes'] / 1e6:>8.1f}{r['ms']:>9.2f}{r['gbps']:>8.2f}   "
+              f"{r['baseline']:<30}{r['baseline_ms']:>9.2f}{r['baseline_gbps']:>8.2f}{r['ratio']:>7.2f}  {bar}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.dir:
+        work = Path(args.dir)
+        work.mkdir(parents=True, exist_ok=True)
+        rows = bench(work, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="inferscale-bench-store-") as d:
+            rows = bench(Path(d), args)
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
