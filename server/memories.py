@@ -96,7 +96,9 @@ class MemoryService:
 
     async def retrieve(self, tenant: str, user: str, query: str, k: int, tracer: trace.Tracer,
                        ctx: Any) -> tuple[list[KVBlock], list[str]]:
-        """Top-k of the user's memories for ``query``, fetched from the store (spans: retrieval, kv_fetch)."""
+        """Top-k of the user's memories for ``query``, fetched from the store (spans: retrieval, kv_fetch).
+
+        Returns (blocks in injection order: least relevant first, ids best first)."""
         with tracer.start_as_current_span("retrieval", context=ctx, attributes={"inferscale.k": k}) as span:
             ids, matrix = await asyncio.to_thread(self.store.embeddings, tenant, user, self.fingerprint)
             span.set_attribute("inferscale.candidates", len(ids))
@@ -109,7 +111,8 @@ class MemoryService:
         if not chosen:
             return [], []
         with tracer.start_as_current_span("kv_fetch", context=ctx) as span:
-            blocks, stats = await asyncio.to_thread(self.store.get_many, tenant, user, chosen, self.fingerprint)
+            # Injected best-last: the most relevant memory sits next to the question.
+            blocks, stats = await asyncio.to_thread(self.store.get_many, tenant, user, chosen[::-1], self.fingerprint)
             tiers = fetch_tiers(stats)
             nbytes = int(getattr(stats, "bytes", 0) or sum(b.nbytes for b in blocks))
             span.set_attribute("inferscale.kv.tier", ",".join(sorted(tiers)) or "none")

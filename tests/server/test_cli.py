@@ -1,0 +1,58 @@
+"""`inferscale serve` (settings, tenants file creation, key printed once) and `inferscale demo` against a live server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from inferscale.server import cli, demo
+from inferscale.server.auth import TenantRegistry, hash_key
+
+from conftest import KEYS
+
+
+def _args(mod, argv):
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_serve_creates_tenant_and_prints_key(tmp_path, monkeypatch, capsys, tiny_engine, embedder):
+    import uvicorn
+
+    from inferscale.server import app as app_mod
+
+    seen = {}
+    real_create = app_mod.create_app
+
+    def fake_create(settings):
+        seen["settings"] = settings
+        store_settings = settings.model_copy(update={"internal_token": None})
+        from inferscale.store import KVStore
+
+        return real_create(store_settings, engine=tiny_engine, embedder=embedder,
+                           store=KVStore(settings.store_dir, dram_budget_bytes=16 << 20, nixl=False))
+
+    monkeypatch.setattr(app_mod, "create_app", fake_create)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.setenv("INFERSCALE_PORT", "9001")
+    args = _args(cli, ["--data-dir", str(tmp_path), "--port", "9002", "--tenant", "team-a", "--default-k", "7"])
+    assert cli.run(args) == 0
+    out = capsys.readouterr().out
+    key = next(w for w in out.split() if w.startswith("isk-"))
+    stored = json.loads((tmp_path / "tenants.json").read_text())
+    assert stored == {"team-a": [hash_key(key)]} and key not in (tmp_path / "tenants.json").read_text()
+    assert seen["port"] == 9002 and seen["settings"].default_k == 7  # flags win over the environment
+    reg = TenantRegistry(tmp_path / "tenants.json", max_k=1, max_tokens=1, max_in_flight=1)
+    assert reg.authenticate(key).name == "team-a"
+    # A second start keeps the file and prints no key.
+    assert cli.run(args) == 0
+    assert "isk-" not in capsys.readouterr().out
+
+
+def test_demo_against_live_server(live, capsys):
+    args = _args(demo, ["--url", live.url, "--api-key", KEYS["globex"], "-k", "5", "--repeats", "1", "--user", "demo-user"])
+    assert demo.run(args) == 0
+    out = capsys.readouterr().out
+    assert "Loaded 32 memories" in out
+    assert "kv    TTFT" in out and "text  TTFT" in out
