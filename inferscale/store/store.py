@@ -64,6 +64,9 @@ class PullResult:
     bytes: int
     tier: str  # where the blocks now are: "dram" (or "disk" when they did not fit)
     seconds: float
+    total_blocks: int = 0  # the user's totals on this node after the call (what /internal/v1/pull reports)
+    total_bytes: int = 0
+    total_tokens: int = 0
 
 
 class KVStore:
@@ -322,25 +325,33 @@ class KVStore:
             nbytes += len(data)
             if load and not self.dram.resident((tenant, user, info.fingerprint, info.item_id)):
                 tier = "disk"
-        return PullResult(tenant, user, len(images), nbytes, tier, time.perf_counter() - t0)
+        return self._result(tenant, user, len(images), nbytes, tier, t0)
 
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
-                       fingerprint: str | None = None) -> PullResult:
+                       fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
         """Copy a user's blocks from a peer node's DRAM (NIXL UCX READ, one request) into this node's DRAM and
-        disk, verifying every checksum. TransferError when the peer is unreachable or too slow."""
+        disk, verifying every checksum. TransferError when the peer is unreachable or too slow.
+
+        ``source_dir``: an encoding Job's output directory on the peer's node (``.../<tenant>/<user>``); the
+        peer imports missing items from it before serving them."""
         t0 = time.perf_counter()
         check_name("tenant", tenant), check_name("user", user)
         for i in item_ids or []:
             check_name("item", i)
         if fingerprint is not None:
             check_fingerprint(fingerprint)
-        blocks, offsets = self._peer_fetch(tenant, user, peer, item_ids, fingerprint)
+        blocks, offsets = self._peer_fetch(tenant, user, peer, item_ids, fingerprint, source_dir)
         good, bad = self._verify_slots(
             tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
                       b["fingerprint"]) for o, b in zip(offsets, blocks)])
         nbytes = 0
-        for (off, size, info) in good:
-            self._store_image(tenant, user, self.arena.view(off, size), info, cache=False)
+        for n, (off, size, info) in enumerate(good):
+            try:
+                self._store_image(tenant, user, self.arena.view(off, size), info, cache=False)
+            except BaseException:  # e.g. a full disk: give back the slots not committed yet
+                for o, s, _ in good[n:]:
+                    self.dram.abort(tenant, [o], [s])
+                raise
             key = (tenant, user, info.fingerprint, info.item_id)
             self.dram.release(self.dram.commit(key, off, size, info))
             nbytes += size
@@ -348,16 +359,22 @@ class KVStore:
         self._counters["peer_pulls"] += len(good)
         if bad:
             self._raise_corrupt(tenant, user, bad, mark=True)
-        return PullResult(tenant, user, len(good), nbytes, "dram", time.perf_counter() - t0)
+        return self._result(tenant, user, len(good), nbytes, "dram", t0)
+
+    def _result(self, tenant: str, user: str, blocks: int, nbytes: int, tier: str, t0: float) -> PullResult:
+        rows = self.catalogue.items(tenant, user)
+        return PullResult(tenant, user, blocks, nbytes, tier, time.perf_counter() - t0, len(rows),
+                          sum(r.size for r in rows), sum(r.tokens for r in rows))
 
     def _peer_fetch(self, tenant: str, user: str, peer: str, item_ids: list[str] | None,
-                    fingerprint: str | None) -> tuple[list[dict[str, Any]], list[int]]:
+                    fingerprint: str | None, source_dir: str | None = None) -> tuple[list[dict[str, Any]], list[int]]:
         """Locate the blocks at the peer, READ them all in one NIXL request into reserved arena slots, end the
         lease. Returns (the peer's block records, slot offsets); the slots are unverified and uncommitted."""
         if self.transport is None or not self.transport.has_ucx:
             raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
         reply = peerproto.request(peer, {"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
-                                         "fingerprint": fingerprint, "token": self.peer_token}, self.timeout_s)
+                                         "fingerprint": fingerprint, "dir": source_dir, "token": self.peer_token},
+                                self.timeout_s)
         if reply.get("error") == "not_found":
             raise NotFoundError(f"peer {peer}: {reply.get('message')}")
         if "error" in reply:
@@ -617,7 +634,9 @@ class KVStore:
         if self.transport is None or not self.transport.has_ucx:
             return {"error": "unavailable", "message": "this node has no NIXL UCX agent"}
         tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
-        items, fp = msg.get("items"), msg.get("fingerprint")
+        items, fp, src = msg.get("items"), msg.get("fingerprint"), msg.get("dir")
+        if src:
+            self._import_for_peer(tenant, user, Path(src), items)
         rows = self.catalogue.items(tenant, user, fp, items)
         if not rows:
             raise NotFoundError(f"no memories for tenant {tenant!r} user {user!r} on node {self.node}")
@@ -644,6 +663,16 @@ class KVStore:
             "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": self.arena.base + e.offset,
                         "size": e.size, "sha256": e.info.sha256} for e in held],
         }
+
+    def _import_for_peer(self, tenant: str, user: str, src: Path, items: list[str] | None) -> None:
+        """Import a Job's output directory named by a puller, only if it is this tenant/user's directory."""
+        if not src.is_absolute() or ".." in src.parts or src.parts[-2:] != (tenant, user):
+            raise NotFoundError(f"directory {src} is not a blob directory of tenant {tenant!r} user {user!r}")
+        have = {r.item_id for r in self.catalogue.items(tenant, user)}
+        missing = None if items is None else [i for i in items if i not in have]
+        if missing == [] or not src.is_dir():
+            return
+        self.import_dir(tenant, user, src, missing)
 
     def _watch_leases(self) -> None:
         """While leases are out, progress the NIXL agent (peers' READs over transports that need the target to

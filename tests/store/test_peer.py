@@ -1,6 +1,7 @@
 """Peer pulls (G4): a real NIXL UCX agent in another process on loopback; bounded failures."""
 
 import multiprocessing as mp
+import os
 import socket
 import threading
 import time
@@ -144,3 +145,35 @@ def test_lease_ends_on_completion_notification(open_store, tmp_path):
     e = a.dram.acquire(("acme", "alice", FP, "m0"))
     assert e.refs == 1  # only ours: the lease's reference is gone
     a.dram.release(e)
+
+
+def test_peer_imports_job_dir_and_full_disk_keeps_slots(open_store, tmp_path, monkeypatch):
+    from inferscale.errors import StorageError
+    from inferscale.kvformat import save_block
+
+    job = tmp_path / "hostpath" / "acme" / "alice"  # an encoding Job's output on the peer's node
+    for it in ("m0", "m1"):
+        save_block(make_block(it), job)
+    a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1")
+    b = open_store(tmp_path / "b")
+    with pytest.raises(NotFoundError):  # a directory of another tenant/user is refused
+        b.pull_from_peer("acme", "bob", a.peer_address, ["m0"], source_dir=str(job))
+    r = b.pull_from_peer("acme", "alice", a.peer_address, ["m0"], source_dir=str(job))  # the peer imports m0
+    assert (r.blocks, r.total_blocks) == (1, 1) and [i.item_id for i in a.list("acme", "alice")] == ["m0"]
+    a.import_dir("acme", "alice", job, ["m1"])
+    import inferscale.kvformat as kvformat
+
+    def enospc(*_a):
+        raise OSError(28, "No space left on device")
+
+    real_fsync = os.fsync
+    monkeypatch.setattr(kvformat.os, "fsync", enospc)
+    used = b.stats()["dram_bytes"]
+    with pytest.raises(StorageError):  # this node's disk is full
+        b.pull_from_peer("acme", "alice", a.peer_address, ["m1"], source_dir=str(job))
+    monkeypatch.setattr(kvformat.os, "fsync", real_fsync)
+    assert b.stats()["dram_bytes"] == used  # nothing leaked from the arena
+    r = b.pull_from_peer("acme", "alice", a.peer_address, ["m0", "m1"], source_dir=str(job))
+    assert (r.blocks, r.total_blocks, r.total_tokens) == (2, 2, 8)
+    got, _ = b.get_many("acme", "alice", ["m1"], FP)
+    assert torch.equal(got[0].kv, make_block("m1").kv)
