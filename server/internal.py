@@ -24,11 +24,13 @@ def _pull(store, settings, req: PullRequest):
 @router.post("/pull", response_model=PullResult)
 async def pull(req: PullRequest, request: Request) -> PullResult:
     """Load the user's blobs into this pod's store (from ``source.dir`` on this node, else from the peer's NIXL
-    agent). Idempotent."""
+    agent). Idempotent. Answers the user's totals on this pod after the pull."""
     st = request.app.state
-    res = await asyncio.to_thread(_pull, st.store, st.settings, req)
+    await asyncio.to_thread(_pull, st.store, st.settings, req)
+    infos = await asyncio.to_thread(st.store.list, req.tenant, req.user)  # totals after the pull
     tier = "gpu" if st.settings.gpu_budget_bytes > 0 and getattr(st.store, "gpu", None) is not None else "dram"
-    return PullResult(tenant=req.tenant, user=req.user, blocks=res.blocks, bytes=res.bytes, tier=tier)
+    return PullResult(tenant=req.tenant, user=req.user, blocks=len(infos), bytes=sum(i.size for i in infos),
+                      tokens=sum(i.tokens for i in infos), tier=tier)
 
 
 @router.post("/purge", response_model=Removed)

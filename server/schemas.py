@@ -180,11 +180,13 @@ class PullRequest(BaseModel):
 
 
 class PullResult(BaseModel):
+    """The user's totals on this pod after the pull."""
     tenant: str
     user: str
     blocks: int
     bytes: int
     tier: Literal["dram", "gpu"]
+    tokens: int | None = None
 
 
 class PurgeRequest(BaseModel):

@@ -25,6 +25,10 @@ def test_pull_purge_capacity(live, tiny_engine, embedder, tmp_path):
         r = httpx.post(live.url + "/internal/v1/pull", json=body, headers=INTERNAL)
         assert r.status_code == 200, r.text
         assert r.json()["blocks"] == 2 and r.json()["bytes"] > 0 and r.json()["tier"] == "dram"
+        assert r.json()["tokens"] > 0
+    # Pulling one item again still answers the user's totals.
+    r = httpx.post(live.url + "/internal/v1/pull", json={**body, "items": ["p1"]}, headers=INTERNAL)
+    assert r.status_code == 200 and r.json()["blocks"] == 2
     g = live.client("globex").chat.completions.create(model="gemma-3-270m", user="melanie", max_tokens=3,
                                                       messages=[{"role": "user", "content": "where does she live?"}])
     assert g.model_extra["inferscale"]["items"]
