@@ -27,7 +27,7 @@ from inferscale.errors import (
 )
 from inferscale.kvformat import KVBlock, atomic_write, encode_blob, list_blobs
 from inferscale.store import peer as peerproto
-from inferscale.store.arena import Arena, align_up
+from inferscale.store.arena import Arena
 from inferscale.store.blob import BlobInfo, block_from_image, parse_header, read_header, verify
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.layout import CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs
@@ -35,7 +35,6 @@ from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
 log = logging.getLogger(__name__)
 DEFAULT_MIN_BLOCK = 64 << 10  # budgets below this cannot hold any real block; the server passes its model's size
-LEASE_SECONDS = 30.0
 
 
 @dataclass
@@ -128,33 +127,21 @@ class KVStore:
         self._hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
         self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
-        self._leases: dict[str, tuple[list[DramEntry], threading.Timer]] = {}
-        self._lease_lock = threading.Lock()
-        self._lease_cv = threading.Condition(self._lease_lock)
-        self._closing = False
-        self._watcher: threading.Thread | None = None
         self._counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
-        self.peer_server = None
+        self.peer_service = None
         if peer_port is not None:
-            self.peer_server = peerproto.PeerServer(peer_host, peer_port, self._handle_peer, token=peer_token,
-                                                    timeout_s=timeout_s)
+            from inferscale.store.serving import PeerService
+
+            self.peer_service = PeerService(self, peer_host, peer_port, token=peer_token, timeout_s=timeout_s)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
     def peer_address(self) -> str | None:
-        return None if self.peer_server is None else f"{self.node}:{self.peer_server.port}"
+        return None if self.peer_service is None else f"{self.node}:{self.peer_service.port}"
 
     def close(self) -> None:
-        if self.peer_server is not None:
-            self.peer_server.close()
-        self._closing = True
-        if self._watcher is not None:
-            with self._lease_cv:
-                self._lease_cv.notify_all()
-            self._watcher.join(5)
-        with self._lease_lock:
-            for lease in list(self._leases):
-                self._end_lease(lease)
+        if self.peer_service is not None:
+            self.peer_service.close()
         self._hasher.shutdown(wait=True)
         if self.transport is not None:
             self.transport.close()
@@ -619,90 +606,6 @@ class KVStore:
         self.catalogue.set_flag(keys, "pinned", int(on))
         (self._pins.update if on else self._pins.difference_update)(keys)
         return len(keys)
-
-    # -- serving peers --------------------------------------------------------------------------------------
-    def _handle_peer(self, msg: dict[str, Any]) -> dict[str, Any]:
-        op = msg.get("op")
-        if op == "ping":
-            return {"node": self.node}
-        if op == "release":
-            with self._lease_lock:
-                self._end_lease(str(msg.get("lease")))
-            return {"ok": True}
-        if op != "locate":
-            return {"error": "bad_request", "message": f"unknown op {op!r}"}
-        if self.transport is None or not self.transport.has_ucx:
-            return {"error": "unavailable", "message": "this node has no NIXL UCX agent"}
-        tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
-        items, fp, src = msg.get("items"), msg.get("fingerprint"), msg.get("dir")
-        if src:
-            self._import_for_peer(tenant, user, Path(src), items)
-        rows = self.catalogue.items(tenant, user, fp, items)
-        if not rows:
-            raise NotFoundError(f"no memories for tenant {tenant!r} user {user!r} on node {self.node}")
-        if items is not None and {r.item_id for r in rows} != set(items):
-            if fp is None or len({r.item_id for r in rows}) != len(set(items)):
-                raise NotFoundError(f"items {sorted(set(items) - {r.item_id for r in rows})} not found for "
-                                    f"tenant {tenant!r} user {user!r} on node {self.node}")
-        rows = [r for r in rows if not r.corrupt]
-        entries, loaded, evicted = self._ensure_dram(tenant, rows, {r.key for r in rows})
-        self.catalogue.record([], {("dram", 0): evicted, ("dram", 1): [e.key for e in loaded]})
-        held = [entries[r.key] for r in rows]
-        lease = uuid.uuid4().hex
-        timer = threading.Timer(LEASE_SECONDS, self._expire_lease, args=(lease,))
-        timer.daemon = True
-        with self._lease_cv:
-            self._leases[lease] = (held, timer)
-            if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch_leases, name="kvstore-leases", daemon=True)
-                self._watcher.start()
-            self._lease_cv.notify_all()
-        timer.start()
-        return {
-            "lease": lease, "node": self.node, "agent": base64.b64encode(self.transport.metadata()).decode(),
-            "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": self.arena.base + e.offset,
-                        "size": e.size, "sha256": e.info.sha256} for e in held],
-        }
-
-    def _import_for_peer(self, tenant: str, user: str, src: Path, items: list[str] | None) -> None:
-        """Import a Job's output directory named by a puller, only if it is this tenant/user's directory."""
-        if not src.is_absolute() or ".." in src.parts or src.parts[-2:] != (tenant, user):
-            raise NotFoundError(f"directory {src} is not a blob directory of tenant {tenant!r} user {user!r}")
-        have = {r.item_id for r in self.catalogue.items(tenant, user)}
-        missing = None if items is None else [i for i in items if i not in have]
-        if missing == [] or not src.is_dir():
-            return
-        self.import_dir(tenant, user, src, missing)
-
-    def _watch_leases(self) -> None:
-        """While leases are out, progress the NIXL agent (peers' READs over transports that need the target to
-        progress, e.g. TCP) and end each lease when its puller's completion notification arrives."""
-        while not self._closing:
-            with self._lease_cv:
-                if not self._leases:
-                    self._lease_cv.wait(timeout=1.0)
-                    continue
-            try:
-                msgs = self.transport.poll_notifs()
-            except Exception as e:  # noqa: BLE001 - keep serving; leases still expire on their timers
-                log.warning("polling NIXL notifications: %s", e)
-                msgs = []
-            for m in msgs:
-                if m.startswith(b"lease:"):
-                    with self._lease_lock:
-                        self._end_lease(m[6:].decode(errors="replace"))
-            time.sleep(0.0002)
-
-    def _expire_lease(self, lease: str) -> None:
-        with self._lease_lock:
-            self._end_lease(lease)
-
-    def _end_lease(self, lease: str) -> None:
-        held = self._leases.pop(lease, None)
-        if held is not None:
-            held[1].cancel()
-            for e in held[0]:
-                self.dram.release(e)
 
 
 def _pread_into(fd: int, view: memoryview) -> None:

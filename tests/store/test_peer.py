@@ -139,9 +139,9 @@ def test_lease_ends_on_completion_notification(open_store, tmp_path):
     b = open_store(tmp_path / "b")
     assert b.pull_from_peer("acme", "alice", a.peer_address, ["m0", "m2"]).blocks == 2
     deadline = time.monotonic() + 3
-    while a._leases and time.monotonic() < deadline:
+    while a.peer_service.leases and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not a._leases
+    assert not a.peer_service.leases
     e = a.dram.acquire(("acme", "alice", FP, "m0"))
     assert e.refs == 1  # only ours: the lease's reference is gone
     a.dram.release(e)
