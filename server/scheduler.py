@@ -126,6 +126,9 @@ class EngineWorker:
                     self._run_call(job)
                 elif not job.cancelled:
                     self._admit(job)
+            # Drop this frame's references before waiting: a finished job's KV blocks are leased views of DRAM
+            # arena slots, which stay allocated (even after a purge) while anything still points at them.
+            admitted = job = None
             if self._active:
                 self._decode_round()
                 self.rounds += 1
