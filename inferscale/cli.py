@@ -14,8 +14,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ask": ("inferscale.commands.ask", "answer a question with memories from a blobs dir"),
     "serve": ("inferscale.server.cli", "run the OpenAI-compatible server (single node)"),
     "demo": ("inferscale.server.demo", "load sample memories into a running server and compare kv vs text TTFT"),
-    "operator": ("inferscale.operator.cli", "run the Kubernetes operator"),
 }
+# The operator owns its flags (inferscale.operator.cli); it is handed the rest of the command line as is.
+OPERATOR_HELP = "run the Kubernetes operator (flags: inferscale operator --help)"
 BENCHES: dict[str, tuple[str, str]] = {
     "ttft": ("inferscale.bench.ttft", "TTFT vs k: text vs kv (warm, cold) vs the floor"),
     "store": ("inferscale.bench.store", "moving 50 blocks into DRAM: NIXL vs plain baselines"),
@@ -23,27 +24,26 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-def _add(sub, name: str, module: str, help: str) -> None:
-    p = sub.add_parser(name, help=help, description=help)
-    p.set_defaults(_module=module)
-    if "--help" in sys.argv or "-h" in sys.argv or name in sys.argv[1:3]:
-        # Only the chosen command's module is imported (the operator image has no torch).
-        try:
-            importlib.import_module(module).add_arguments(p)
-        except ModuleNotFoundError as e:
-            p.set_defaults(_missing=str(e))
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(chosen: list[str]) -> argparse.ArgumentParser:
+    """The parser; only the chosen subcommand's module is imported (for its flags), so ``--help`` stays light and
+    the operator's image needs no torch. ``chosen`` is argv without options: [command] or ["bench", name]."""
     parser = argparse.ArgumentParser(prog="inferscale", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(subparsers, name: str, module: str, help: str, selected: bool) -> None:
+        p = subparsers.add_parser(name, help=help, description=help)
+        p.set_defaults(_module=module)
+        if selected:
+            importlib.import_module(module).add_arguments(p)
+
     for name, (module, help) in COMMANDS.items():
-        _add(sub, name, module, help)
+        add(sub, name, module, help, chosen[:1] == [name])
+    sub.add_parser("operator", help=OPERATOR_HELP, add_help=False)  # dispatched before parsing, see main()
     bench = sub.add_parser("bench", help="benchmarks (print a table and write JSON)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help) in BENCHES.items():
-        _add(bench_sub, name, module, help)
+        add(bench_sub, name, module, help, chosen[:2] == ["bench", name])
     return parser
 
 
@@ -51,12 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download from a model hub
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = sys.argv[1:] if argv is None else argv
-    sys.argv = [sys.argv[0], *argv]
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if getattr(args, "_missing", None):
-        print(f"inferscale: this install lacks a dependency of '{args.command}': {args._missing}", file=sys.stderr)
+    if argv[:1] == ["operator"]:
+        from inferscale.operator.cli import main as operator_main
+
+        return operator_main(argv[1:])
+    positional = [a for a in argv if not a.startswith("-")]
+    try:
+        parser = build_parser(positional[:2])
+    except ModuleNotFoundError as e:
+        print(f"inferscale: this install lacks a dependency of '{' '.join(positional[:2])}': {e}", file=sys.stderr)
         return 2
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from inferscale.errors import InferScaleError
 
     try:

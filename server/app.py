@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import time
 
@@ -98,7 +97,7 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     st.settings, st.engine, st.store, st.embedder, st.tenants = settings, engine, store, embedder, tenants
     st.telemetry, st.worker, st.started = telemetry, worker, time.time()
     st.model_ids = [settings.model] + ([engine.loaded.name] if engine.loaded.name != settings.model else [])
-    st.modes = [m for m in MODES if m != "kv-recompute" or importlib.util.find_spec("inferscale.engine.recompute")]
+    st.modes = list(MODES)
     st.memories = memories.MemoryService(store, embedder, worker, engine, telemetry.prom)
     httperrors.install(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, prom=telemetry.prom)

@@ -54,6 +54,6 @@ def _top_k(question: str, blocks: list, k: int) -> list:
         return blocks[:k]  # blobs encoded without --embed: no ranking possible, keep file order
     import torch
 
-    emb = Embedder.load()
-    ids = top_k(emb.embed([question])[0], list(range(len(blocks))), torch.stack([b.embedding for b in blocks]), k)
-    return [blocks[i] for i in ids]
+    by_id = {b.item_id: b for b in blocks}
+    ranked = top_k(Embedder().embed([question])[0], list(by_id), torch.stack([b.embedding for b in blocks]), k)
+    return [by_id[item_id] for item_id, _score in ranked]

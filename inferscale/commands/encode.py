@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if args.embed:
         from inferscale.retrieval import Embedder
 
-        embed = Embedder.load().embed
+        embed = Embedder().embed
     # encode() checks every item before any work and blobs are written only after all encoded: a bad item
     # leaves the directory untouched.
     out = Path(args.out)

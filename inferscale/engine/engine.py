@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +44,8 @@ class Sequence:
 @dataclass
 class Answer:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # generated, stop token excluded
+    first_token: int  # the first token chosen, stop token included (what agreement between modes compares)
     ttft_s: float
     total_s: float
     prompt_tokens: int
@@ -208,43 +209,40 @@ class Engine:
         seq.logits = self._forward([token], seq.length, seq.cache)
         seq.length += 1
 
-    def is_stop(self, token: int, sampling: Sampling) -> bool:
+    def is_stop(self, token: int, sampling: Sampling, started: bool = True) -> bool:
+        """End of answer: an end-of-sequence token, or (short answers) a line break once something was said."""
         if token in self.stop_ids:
             return True
-        return sampling.stop_on_newline and token in self.newline_ids
-
-    def stream(self, seq: Sequence, sampling: Sampling) -> Iterator[int]:
-        """Yield generated tokens until a stop token or the budget; the stop token itself is not yielded."""
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        for i in range(sampling.max_new_tokens):
-            token = self.sample(seq.logits, sampling, gen)
-            if self.is_stop(token, sampling):
-                return
-            yield token
-            if i + 1 < sampling.max_new_tokens:
-                self.step(seq, token)
+        return sampling.stop_on_newline and started and token in self.newline_ids
 
     def ask(
-        self, question: str, blocks: list[KVBlock], mode: str = "kv", *, sampling: Sampling | None = None,
+        self, question: str | list[int], blocks: list[KVBlock], mode: str = "kv", *, sampling: Sampling | None = None,
         recompute_ratio: float = 0.15,
     ) -> Answer:
+        """Prefill, then decode until a stop token or the budget. TTFT ends when the first token is chosen."""
         sampling = sampling or Sampling()
+        query = self.question_ids(question) if isinstance(question, str) else list(question)
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         t0 = time.perf_counter()
-        seq = self.prefill(self.question_ids(question), blocks, mode, recompute_ratio=recompute_ratio)
-        ttft = None
-        tokens: list[int] = []
-        for tok in self.stream(seq, sampling):
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            tokens.append(tok)
+        seq = self.prefill(query, blocks, mode, recompute_ratio=recompute_ratio, reserve_tokens=sampling.max_new_tokens)
+        token = self.sample(seq.logits, sampling, gen)
+        ttft = time.perf_counter() - t0
+        first, tokens, started = token, [], False
+        while not self.is_stop(token, sampling, started) and len(tokens) < sampling.max_new_tokens:
+            tokens.append(token)
+            started = started or token not in self.newline_ids
+            if len(tokens) == sampling.max_new_tokens:
+                break
+            self.step(seq, token)
+            token = self.sample(seq.logits, sampling, gen)
         total = time.perf_counter() - t0
         return Answer(
             text=self.tokenizer.decode(tokens, skip_special_tokens=True).strip(),
             token_ids=tokens,
-            ttft_s=ttft if ttft is not None else total,
+            first_token=first,
+            ttft_s=ttft,
             total_s=total,
             prompt_tokens=seq.prompt_tokens,
             memory_tokens=seq.memory_tokens,
             mode=mode,
         )
-

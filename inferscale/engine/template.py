@@ -69,10 +69,18 @@ def read_jsonl(path: str) -> list[MemoryItem]:
 
 @dataclass(frozen=True)
 class PromptTemplate:
-    prefix: str = "Facts about the user, remembered from past conversations:\n"
+    # The two opening lines are part of the shared prefix on purpose: every item is encoded after this prefix,
+    # and an item encoded right after a bare header is encoded as "the first line of the list". Injected k at a
+    # time, k "first lines" mislead the model. On LoCoMo dev data (conv-26, k=20) the opening lines cut the KL
+    # between kv and text next-token distributions from 1.6 to 0.34; lines without dates did not help (1.6).
+    prefix: str = (
+        "Facts about the user, remembered from past conversations:\n"
+        "- (1 January 2023) The user started talking with the assistant.\n"
+        "- (2 January 2023) The user shared some news about friends and family.\n"
+    )
     item: str = "- {text}\n"
     item_with_time: str = "- ({timestamp}) {text}\n"
-    question: str = "\nQuestion: {question}\nShort answer:"
+    question: str = "\nAnswer the question in a few words, using the facts above.\nQuestion: {question}\nAnswer:"
     chat_turn: str = "{role}: {content}\n"
     chat_open: str = "\nConversation:\n"
     chat_reply: str = "Assistant:"

@@ -1,0 +1,274 @@
+"""``inferscale bench locomo``: answer quality with memories pasted (text) vs injected (kv, kv-recompute).
+
+Memories are LoCoMo's ``observation`` facts (one item per fact, stamped with its session date), encoded once per
+conversation. Each question retrieves its top-k facts once; every mode then answers from the same facts with the
+same template, greedily, so the modes differ only in how the memory tokens got their KV. Metrics per mode: token
+F1 (LoCoMo's normalisation), agreement with ``text`` (first token, whole answer), TTFT; per k: evidence recall.
+The dataset is not shipped: snap-research/LoCoMo, data/locomo10.json (CC BY-NC 4.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import string
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inferscale.engine.template import MemoryItem
+from inferscale.errors import ConfigError
+
+CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}  # 5 (adversarial) is excluded
+
+
+@dataclass
+class Fact:
+    item: MemoryItem
+    dia_id: str
+
+
+@dataclass
+class Question:
+    conv: str
+    question: str
+    answer: str
+    category: int
+    evidence: list[str]
+
+
+@dataclass
+class Conversation:
+    sample_id: str
+    facts: list[Fact]
+    questions: list[Question]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="LoCoMo JSON (data/locomo10.json of snap-research/LoCoMo)")
+    p.add_argument("--conversations", type=int, default=None, help="use the first N conversations (after --skip)")
+    p.add_argument("--skip", type=int, default=0, help="skip the first N conversations (hold them out)")
+    p.add_argument("--questions-per-conv", type=int, default=20)
+    p.add_argument("--k", default="5,20,50")
+    p.add_argument("--modes", default="text,kv,kv-recompute",
+                   help="text, kv, none, kv-recompute (ratio from --recompute-ratio) or kv-recompute@R")
+    p.add_argument("--recompute-ratio", type=float, default=0.15)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+
+
+# ---- LoCoMo's answer normalisation and token F1 ---------------------------------------------------------------
+def normalize_answer(s: str) -> str:
+    s = str(s).replace(",", "").lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the|and)\b", " ", s)
+    return " ".join(s.split())
+
+
+def f1_score(prediction: str, truth: str) -> float:
+    from nltk.stem import PorterStemmer
+
+    stem = PorterStemmer().stem
+    pred = [stem(w) for w in normalize_answer(prediction).split()]
+    gold = [stem(w) for w in normalize_answer(truth).split()]
+    same = sum((Counter(pred) & Counter(gold)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+def load_locomo(path: str) -> list[Conversation]:
+    try:
+        samples = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--data {path}: cannot read LoCoMo JSON ({e})") from None
+    out = []
+    for sample in samples:
+        sid = sample["sample_id"]
+        conv = sample.get("conversation", {})
+        facts: list[Fact] = []
+        for key, by_speaker in sample.get("observation", {}).items():
+            m = re.match(r"session_(\d+)_observation", key)
+            if not m:
+                continue
+            date = _session_date(conv.get(f"session_{m.group(1)}_date_time", ""))
+            for speaker_facts in by_speaker.values():
+                for entry in speaker_facts:
+                    text, dia = entry[0], entry[1] if len(entry) > 1 else ""
+                    dia = dia[0] if isinstance(dia, list) and dia else dia
+                    item = MemoryItem(id=f"{sid}-{len(facts):04d}", text=text, timestamp=date or None)
+                    facts.append(Fact(item=item, dia_id=str(dia)))
+        questions = [
+            Question(sid, qa["question"], str(qa["answer"]), int(qa["category"]), [str(e) for e in qa.get("evidence", [])])
+            for qa in sample.get("qa", []) if int(qa.get("category", 5)) in CATEGORIES and "answer" in qa
+        ]
+        out.append(Conversation(sid, facts, questions))
+    return out
+
+
+def _session_date(stamp: str) -> str:
+    """'1:56 pm on 8 May, 2023' → '8 May 2023'."""
+    day = stamp.split(" on ", 1)[-1]
+    return day.replace(",", "").strip()
+
+
+def sample_questions(questions: list[Question], n: int, rng: random.Random) -> list[Question]:
+    """Seeded sample stratified by category: round-robin over categories, random within each."""
+    by_cat: dict[int, list[Question]] = {}
+    for q in questions:
+        by_cat.setdefault(q.category, []).append(q)
+    for qs in by_cat.values():
+        rng.shuffle(qs)
+    picked: list[Question] = []
+    while len(picked) < n and any(by_cat.values()):
+        for cat in sorted(by_cat):
+            if by_cat[cat] and len(picked) < n:
+                picked.append(by_cat[cat].pop())
+    return picked
+
+
+def parse_modes(spec: str, default_ratio: float) -> list[tuple[str, str, float]]:
+    """'text,kv,kv-recompute@0.05' → [(label, engine mode, ratio)]; text always runs first (the reference)."""
+    modes = []
+    for name in [m.strip() for m in spec.split(",") if m.strip()]:
+        base, _, ratio = name.partition("@")
+        if base not in ("text", "kv", "kv-recompute", "none"):
+            raise ConfigError(f"--modes: unknown mode {name!r}")
+        r = float(ratio) if ratio else default_ratio
+        label = f"kv-recompute@{r:g}" if base == "kv-recompute" else base
+        modes.append((label, base, r))
+    if not any(m[0] == "text" for m in modes):
+        modes.insert(0, ("text", "text", 0.0))
+    modes.sort(key=lambda m: m[0] != "text")
+    return modes
+
+
+# ---- run ----------------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from inferscale.engine import Engine, Sampling
+    from inferscale.retrieval import Embedder, top_k
+
+    ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
+    modes = parse_modes(args.modes, args.recompute_ratio)
+    convs = load_locomo(args.data)[args.skip :]
+    if args.conversations:
+        convs = convs[: args.conversations]
+    if not convs:
+        raise ConfigError("no conversations selected")
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    embedder = Embedder()
+    sampling = Sampling(max_new_tokens=args.max_tokens)
+    rng = random.Random(args.seed)
+    rows = []
+    for conv in convs:
+        t0 = time.perf_counter()
+        blocks = engine.encode([f.item for f in conv.facts], embed=embedder.embed)
+        print(f"{conv.sample_id}: {len(blocks)} facts, {sum(b.num_tokens for b in blocks)} tokens encoded in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        ids = [b.item_id for b in blocks]
+        by_id = {b.item_id: b for b in blocks}
+        dia_of = {f.item.id: f.dia_id for f in conv.facts}
+        matrix = torch.stack([b.embedding for b in blocks])
+        for q in sample_questions(conv.questions, args.questions_per_conv, rng):
+            ranked = [i for i, _ in top_k(embedder.embed([q.question])[0], ids, matrix, max(ks))]
+            for k in ks:
+                chosen = [by_id[i] for i in ranked[:k]]
+                got = {dia_of[i] for i in ranked[:k]}
+                recall = (sum(e in got for e in q.evidence) / len(q.evidence)) if q.evidence else None
+                ref = None
+                for label, mode, ratio in modes:
+                    ans = engine.ask(q.question, chosen, mode, sampling=sampling, recompute_ratio=ratio)
+                    ref = ans if label == "text" else ref
+                    rows.append({
+                        "conv": q.conv, "question": q.question, "gold": q.answer, "category": q.category,
+                        "k": k, "mode": label, "answer": ans.text, "f1": round(f1_score(ans.text, q.answer), 4),
+                        "ttft_ms": round(ans.ttft_s * 1000, 1), "recall": recall,
+                        "agree_first_token": ans.first_token == ref.first_token,
+                        "agree_answer": ans.token_ids == ref.token_ids,
+                        "memory_tokens": ans.memory_tokens,
+                    })
+        _print_summary(summarize(rows))
+    result = {"model": engine.loaded.name, "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+              "conversations": [c.sample_id for c in convs], "seed": args.seed, "ks": ks,
+              "modes": [m[0] for m in modes]}
+    by_k = summarize(rows)
+    result["by_k"] = by_k
+    result["summary"] = by_k[str(ks[-1])]
+    result["rows"] = rows
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def summarize(rows: list[dict], *, boot: int = 1000) -> dict:
+    """{k: {mode: {f1, f1_ratio (paired vs text, with 95% bootstrap CI), agreement, TTFT, recall, by category}}}."""
+    out: dict = {}
+    rng = random.Random(0)
+    for k in sorted({r["k"] for r in rows}):
+        at_k = [r for r in rows if r["k"] == k]
+        text = {(r["conv"], r["question"]): r for r in at_k if r["mode"] == "text"}
+        out[str(k)] = {}
+        for mode in dict.fromkeys(r["mode"] for r in at_k):
+            rs = [r for r in at_k if r["mode"] == mode]
+            ttft = sorted(r["ttft_ms"] for r in rs)
+            pairs = [(r["f1"], text[(r["conv"], r["question"])]["f1"]) for r in rs]
+            summary = {
+                "n": len(rs),
+                "f1": round(statistics.mean(r["f1"] for r in rs), 4),
+                "agree_first_token": round(statistics.mean(r["agree_first_token"] for r in rs), 4),
+                "agree_answer": round(statistics.mean(r["agree_answer"] for r in rs), 4),
+                "ttft_p50_ms": round(statistics.median(ttft), 1),
+                "ttft_p95_ms": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 1),
+                "f1_ratio": _ratio(pairs),
+                "f1_ratio_ci95": _bootstrap_ci(pairs, rng, boot),
+                "by_category": {
+                    CATEGORIES[c]: round(statistics.mean(r["f1"] for r in rs if r["category"] == c), 4)
+                    for c in sorted({r["category"] for r in rs})
+                },
+            }
+            recalls = [r["recall"] for r in rs if r["recall"] is not None]
+            summary["evidence_recall"] = round(statistics.mean(recalls), 4) if recalls else None
+            out[str(k)][mode] = summary
+    return out
+
+
+def _ratio(pairs: list[tuple[float, float]]) -> float | None:
+    ref = sum(t for _, t in pairs)
+    return round(sum(m for m, _ in pairs) / ref, 4) if ref else None
+
+
+def _bootstrap_ci(pairs, rng: random.Random, n: int) -> list[float] | None:
+    """Resample questions (keeping each mode/text pair together): the spread of the F1 ratio."""
+    if not pairs or not sum(t for _, t in pairs):
+        return None
+    stats = []
+    for _ in range(n):
+        sample = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        ref = sum(t for _, t in sample)
+        if ref:
+            stats.append(sum(m for m, _ in sample) / ref)
+    stats.sort()
+    return [round(stats[int(0.025 * len(stats))], 3), round(stats[int(0.975 * len(stats)) - 1], 3)]
+
+
+def _print_summary(by_k: dict) -> None:
+    print(f"{'k':>3} {'mode':<20} {'n':>4} {'F1':>6} {'F1/text':>8} {'95% CI':>14} {'1st tok':>8} {'answer':>7} "
+          f"{'TTFT p50':>9} {'recall':>7}")
+    for k, modes in by_k.items():
+        for mode, s in modes.items():
+            ci = s["f1_ratio_ci95"]
+            print(f"{k:>3} {mode:<20} {s['n']:>4} {s['f1']:>6.3f} {s['f1_ratio'] or 0:>8.3f} "
+                  f"{(f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'):>14} {s['agree_first_token']:>8.2f} "
+                  f"{s['agree_answer']:>7.2f} {s['ttft_p50_ms']:>9.1f} {s['evidence_recall'] or 0:>7.2f}", flush=True)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up ./.venv, start `inferscale serve` on the embedded default model, run the demo against it, stop it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1
+DATA=${INFERSCALE_DATA_DIR:-$PWD/.inferscale-demo}
+PORT=${INFERSCALE_PORT:-8000}
+mkdir -p "$DATA"
+LOG="$DATA/serve.log"
+.venv/bin/inferscale serve --data-dir "$DATA" --port "$PORT" >"$LOG" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true' EXIT
+echo "inferscale serve (pid $SERVER) starting on 127.0.0.1:$PORT; log: $LOG"
+for _ in $(seq 1 300); do
+  if curl -fs "http://127.0.0.1:$PORT/readyz" >/dev/null 2>&1; then break; fi
+  if ! kill -0 $SERVER 2>/dev/null; then cat "$LOG"; exit 1; fi
+  sleep 1
+done
+KEY=$(grep -o 'isk-[A-Za-z0-9_-]*' "$LOG" | head -1 || true)
+if [ -z "$KEY" ] && [ -n "${INFERSCALE_API_KEY:-}" ]; then KEY=$INFERSCALE_API_KEY; fi
+INFERSCALE_API_KEY="$KEY" .venv/bin/inferscale demo --url "http://127.0.0.1:$PORT"

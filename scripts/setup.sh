@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create ./.venv with InferScale and everything its tests need. CPU machines get the CPU build of torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  # An unpinned torch would pull a multi-GB CUDA build; this version has a CPU wheel.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[server,operator,bench,test]"
+echo "set up: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
