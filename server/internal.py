@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 
 from inferscale.server.auth import require_internal
-from inferscale.server.schemas import Capacity, ErrorBody, PullRequest, PullResult, PurgeRequest, Removed
+from inferscale.server.httperrors import ApiError
+from inferscale.server.schemas import Capacity, ErrorBody, PullRequest, PullResult, Purged, PurgeRequest
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_internal)],
                    responses={s: {"model": ErrorBody} for s in (400, 401, 404, 424)})
@@ -33,12 +37,50 @@ async def pull(req: PullRequest, request: Request) -> PullResult:
                       tokens=sum(i.tokens for i in infos), tier=tier)
 
 
-@router.post("/purge", response_model=Removed)
-async def purge(req: PurgeRequest, request: Request) -> Removed:
-    """Remove the user's blocks (or just ``items``) from every tier of this pod. Idempotent: 0 when absent."""
+def source_dir_path(root: Path, tenant: str, user: str, source_dir: str) -> Path:
+    """The encoding-Job output dir ``source_dir`` names, resolved; ApiError 400 unless it is ``<root>/.../<tenant>/<user>``:
+    absolute, no ``.``/``..`` components, strictly inside ``root`` once symlinks are resolved, and ending in the
+    request's tenant and user both as given and as resolved."""
+    def bad(why: str) -> ApiError:
+        return ApiError(400, f"source_dir {source_dir!r}: {why}", code="invalid_value", param="source_dir")
+
+    raw = source_dir.rstrip("/")
+    parts = raw.split("/")
+    if not raw.startswith("/") or any(p in ("", ".", "..") for p in parts[1:]):
+        raise bad("must be an absolute, normalized path")
+    if tuple(parts[-2:]) != (tenant, user):
+        raise bad(f"must end in /{tenant}/{user}")
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(raw))
+    if real_root not in real.parents or real.parts[-2:] != (tenant, user):
+        raise bad(f"must be <{root}>/{tenant}/{user} (INFERSCALE_KV_HOST_PATH)")
+    return real
+
+
+def _remove_dir(path: Path) -> bool:
+    """Delete ``path`` and everything below it; False when it was not there (a concurrent purge got it first)."""
+    if not path.is_dir():
+        return False
+    for _ in range(3):  # another pod on this node may be removing the same files: what it took is gone either way
+        try:
+            shutil.rmtree(path)
+            break
+        except FileNotFoundError:
+            if not path.exists():
+                break
+    return True
+
+
+@router.post("/purge", response_model=Purged, response_model_exclude_none=True)
+async def purge(req: PurgeRequest, request: Request) -> Purged:
+    """Remove the user's blocks (or just ``items``) from every tier of this pod. Idempotent: 0 when absent.
+    With ``source_dir``, also delete that encoding-Job output dir on this node (only ``<kv host path>/<tenant>/<user>``:
+    anything else is a 400, checked before anything is removed)."""
     st = request.app.state
+    src = source_dir_path(st.settings.kv_host_path, req.tenant, req.user, req.source_dir) if req.source_dir else None
     blocks, nbytes = await asyncio.to_thread(st.store.purge, req.tenant, req.user, req.items)
-    return Removed(removed_blocks=blocks, removed_bytes=nbytes)
+    removed_dir = await asyncio.to_thread(_remove_dir, src) if src is not None else None
+    return Purged(removed_blocks=blocks, removed_bytes=nbytes, source_dir_removed=removed_dir)
 
 
 @router.get("/capacity", response_model=Capacity)

@@ -193,6 +193,14 @@ class PurgeRequest(BaseModel):
     tenant: TenantName
     user: UserId
     items: list[ItemId] | None = None
+    source_dir: str | None = Field(None, min_length=1, max_length=4096, description=(
+        "also delete this encoding-Job output dir on this node: <INFERSCALE_KV_HOST_PATH>/<tenant>/<user>"))
+
+
+class Purged(Removed):
+    """``source_dir_removed`` only when the request named a ``source_dir``: whether this call deleted it (false: it
+    was not there)."""
+    source_dir_removed: bool | None = None
 
 
 class Capacity(BaseModel):

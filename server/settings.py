@@ -26,6 +26,7 @@ ENV = {
     "internal_token": "INFERSCALE_INTERNAL_TOKEN",
     "node_name": "INFERSCALE_NODE_NAME",
     "pod_name": "INFERSCALE_POD_NAME",
+    "kv_host_path": "INFERSCALE_KV_HOST_PATH",
     "default_k": "INFERSCALE_DEFAULT_K",
     "default_mode": "INFERSCALE_DEFAULT_MODE",
     "max_k": "INFERSCALE_MAX_K",
@@ -51,6 +52,8 @@ class Settings(BaseModel):
     internal_token: str | None = None  # None = /internal/v1/* disabled
     node_name: str = Field(default_factory=lambda: os.uname().nodename)
     pod_name: str = ""
+    # The node's KV hostPath root (encoding Jobs write <root>/<tenant>/<user>): a purge may delete such a dir.
+    kv_host_path: Path = Path("/var/lib/inferscale/kv")
     # Request defaults and the per-tenant limits a tenants-file entry does not override.
     default_k: int = Field(20, ge=0)
     default_mode: Literal["kv", "text", "kv-recompute", "none"] = "kv"

@@ -76,7 +76,8 @@ def live(tmp_path_factory, tiny_engine, embedder):
         "tight": {"keys": [hash_key(KEYS["tight"])], "max_k": 3, "max_tokens": 8, "max_in_flight": 1},
     }))
     settings = Settings(data_dir=data, tenants_file=tenants, model=MODEL, internal_token="internal-secret",
-                        default_max_tokens=8, max_tokens=64, max_k=50, node_name="node-a", pod_name="pod-a")
+                        default_max_tokens=8, max_tokens=64, max_k=50, node_name="node-a", pod_name="pod-a",
+                        kv_host_path=data / "kv")
     spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
     store = KVStore(settings.store_dir, dram_budget_bytes=64 << 20, node="node-a", nixl=False)
     app = create_app(settings, engine=tiny_engine, embedder=embedder, store=store, span_exporter=spans,

@@ -44,3 +44,51 @@ def test_pull_purge_capacity(live, tiny_engine, embedder, tmp_path):
                    headers=INTERNAL)
     assert r.json() == {"removed_blocks": 0, "removed_bytes": 0}
     assert httpx.get(live.url + "/v1/memories/melanie", headers=live.headers("globex")).status_code == 404
+
+
+def _purge(live, **body):
+    return httpx.post(live.url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None,
+                                                             **body}, headers=INTERNAL)
+
+
+def test_purge_deletes_the_jobs_output_dir(live, tiny_engine, embedder):
+    root = live.settings.kv_host_path
+    src = root / "globex" / "melanie"
+    src.mkdir(parents=True)
+    for b in tiny_engine.encode([MemoryItem("d1", "melanie sings")], embed=embedder.embed):
+        save_block(b, src)
+    body = {"tenant": "globex", "user": "melanie", "source": {"node": "node-a", "dir": str(src), "peer": None},
+            "items": None}
+    assert httpx.post(live.url + "/internal/v1/pull", json=body, headers=INTERNAL).status_code == 200
+    (src / "stray.tmp").write_text("half-written")
+    r = _purge(live, source_dir=str(src) + "/")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"removed_blocks": 1, "removed_bytes": r.json()["removed_bytes"], "source_dir_removed": True}
+    assert not src.exists() and (root / "globex").is_dir()
+    # Idempotent: nothing left to remove.
+    assert _purge(live, source_dir=str(src)).json() == {"removed_blocks": 0, "removed_bytes": 0,
+                                                        "source_dir_removed": False}
+
+
+def test_purge_refuses_a_source_dir_outside_the_users_dir(live, tmp_path):
+    root = live.settings.kv_host_path
+    (root / "globex" / "other").mkdir(parents=True, exist_ok=True)
+    outside = tmp_path / "globex" / "melanie"
+    outside.mkdir(parents=True)
+    (root / "globex" / "link").symlink_to(tmp_path / "globex")  # <root>/globex/link/melanie resolves outside
+    for bad in [
+        str(root / "globex" / "other"),                    # another user
+        str(root / "acme" / "melanie"),                    # another tenant
+        str(root / "globex"),                              # the tenant dir
+        str(root),                                         # the root itself
+        str(root / "globex" / "melanie" / ".." / "other"),  # traversal
+        str(root / ".." / "globex" / "melanie"),           # traversal out of the root
+        "globex/melanie",                                  # relative
+        str(outside),                                      # right names, outside the root
+        str(root / "globex" / "link" / "melanie"),         # inside by name, outside once resolved
+        str(root / "x" / "globex" / "melanie") + "/./",
+    ]:
+        r = _purge(live, source_dir=bad)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "source_dir"
+    assert (root / "globex" / "other").is_dir() and outside.is_dir()
