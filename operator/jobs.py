@@ -119,3 +119,52 @@ def job_node(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> str:
             return str(node)
     selector = (((job.get("spec") or {}).get("template") or {}).get("spec") or {}).get("nodeSelector") or {}
     return str(selector.get(HOSTNAME_LABEL, ""))
+
+
+def cleanup_job_name(cr_name: str, cr_uid: str, node: str) -> str:
+    # The uid is in the hash: a later namesake UserMemory must not find this one's finished Job.
+    digest = hashlib.sha256(json.dumps([cr_uid, node]).encode()).hexdigest()[:10]
+    prefix = cr_name[:40].rstrip("-.")
+    return f"{prefix}-clean-{digest}"
+
+
+def cleanup_job_manifest(name: str, tenant: str, cr_name: str, node: str, directory: str,
+                         settings: Settings) -> dict[str, Any]:
+    """A Job that deletes exactly `directory` (an encode Job's output) on `node`, for a node with no serving pod.
+
+    Not owned by the UserMemory (it runs while that is being deleted; a foreground deletion would take it along):
+    it removes itself after `ttlSecondsAfterFinished`. Bound to the node by `nodeName` (no scheduling: it also runs
+    on a cordoned node), tolerating every taint for the second it takes.
+    """
+    container: dict[str, Any] = {
+        "name": "cleanup",
+        "image": settings.encoder_image,
+        "command": ["rm", "-rf", "--", directory],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "kv", "mountPath": settings.kv_host_path}],
+    }
+    pod_labels = labels(tenant, cr_name)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": tenant, "labels": pod_labels},
+        "spec": {
+            "backoffLimit": 2,
+            "activeDeadlineSeconds": max(int(settings.cleanup_timeout_seconds), 1),
+            "ttlSecondsAfterFinished": 600,
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "nodeName": node,
+                    "tolerations": [{"operator": "Exists"}],
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "kv", "hostPath": {"path": settings.kv_host_path, "type": "DirectoryOrCreate"}},
+                    ],
+                },
+            },
+        },
+    }

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import functools
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -286,20 +288,83 @@ async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logg
                         conditions=_placed_conditions(conds, placed, gen))
 
 
+def source_nodes(status: Mapping[str, Any]) -> list[str]:
+    """The nodes that hold the user's encode-Job output: those recorded per item, and the last Job's."""
+    nodes = {str((e or {}).get("node") or "") for e in (status.get("encoded") or {}).values()}
+    nodes.add(str((status.get("job") or {}).get("node") or ""))
+    return sorted(n for n in nodes if n)
+
+
 async def purge(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger) -> None:
-    """The finalizer: purge the user from every serving pod; raise (retry) until all of them answered."""
+    """The finalizer: purge the user from every serving pod, and delete the encode Jobs' output dir on the nodes they
+    ran on (the serving pod there does it; a node without one gets a cleanup Job). Raise (retry) until all of the
+    serving pods answered and the cleanup Jobs finished or ran past INFERSCALE_CLEANUP_TIMEOUT_SECONDS."""
     meta, spec = body["metadata"], body.get("spec") or {}
     tenant, user = meta["namespace"], spec.get("userId")
     if not isinstance(user, str) or not user:
         return  # the schema requires userId: nothing can have been placed without one
+    kv_dir = jobs.kv_dir(cfg, tenant, user)
+    nodes = source_nodes(body.get("status") or {})
     raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
     pods = serving_pods(raw, cfg.server_port, require_ready=False)
     async with ServerClient(cfg) as client:
-        results = await asyncio.gather(*(client.purge(p, tenant, user, None) for p in pods), return_exceptions=True)
+        results = await asyncio.gather(*(client.purge(p, tenant, user, None, kv_dir if p.node in nodes else None)
+                                         for p in pods), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         msg = f"purge failed on {len(failed)}/{len(pods)} serving pod(s): {failed[0]}"
         patch.status.update(phase="Deleting", message=msg)
         raise kopf.TemporaryError(msg, delay=cfg.job_poll_seconds)
     removed = sum(int(r.get("removed_blocks") or 0) for r in results if isinstance(r, dict))
-    kopf.info(body, reason="Purged", message=f"removed {removed} block(s) from {len(pods)} serving pod(s)")
+    # A node counts as cleaned when a serving pod there handled source_dir (one that predates it omits the answer).
+    cleaned = {p.node for p, r in zip(pods, results) if isinstance(r, dict) and "source_dir_removed" in r}
+    waiting: list[str] = []
+    for node in (n for n in nodes if n not in cleaned):
+        why = await _clean_node(cfg, kube, body, node, kv_dir, logger)
+        if why:
+            waiting.append(why)
+    if waiting:
+        msg = f"waiting for {'; '.join(waiting)}"
+        patch.status.update(phase="Deleting", message=msg)
+        raise kopf.TemporaryError(msg, delay=cfg.job_poll_seconds)
+    where = f"; deleted {kv_dir} on node(s) {', '.join(nodes)}" if nodes else ""
+    kopf.info(body, reason="Purged", message=f"removed {removed} block(s) from {len(pods)} serving pod(s){where}")
+
+
+async def _clean_node(cfg: Settings, kube: Kube, body: Body, node: str, kv_dir: str, logger: logging.Logger) -> str:
+    """Run (or look at) the cleanup Job that deletes `kv_dir` on `node`: "" when done or given up, else what runs."""
+    meta = body["metadata"]
+    tenant, name = meta["namespace"], meta["name"]
+    if await asyncio.to_thread(kube.node_labels, node) is None:
+        logger.info(f"node {node} is gone, and {kv_dir} on it")
+        return ""
+    jname = jobs.cleanup_job_name(name, str(meta.get("uid") or ""), node)
+    live = await asyncio.to_thread(kube.read_job, tenant, jname)
+    if live is None:
+        await asyncio.to_thread(kube.create_job, jobs.cleanup_job_manifest(jname, tenant, name, node, kv_dir, cfg))
+        kopf.info(body, reason="NodeCleanupStarted", message=f"Job {jname} deletes {kv_dir} on node {node}")
+        live = await asyncio.to_thread(kube.read_job, tenant, jname)
+        if live is None:
+            return f"cleanup Job {jname} on node {node} (not found after create)"
+    phase, why = jobs.job_phase(live)
+    if phase == "Succeeded":
+        return ""
+    if phase == "Failed":
+        kopf.warn(body, reason="NodeCleanupFailed", message=f"Job {jname} could not delete {kv_dir} on node {node}: "
+                                                            f"{why}; left behind")
+        return ""
+    created = _parse_time((live.get("metadata") or {}).get("creationTimestamp"))
+    if created is not None and time.time() - created > cfg.cleanup_timeout_seconds:
+        kopf.warn(body, reason="NodeCleanupTimedOut", message=f"Job {jname} did not delete {kv_dir} on node {node} "
+                                                              f"within {cfg.cleanup_timeout_seconds:.0f}s; left behind")
+        return ""
+    return f"cleanup Job {jname} on node {node}"
+
+
+def _parse_time(value: Any) -> float | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

@@ -41,6 +41,8 @@ class Settings:
     job_poll_seconds: float = 5.0
     # Timeout of one call to a serving pod's internal API.
     http_timeout_seconds: float = 30.0
+    # How long deleting a UserMemory waits for a node-cleanup Job (a node with the Job's output but no serving pod).
+    cleanup_timeout_seconds: float = 300.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -66,6 +68,7 @@ class Settings:
                 recheck_seconds=float(get("INFERSCALE_RECHECK_SECONDS") or d.recheck_seconds),
                 job_poll_seconds=float(get("INFERSCALE_JOB_POLL_SECONDS") or d.job_poll_seconds),
                 http_timeout_seconds=float(get("INFERSCALE_HTTP_TIMEOUT_SECONDS") or d.http_timeout_seconds),
+                cleanup_timeout_seconds=float(get("INFERSCALE_CLEANUP_TIMEOUT_SECONDS") or d.cleanup_timeout_seconds),
             ).checked()
         except ValueError as e:
             raise ConfigError(f"operator settings: {e}") from e
@@ -73,8 +76,9 @@ class Settings:
     def checked(self) -> Settings:
         if self.encoder_gpus < 0:
             raise ConfigError("INFERSCALE_ENCODER_GPUS must be >= 0")
-        if self.recheck_seconds <= 0 or self.job_poll_seconds <= 0:
-            raise ConfigError("INFERSCALE_RECHECK_SECONDS and INFERSCALE_JOB_POLL_SECONDS must be > 0")
+        if self.recheck_seconds <= 0 or self.job_poll_seconds <= 0 or self.cleanup_timeout_seconds <= 0:
+            raise ConfigError("INFERSCALE_RECHECK_SECONDS, INFERSCALE_JOB_POLL_SECONDS and "
+                              "INFERSCALE_CLEANUP_TIMEOUT_SECONDS must be > 0")
         if not self.kv_host_path.startswith("/"):
             raise ConfigError(f"INFERSCALE_KV_HOST_PATH must be absolute: {self.kv_host_path!r}")
         if not self.models:
@@ -117,6 +121,7 @@ _FLAGS: dict[str, str] = {
     "--models": "INFERSCALE_MODELS",
     "--recheck-seconds": "INFERSCALE_RECHECK_SECONDS",
     "--job-poll-seconds": "INFERSCALE_JOB_POLL_SECONDS",
+    "--cleanup-timeout-seconds": "INFERSCALE_CLEANUP_TIMEOUT_SECONDS",
 }
 
 

@@ -212,7 +212,8 @@ class ServingPodStandIn:
     """TEST STAND-IN for a serving pod's internal API (docs/interfaces.md), on loopback.
 
     Keeps {(tenant, user): {item ids}} and records every call, so tests can assert pulls and purges.
-    `fail_purges` / `fail_pulls` make the next N such calls answer 500.
+    `fail_purges` / `fail_pulls` make the next N such calls answer 500. A purge naming a `source_dir` answers
+    `source_dir_removed` (True the first time per dir) unless `knows_source_dir` is False (a server predating it).
     """
 
     def __init__(self, node: str, pod: str, capacity: int = 10**9, used: int = 0) -> None:
@@ -222,6 +223,8 @@ class ServingPodStandIn:
         self.auth: list[str | None] = []
         self.fail_purges = 0
         self.fail_pulls = 0
+        self.knows_source_dir = True
+        self.removed_dirs: set[str] = set()
         self._lock = threading.Lock()
         standin = self
 
@@ -271,7 +274,11 @@ class ServingPodStandIn:
                         held -= gone
                         if not held:
                             standin.store.pop(key, None)
-                        return self._reply(200, {"removed_blocks": len(gone), "removed_bytes": len(gone) * 1000})
+                        answer: dict[str, Any] = {"removed_blocks": len(gone), "removed_bytes": len(gone) * 1000}
+                        if body.get("source_dir") and standin.knows_source_dir:
+                            answer["source_dir_removed"] = body["source_dir"] not in standin.removed_dirs
+                            standin.removed_dirs.add(body["source_dir"])
+                        return self._reply(200, answer)
                 self._reply(404, {"detail": "not found"})
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -135,6 +135,80 @@ def test_delete_waits_for_purge(cluster: Cluster, standins: list[ServingPodStand
         assert s.held(TENANT, "caroline") == set()
         assert s.calls_of("purge")[-1] == {"tenant": TENANT, "user": "caroline", "items": None}
     assert len(standins[0].calls_of("purge")) == 3
+    # The Job ran on gpu-node-0, which is no Node (any more): its output went with it, no cleanup Job.
+    assert len(cluster.jobs()) == 1
+
+
+def cleanup_jobs(cluster: Cluster) -> list[dict[str, Any]]:
+    return [j for j in cluster.jobs() if "-clean-" in j["metadata"]["name"]]
+
+
+def test_delete_removes_the_jobs_output_via_the_serving_pod_on_its_node(
+        cluster: Cluster, standins: list[ServingPodStandIn], operator: Any) -> None:
+    for s in standins:
+        cluster.add_serving_pod(s)
+    cluster.apply_um(caroline())
+    cluster.finish_job(wait_for(cluster.jobs, what="an encode Job")[0], node="node-1")  # a serving node
+    wait_for(phase_is(cluster, "Ready"), what="phase Ready")
+    cluster.delete(cluster.um_path("caroline"))
+    wait_for(lambda: cluster.um("caroline") is None, what="the object to be gone")
+
+    assert standins[0].calls_of("purge")[-1] == {"tenant": TENANT, "user": "caroline", "items": None}
+    assert standins[1].calls_of("purge")[-1] == {"tenant": TENANT, "user": "caroline", "items": None,
+                                                 "source_dir": KV_DIR}
+    assert standins[1].removed_dirs == {KV_DIR} and not standins[0].removed_dirs
+    assert cleanup_jobs(cluster) == []
+    purged = [e for e in cluster.events() if e.get("reason") == "Purged"]
+    assert purged and f"deleted {KV_DIR} on node(s) node-1" in purged[-1]["message"]
+
+
+@pytest.mark.parametrize("old_server", [False, True])
+def test_delete_runs_a_cleanup_job_where_no_serving_pod_deletes_the_output(
+        cluster: Cluster, standins: list[ServingPodStandIn], operator: Any, old_server: bool) -> None:
+    cluster.create("/api/v1/nodes", {"metadata": {"name": "gpu-node-0", "labels": {
+        "kubernetes.io/hostname": "gpu-node-0"}}})
+    # The Job ran on a node without a serving pod, or with one that predates source_dir (ignores it).
+    node = "node-0" if old_server else "gpu-node-0"
+    standins[0].knows_source_dir = not old_server
+    for s in standins:
+        cluster.add_serving_pod(s)
+    um = cluster.apply_um(caroline())
+    cluster.finish_job(wait_for(cluster.jobs, what="an encode Job")[0], node=node)
+    wait_for(phase_is(cluster, "Ready"), what="phase Ready")
+    cluster.delete(cluster.um_path("caroline"))
+
+    (job,) = wait_for(lambda: cleanup_jobs(cluster), what="a cleanup Job")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeName"] == node and pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    assert container["image"] == "inferscale:test" and container["command"] == ["rm", "-rf", "--", KV_DIR]
+    assert "nvidia.com/gpu" not in str(container.get("resources"))
+    assert container["volumeMounts"] == [{"name": "kv", "mountPath": "/var/lib/inferscale/kv"}]
+    assert pod["volumes"][0]["hostPath"]["path"] == "/var/lib/inferscale/kv"
+    assert not job["metadata"].get("ownerReferences"), "not garbage-collected along with the UserMemory"
+    assert job["metadata"]["name"].startswith("caroline-clean-")
+    st = wait_for(phase_is(cluster, "Deleting"), what="phase Deleting")
+    assert job["metadata"]["name"] in st["message"]
+    held = cluster.um("caroline")
+    assert held is not None and held["metadata"]["uid"] == um["metadata"]["uid"], "waits for the cleanup Job"
+
+    cluster.finish_job(job, node=node)
+    wait_for(lambda: cluster.um("caroline") is None, what="the object to be gone")
+    assert len(cleanup_jobs(cluster)) == 1
+    assert "NodeCleanupStarted" in {e.get("reason") for e in cluster.events()}
+
+
+def test_delete_waits_for_a_cleanup_job_only_so_long(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERSCALE_CLEANUP_TIMEOUT_SECONDS", "1")
+    cluster.create("/api/v1/nodes", {"metadata": {"name": "gpu-node-0"}})
+    with running_operator():
+        ready(cluster, standins)
+        cluster.delete(cluster.um_path("caroline"))
+        wait_for(lambda: cleanup_jobs(cluster), what="a cleanup Job")
+        wait_for(lambda: cluster.um("caroline") is None, what="the object to be gone without the Job finishing")
+        reasons = [e.get("reason") for e in cluster.events()]
+        assert "NodeCleanupTimedOut" in reasons and "Purged" in reasons
 
 
 def test_restart_mid_encode_makes_no_duplicate_job(cluster: Cluster, standins: list[ServingPodStandIn]) -> None:

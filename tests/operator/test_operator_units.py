@@ -138,3 +138,23 @@ def test_operator_imports_no_model_code() -> None:
             "or m.startswith(('inferscale.engine', 'inferscale.models'))]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_cleanup_job_deletes_exactly_the_users_dir_on_the_node() -> None:
+    cfg = Settings(kv_host_path="/mnt/kv", encoder_image="img:1")
+    name = jobs.cleanup_job_name("caroline", "uid-1", "gpu-7")
+    assert name.startswith("caroline-clean-") and len(name) <= 63
+    assert name != jobs.cleanup_job_name("caroline", "uid-2", "gpu-7"), "a namesake UserMemory gets its own Job"
+    job = jobs.cleanup_job_manifest(name, "acme", "caroline", "gpu-7", jobs.kv_dir(cfg, "acme", "caroline"), cfg)
+    spec = job["spec"]["template"]["spec"]
+    assert spec["nodeName"] == "gpu-7" and spec["containers"][0]["command"] == ["rm", "-rf", "--", "/mnt/kv/acme/caroline"]
+    assert spec["volumes"][0]["hostPath"]["path"] == "/mnt/kv" and spec["containers"][0]["image"] == "img:1"
+    assert job["spec"]["activeDeadlineSeconds"] == 300 and job["spec"]["ttlSecondsAfterFinished"] > 0
+
+
+def test_source_nodes_come_from_the_items_and_the_last_job() -> None:
+    from inferscale.operator.reconcile import source_nodes
+
+    status = {"encoded": {"a": {"hash": "h", "node": "n2"}, "b": {"hash": "h", "node": "n1"}, "c": {"hash": "h"}},
+              "job": {"name": "j", "node": "n3"}}
+    assert source_nodes(status) == ["n1", "n2", "n3"] and source_nodes({}) == []
