@@ -400,6 +400,9 @@ def test_kv_volume_is_node_local_and_at_the_host_path():
     assert vols["kv"]["hostPath"]["path"] == "/mnt/nvme/kv"
     assert mounts["kv"]["mountPath"] == "/mnt/nvme/kv"  # a pull's "dir" means the same inside the pod
     assert effective_env(m, workload(m, "operator"))["INFERSCALE_KV_HOST_PATH"] == "/mnt/nvme/kv"
+    # The server deletes a deleted user's Job output there (a purge's source_dir must lie inside it).
+    assert effective_env(m, s)["INFERSCALE_KV_HOST_PATH"] == "/mnt/nvme/kv"
+    assert not mounts["kv"].get("readOnly")
     data_dir = effective_env(m, s)["INFERSCALE_DATA_DIR"]
     assert mounts["data"]["mountPath"] == data_dir and "emptyDir" in vols["data"]
 
