@@ -130,6 +130,19 @@ class ClusterTarget:
                             "python", "-c", script, self.tenant, user)
         return sorted(line for line in proc.stdout.splitlines() if line.strip())
 
+    def staged_dir_exists(self, node: str, user: str) -> bool | None:
+        """Whether the encode Job's output dir is on `node`'s hostPath, seen from a serving pod there; None when the
+        node runs none (nothing to look through)."""
+        pods = (self._json("get", "pods", "-n", self.namespace, "-l", "app.kubernetes.io/component=server",
+                           "--field-selector", f"spec.nodeName={node},status.phase=Running") or {}).get("items") or []
+        if not pods:
+            return None
+        script = ("import os,sys; r=os.environ.get('INFERSCALE_KV_HOST_PATH','/var/lib/inferscale/kv');"
+                  "print(os.path.exists(os.path.join(r, sys.argv[1], sys.argv[2])))")
+        proc = self.kubectl("exec", "-n", self.namespace, pods[0]["metadata"]["name"], "-c", "server", "--",
+                            "python", "-c", script, self.tenant, user)
+        return proc.stdout.strip() == "True"
+
     def diag(self) -> str:
         parts = []
         for args in (["get", "usermemories.inferscale.io,jobs,pods", "-n", self.tenant, "-o", "wide"],

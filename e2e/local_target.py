@@ -108,6 +108,7 @@ class LocalTarget:
                         INFERSCALE_MODEL=self.model, INFERSCALE_HOST="127.0.0.1", INFERSCALE_PORT=str(port),
                         INFERSCALE_DEVICE="cpu", INFERSCALE_INTERNAL_TOKEN=self.internal_token,
                         INFERSCALE_NODE_NAME=NODE, INFERSCALE_POD_NAME=SERVER_POD,
+                        INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),  # the node's hostPath, as the chart mounts it
                         INFERSCALE_NIXL_PORT=str(free_port()), INFERSCALE_CONSOLE_TRACES="true",
                         INFERSCALE_DRAM_BUDGET_BYTES=str(256 << 20))
         with open(self.server_out, "wb") as out, open(self.server_log, "wb") as err:
@@ -179,6 +180,11 @@ class LocalTarget:
     def staged_blobs(self, user: str) -> list[str]:
         """The encode Job's output on the node's hostPath."""
         return sorted(p.name for p in (self.kv_host_path / self.tenant / user).glob("*.safetensors"))
+
+    def staged_dir_exists(self, node: str, user: str) -> bool | None:
+        """Whether the encode Job's output dir is on `node`'s hostPath (one node here: the local filesystem)."""
+        assert node == NODE, node
+        return (self.kv_host_path / self.tenant / user).exists()
 
     def diag(self) -> str:
         parts = [tail(self.operator_log, 60) if self.operator is not None else "",

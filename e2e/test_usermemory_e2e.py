@@ -75,6 +75,8 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     assert len(status["placements"]) == 1, status["placements"]
     placement = status["placements"][0]
     assert placement["bytes"] > 0 and placement["tier"] in ("dram", "gpu")
+    job_node = status["job"]["node"]
+    assert job_node and target.staged_dir_exists(job_node, user) in (True, None)
     (job,) = [j for j in target.jobs() if j["metadata"]["name"] == status["job"]["name"]]
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][:2] == ["inferscale", "encode"] and "--embed" in container["command"]
@@ -117,4 +119,6 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     assert target.store_blobs(placement, user) == []
     purged = [e for e in target.events() if e.get("reason") == "Purged"]
     assert purged and f"removed {len(ids)} block(s)" in purged[-1]["message"], purged
-    # Not asserted: the encode Job's output in the node's hostPath dir is not removed by the purge (see report).
+    # ... and the encode Job's output dir on the node it ran on (<kv hostPath>/<tenant>/<user>) is gone too
+    assert f"on node(s) {job_node}" in purged[-1]["message"], purged
+    assert target.staged_dir_exists(job_node, user) in (False, None)
