@@ -67,11 +67,12 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
 
     @kopf.timer(*RESOURCE, registry=registry, id="recheck", interval=cfg.recheck_seconds,
                 initial_delay=cfg.recheck_seconds)
-    async def on_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+    async def on_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, retry: int,
                        **_: Any) -> None:
         if body["metadata"].get("deletionTimestamp"):
             return
         async with _lock(memo, body):
-            await reconcile.recheck(memo.cfg, memo.kube, body, patch, logger)
+            # retry > 0: the last tick raised (e.g. TemporaryError "waiting for Job" of a reconcile it started).
+            await reconcile.recheck(memo.cfg, memo.kube, body, patch, logger, retrying=retry > 0)
 
     return registry

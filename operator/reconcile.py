@@ -25,7 +25,7 @@ from .kube import Kube
 from .servers import ServerCallError, ServerClient, ServingPod, serving_pods
 from .settings import Settings
 from .spec import SpecError, parse
-from .status import ENCODED, PLACED, READY, VALID, set_condition
+from .status import ENCODED, PLACED, READY, VALID, condition, set_condition
 
 Body = Mapping[str, Any]
 
@@ -51,9 +51,13 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
     except SpecError as e:
         # Only the verdict changes: encoded items and placements stay, so the last good
         # version keeps serving until the user fixes the spec.
+        prev = condition(conds, VALID) or {}
+        again = (status.get("phase") == "Failed" and status.get("observedGeneration") == gen
+                 and (prev.get("status"), prev.get("reason"), prev.get("message")) == ("False", e.reason, e.message))
         patch.status.update(phase="Failed", message=e.message, observedGeneration=gen,
                             conditions=set_condition(conds, VALID, False, e.reason, e.message, gen))
-        kopf.warn(body, reason=e.reason, message=e.message)
+        if not again:  # a retry (the timer's, for a missing reference) that fails the same way posts no new Event
+            kopf.warn(body, reason=e.reason, message=e.message)
         return
     conds = set_condition(conds, VALID, True, "SpecValid", f"{len(desired.items)} item(s)", gen)
 
@@ -253,10 +257,32 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
     return Placed(placements, phase, reason, message, tokens)
 
 
-async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger) -> None:
-    """The timer: if a serving pod holding the user is gone, go Degraded, then re-place."""
+# Failures the cluster can fix without a spec change (the ConfigMap/Secret or key is created later): the timer retries.
+RETRIED_REASONS = frozenset({"ReferenceNotFound"})
+
+
+def waits_for_reference(body: Body) -> bool:
+    """Failed at the current generation because a referenced ConfigMap/Secret (or its key) is missing."""
+    status: Mapping[str, Any] = body.get("status") or {}
+    valid = condition(status.get("conditions"), VALID) or {}
+    return (status.get("phase") == "Failed" and status.get("observedGeneration") == body["metadata"].get("generation")
+            and valid.get("status") == "False" and valid.get("reason") in RETRIED_REASONS)
+
+
+async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger,
+                  retrying: bool = False) -> None:
+    """The timer. Failed for a missing reference: reconcile again (every tick, i.e. every INFERSCALE_RECHECK_SECONDS),
+    so creating the ConfigMap/Secret later brings it to Ready. Settled: if a serving pod holding the user is gone,
+    go Degraded, then re-place.
+
+    `retrying`: the previous tick raised. A reconcile started here that is still Encoding raised "waiting for Job",
+    and no change handler follows that Job: the timer keeps reconciling until it is done.
+    """
     meta, spec = body["metadata"], body.get("spec") or {}
     status: Mapping[str, Any] = body.get("status") or {}
+    if waits_for_reference(body) or (retrying and status.get("phase") == "Encoding"):
+        await reconcile(cfg, kube, body, patch, logger)
+        return
     # Only settled objects: while a change is being handled, the change handler owns the placement.
     if status.get("phase") not in ("Ready", "Degraded") or status.get("observedGeneration") != meta.get("generation"):
         return

@@ -268,6 +268,49 @@ def test_invalid_spec_fails_and_keeps_the_placement(cluster: Cluster, standins: 
     assert len(cluster.jobs()) == 1
 
 
+def test_missing_reference_is_retried_until_it_appears(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                      operator: Any) -> None:
+    for s in standins:
+        cluster.add_serving_pod(s)
+    um = caroline(replicas=1)
+    um["spec"]["memoriesFrom"] = {"configMapKeyRef": {"name": "later", "key": "items.jsonl"}}
+    cluster.apply_um(um)
+    st = wait_for(phase_is(cluster, "Failed"), what="phase Failed")
+    valid = next(c for c in st["conditions"] if c["type"] == "Valid")
+    assert valid["reason"] == "ReferenceNotFound" and "ConfigMap acme/later not found" in valid["message"]
+
+    def warnings(text: str) -> list[dict[str, Any]]:
+        return [e for e in cluster.events() if e.get("reason") == "ReferenceNotFound" and text in e.get("message", "")]
+
+    # Retried every recheck interval (1 s here), quietly: one Event per distinct problem, not one per try.
+    gets = cluster.emu.call(lambda: sum(1 for r in cluster.emu.emulator if r.method == "GET"
+                                        and r.resource is not None and r.resource.plural == "configmaps"))
+    wait_for(lambda: cluster.emu.call(lambda: sum(1 for r in cluster.emu.emulator if r.method == "GET"
+                                                  and r.resource is not None and r.resource.plural == "configmaps"))
+             >= gets + 2, what="two more looks at the ConfigMap")
+    assert len(warnings("not found")) == 1 and cluster.jobs() == []
+
+    # The ConfigMap appears without the key: still Failed, now saying so.
+    cluster.create(f"/api/v1/namespaces/{TENANT}/configmaps", {
+        "metadata": {"name": "later", "namespace": TENANT}, "data": {"other": ""}})
+    wait_for(lambda: warnings("has no key 'items.jsonl'"), what="the missing key reported")
+    assert cluster.status("caroline")["phase"] == "Failed"
+    # The key appears: encoded, placed, Ready, with no spec change.
+    cluster.patch(f"/api/v1/namespaces/{TENANT}/configmaps/later",
+                  {"data": {"items.jsonl": '{"id": "r1", "text": "from the late ConfigMap"}\n'}})
+    job = wait_for(cluster.jobs, what="an encode Job")[0]
+    assert only_ids(job) == ["m1", "m2", "m3", "r1"]
+    wait_for(phase_is(cluster, "Encoding"), what="phase Encoding")
+    cluster.finish_job(job)
+    st = wait_for(phase_is(cluster, "Ready"), what="phase Ready")
+    assert st["observedGeneration"] == 1 and sorted(st["encoded"]) == ["m1", "m2", "m3", "r1"]
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Valid"] == "True"
+    assert len(cluster.jobs()) == 1
+    (placed,) = st["placements"]
+    held = next(s for s in standins if s.pod == placed["pod"])
+    assert held.held(TENANT, "caroline") == {"m1", "m2", "m3", "r1"}
+
+
 def test_failed_job_fails_and_keeps_the_placement(cluster: Cluster, standins: list[ServingPodStandIn],
                                                   operator: Any) -> None:
     good = ready(cluster, standins)
