@@ -1,8 +1,8 @@
 # One image for the operator, the serving pods and the operator's encoding (and node-cleanup) Jobs
-# (charts/inferscale: image.repository/image.tag, default ghcr.io/inferscale/inferscale:<appVersion>).
+# (charts/inferscale: image.repository/image.tag, default inferscale/inferscale:<appVersion>).
 #
-#   docker build -t ghcr.io/inferscale/inferscale:0.1.0 .                          # CUDA torch (GPU fleet)
-#   docker build --build-arg DEVICE=cpu -t ghcr.io/inferscale/inferscale:0.1.0 .   # CPU torch (values-cpu.yaml)
+#   docker build -t inferscale/inferscale:0.1.0 .                          # CUDA torch (GPU fleet)
+#   docker build --build-arg DEVICE=cpu -t inferscale/inferscale:0.1.0 .   # CPU torch (values-cpu.yaml)
 #
 # Runs as uid/gid 10001: the chart's pods run as that user (server/operator podSecurityContext), its init container
 # hands the node's KV hostPath to 10001:10001, and the encoding Jobs set no securityContext, so they write their

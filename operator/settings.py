@@ -30,7 +30,7 @@ class Settings:
     server_namespace: str = ""  # empty: serving pods in all namespaces
     server_port: int = 8000
     internal_token: str = ""
-    encoder_image: str = "ghcr.io/inferscale/inferscale:latest"
+    encoder_image: str = "inferscale/inferscale:latest"
     encoder_node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     encoder_tolerations: Sequence[Mapping[str, Any]] = ()
     encoder_gpus: int = 1
