@@ -11,11 +11,6 @@ from __future__ import annotations
 import torch
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def shift_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of Δ·θ for each token: delta [T] (int) , inv_freq [D/2] → two [T, D] float32 tensors."""
     # A block shares one Δ, so trigonometry runs once per distinct Δ, in float64 (exact for Δ up to ~1e5).
@@ -25,12 +20,22 @@ def shift_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Te
     return angles.cos().to(torch.float32)[inverse], angles.sin().to(torch.float32)[inverse]
 
 
-def rope_shift(keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate ``keys`` [..., T, D] by ``delta`` (an int, or [T] per token) with frequencies ``inv_freq`` [D/2]."""
-    n = keys.shape[-2]
+def rope_shift(
+    keys: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor, *, inplace: bool = False
+) -> torch.Tensor:
+    """Rotate ``keys`` [..., T, D] by ``delta`` (an int, or [T] per token) with frequencies ``inv_freq`` [D/2].
+
+    ``inplace`` writes the result back into ``keys`` (e.g. a slice of a cache being assembled)."""
+    n, half = keys.shape[-2], keys.shape[-1] // 2
     if not isinstance(delta, torch.Tensor):
         delta = torch.full((n,), int(delta), dtype=torch.long)
     cos, sin = shift_cos_sin(delta.cpu(), inv_freq.cpu())
     cos, sin = cos.to(keys.device), sin.to(keys.device)
     k32 = keys.to(torch.float32)
-    return (k32 * cos + rotate_half(k32) * sin).to(keys.dtype)
+    # k·cos + rotate_half(k)·sin, where rotate_half(k) = (-k[h:], k[:h]); written as two fused multiply-adds.
+    out = k32 * cos
+    out[..., :half].addcmul_(k32[..., half:], sin[..., :half], value=-1.0)
+    out[..., half:].addcmul_(k32[..., :half], sin[..., half:])
+    if inplace:
+        return keys.copy_(out)
+    return out.to(keys.dtype)

@@ -47,27 +47,41 @@ def injected_cache(
     for ltype, (idx, inv_freq) in layout.freq_groups().items():
         window = layout.layers[idx[0]].sliding_window if windowed else None
         keep_from = max(0, n - (window - 1)) if window else 0  # first position this layer group still needs
-        index = torch.tensor(idx, device=device)
-        parts, deltas = [], []
+        sources, deltas = [], []  # (tensor [layers, 2, H, tokens, D], first token to take)
         if keep_from < p:
-            parts.append(prefix_kv[:, :, :, keep_from:].index_select(0, index))
+            sources.append((prefix_kv, keep_from))
         for b, start in zip(blocks, starts):
             if start + b.num_tokens <= keep_from:
                 continue
             skip = max(0, keep_from - start)
-            parts.append(b.kv[:, :, :, skip:].to(device=device, dtype=dtype).index_select(0, index))
+            sources.append((b.kv, skip))
             deltas.append(torch.full((b.num_tokens - skip,), start - b.start_pos, dtype=torch.long))
-        kv = torch.cat(parts, dim=3)  # [layers in group, 2, H, kept tokens, D]
+        kept = n - keep_from
+        kv = torch.empty((len(idx), *prefix_kv.shape[1:3], kept, prefix_kv.shape[4]), dtype=dtype, device=device)
+        # Copy each run of consecutive layers with one cat straight into place: no per-block intermediates.
+        for j0, j1 in _runs(idx):
+            l0, l1 = idx[j0], idx[j1 - 1] + 1
+            torch.cat([t[l0:l1, :, :, skip:].to(device=device, dtype=dtype) for t, skip in sources], dim=3, out=kv[j0:j1])
         if deltas:
             delta = torch.cat(deltas)
-            mem = kv.shape[3] - delta.numel()  # the kept prefix tokens come first and never move
-            kv[:, 0, :, mem:] = rope_shift(kv[:, 0, :, mem:], delta, inv_freq)
+            mem = kept - delta.numel()  # the kept prefix tokens come first and never move
+            rope_shift(kv[:, 0, :, mem:], delta, inv_freq, inplace=True)
         for j, li in enumerate(idx):
             if windowed:
                 _fill(cache.layers[li], kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), n)
             else:
                 cache.update(kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), li)
     return cache
+
+
+def _runs(idx: list[int]) -> list[tuple[int, int]]:
+    """[0,1,2,4,5,7] → [(0,3), (3,5), (5,6)]: positions in ``idx`` where the layer numbers are consecutive."""
+    runs, begin = [], 0
+    for j in range(1, len(idx) + 1):
+        if j == len(idx) or idx[j] != idx[j - 1] + 1:
+            runs.append((begin, j))
+            begin = j
+    return runs
 
 
 def _fill(layer, keys: torch.Tensor, values: torch.Tensor, total: int) -> None:

@@ -108,6 +108,8 @@ def test_packed_encoding_equals_one_by_one(engine):
 
 
 def test_modes_differ_where_they_should(engine):
+    if all(spec.sliding_window for spec in engine.loaded.layout.layers):
+        pytest.skip("every layer slides by 8 tokens: the question cannot see the memories at all")
     blocks = engine.encode(ITEMS)
     q = engine.question_ids("where did caroline go?")
     none = engine.prefill(q, blocks, "none")
