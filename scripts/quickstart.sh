@@ -2,6 +2,9 @@
 # Set up ./.venv, start `inferscale serve` on the embedded default model, run the demo against it, stop it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# operator/ (installed as inferscale.operator) would shadow the standard library's `operator` for any
+# `python -m`/`-c` started here, which puts the current directory first on sys.path; safe-path mode stops that.
+export PYTHONSAFEPATH=1
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 DATA=${INFERSCALE_DATA_DIR:-$PWD/.inferscale-demo}

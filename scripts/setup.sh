@@ -2,6 +2,9 @@
 # Create ./.venv with InferScale and everything its tests need. CPU machines get the CPU build of torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# operator/ (installed as inferscale.operator) would shadow the standard library's `operator` for any
+# `python -m`/`-c` started here, which puts the current directory first on sys.path; safe-path mode stops that.
+export PYTHONSAFEPATH=1
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
