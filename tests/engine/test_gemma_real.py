@@ -37,14 +37,15 @@ def _encode_at(gemma, ids, offset):
     return kv_of_cache(cache, start=len(gemma.prefix_ids))
 
 
-# Gemma's keys reach |k| ≈ 80, and HF's reference computes position·θ in float32, so its own error grows with the
-# position (≈1e-4 at 100, ≈8e-4 at 1000). Absolute 1e-4 is checked at small Δ; large Δ relative to |k|.
-@pytest.mark.parametrize("delta,tol", [(1, 1e-4), (10, 1e-4), (1000, 2e-5)])
+# Gemma's keys reach |k| ≈ 80, and HF's reference computes position·θ in float32 before its cos/sin, so the
+# reference's own error grows with the absolute position (prefix + item ≈ 60 tokens already gives ≈1e-4 absolute).
+# The error is therefore measured relative to max |k|: 1e-4 absolute on the tiny models is ≈1e-5 relative there.
+@pytest.mark.parametrize("delta,tol", [(1, 5e-6), (10, 5e-6), (1000, 2e-5)])
 def test_rotation_equals_encoding_at_offset(gemma, delta, tol):
     item = MemoryItem("m", "Caroline went to an LGBTQ support group on 7 May 2023 and found it inspiring.")
     ids = gemma.prefix_ids + gemma.item_token_ids(item)
     at0, at_delta = _encode_at(gemma, ids, 0), _encode_at(gemma, ids, delta)
-    scale = 1.0 if delta < 100 else float(at0[:, 0].abs().max())
+    scale = float(at0[:, 0].abs().max())
     for spec in gemma.loaded.layout.layers:
         err = (rope_shift(at0[spec.index, 0], delta, spec.inv_freq) - at_delta[spec.index, 0]).abs().max() / scale
         assert err < tol, (spec.index, spec.layer_type, float(err))
