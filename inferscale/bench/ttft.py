@@ -5,7 +5,8 @@ For each k and repeat, the modes run back to back on the same question and memor
   kv       blocks already in DRAM, rotated into place; only the question is prefilled
   kv_cold  the same, blobs read from disk first (page cache dropped where the OS allows)
   floor    the question alone over an already-resident cache of the same length: the limit for kv
-Medians over repeats; the machine is shared, so compare ratios within a run.
+Medians over repeats, the order of the modes rotating from repeat to repeat; the machine is shared, so compare
+ratios within a run.
 """
 
 from __future__ import annotations
@@ -84,10 +85,12 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for k in ks:
         samples: dict[str, list[float]] = {name: [] for name in timers}
+        names = list(timers)
         for r in range(args.repeats):
             q = questions[r % len(questions)]
-            for name, fn in timers.items():
-                samples[name].append(fn(k, q))
+            # Rotate the order each repeat: a mode timed right after text's long prefill finds cold caches.
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                samples[name].append(timers[name](k, q))
         row = {"k": k, "memory_tokens": sum(b.num_tokens for b in blocks[:k])}
         for name in timers:
             row[f"ttft_{name}_ms"] = round(statistics.median(samples[name]) * 1000, 1)
