@@ -1,0 +1,69 @@
+"""`inferscale bench ttft` and `bench locomo` run end to end on a tiny model and write the documented JSON."""
+
+import json
+
+import pytest
+
+import tiny_models as tm
+from inferscale.bench.locomo import f1_score, normalize_answer, parse_modes
+from inferscale.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-gemma3")
+    tm.model("gemma3", sliding_window=64).save_pretrained(d)
+    tm.tokenizer().save_pretrained(d)
+    return d
+
+
+def test_bench_ttft_json(model_dir, tmp_path):
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--model", str(model_dir), "--k", "1,3", "--repeats", "2", "--json", str(out),
+                 "--plot", str(tmp_path / "ttft.png")]) == 0
+    result = json.loads(out.read_text())
+    assert {"model", "device", "threads", "rows"} <= set(result)
+    assert [r["k"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert {"k", "memory_tokens", "ttft_text_ms", "ttft_kv_ms", "ttft_kv_cold_ms", "ttft_floor_ms"} <= set(row)
+        assert row["memory_tokens"] > 0 and all(row[f] > 0 for f in row if f.startswith("ttft_"))
+    assert (tmp_path / "ttft.png").stat().st_size > 1000
+
+
+def _locomo(path):
+    facts = [["caroline went to paris in may 2023", "D1:1"], ["melanie painted the beach", "D1:2"],
+             ["they went camping with the kids", "D1:3"]]
+    sample = {
+        "sample_id": "conv-x",
+        "conversation": {"session_1_date_time": "1:56 pm on 8 May, 2023"},
+        "observation": {"session_1_observation": {"Caroline": facts}},
+        "qa": [{"question": "where did caroline go?", "answer": "paris", "evidence": ["D1:1"], "category": 4},
+               {"question": "what did melanie paint?", "answer": "the beach", "evidence": ["D1:2"], "category": 1},
+               {"question": "adversarial", "adversarial_answer": "x", "evidence": [], "category": 5}],
+    }
+    path.write_text(json.dumps([sample]))
+    return path
+
+
+def test_bench_locomo_json(model_dir, tmp_path):
+    out = tmp_path / "locomo.json"
+    data = _locomo(tmp_path / "locomo.json.in")
+    assert main(["bench", "locomo", "--data", str(data), "--model", str(model_dir), "--k", "2",
+                 "--modes", "text,kv,kv-recompute@0,kv-recompute@1", "--max-tokens", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"text", "kv", "kv-recompute@0", "kv-recompute@1"}
+    for s in result["summary"].values():
+        assert {"f1", "agree_first_token", "agree_answer", "ttft_p50_ms"} <= set(s)
+    rows = result["rows"]
+    assert len(rows) == 2 * 4 and {r["category"] for r in rows} == {1, 4}  # category 5 excluded
+    # r=1 recomputes every memory token: the same answer as text, question by question
+    by = {(r["question"], r["mode"]): r for r in rows}
+    for q in ("where did caroline go?", "what did melanie paint?"):
+        assert by[(q, "kv-recompute@1")]["agree_answer"] and by[(q, "kv-recompute@0")]["answer"] == by[(q, "kv")]["answer"]
+
+
+def test_locomo_f1_normalisation():
+    assert normalize_answer("The Beach, and a Sunset!") == "beach sunset"
+    assert f1_score("painted sunsets", "Sunsets") == pytest.approx(2 / 3)
+    assert f1_score("", "x") == 0.0
+    assert [m[0] for m in parse_modes("kv,kv-recompute@0.05", 0.15)] == ["text", "kv", "kv-recompute@0.05"]
