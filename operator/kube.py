@@ -63,23 +63,10 @@ class Kube:
             raise SpecError("InvalidMemory", f"Secret {namespace}/{name} key {key!r} is not UTF-8 text") from None
 
     def create_configmap(self, body: dict[str, Any]) -> bool:
-        """Create; False when it already exists (409 counts as success: the name is content-derived)."""
-        try:
-            self.core.create_namespaced_config_map(body["metadata"]["namespace"], body, _preload_content=False)
-            return True
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise
+        return _create(self.core.create_namespaced_config_map, body)
 
     def create_job(self, body: dict[str, Any]) -> bool:
-        try:
-            self.batch.create_namespaced_job(body["metadata"]["namespace"], body, _preload_content=False)
-            return True
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise
+        return _create(self.batch.create_namespaced_job, body)
 
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -126,3 +113,14 @@ def connection_info(api: client.ApiClient) -> kopf.ConnectionInfo:
         username=cfg.username or None, password=cfg.password or None, scheme=scheme, token=token,
         certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
     )
+
+
+def _create(create, body: dict[str, Any]) -> bool:
+    """Create; False when it already exists (409 counts as success: names are content-derived)."""
+    try:
+        create(body["metadata"]["namespace"], body, _preload_content=False)
+        return True
+    except ApiException as e:
+        if e.status == 409:
+            return False
+        raise
