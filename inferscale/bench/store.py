@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -144,6 +143,7 @@ def socket_fetch(port: int, items: list[str], out: memoryview) -> int:
 
 # -- the benchmark ------------------------------------------------------------------------------------------
 def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from inferscale.store.node import child_process
     from inferscale.store.store import KVStore
 
     blocks = make_blocks(args.blocks, args.min_tokens, args.max_tokens, args.seed)
@@ -216,14 +216,7 @@ def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append(row("dram-copy", n, total, t_hitc, "torch.empty + copy_ per block", t_fresh))
 
     # -- peer process -> DRAM -------------------------------------------------------------------------------
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_peer_main, args=(str(src_root), budget, child), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(120):
-            raise RuntimeError("peer process did not start")
-        info = parent.recv()
+    with child_process(_peer_main, str(src_root), budget, start_timeout_s=120, stop_timeout_s=30) as info:
         with KVStore(dst_root, dram_budget_bytes=budget) as st:
             def nixl_peer() -> None:
                 got, offs = st._peer_fetch(TENANT, USER, info["peer"], ids, FINGERPRINT)
@@ -247,14 +240,6 @@ def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row("peer+verify+persist", n, total, t_pull, "tcp socket + sha256", t_sockv))
             got, _ = st.get_many(TENANT, USER, ids[:1], FINGERPRINT)
             assert torch.equal(got[0].kv, blocks[0].kv)
-    finally:
-        try:
-            parent.send("stop")
-        except OSError:
-            pass
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
     return rows
 
 

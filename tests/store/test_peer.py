@@ -1,6 +1,5 @@
 """Peer pulls (G4): a real NIXL UCX agent in another process on loopback; bounded failures."""
 
-import multiprocessing as mp
 import os
 import socket
 import threading
@@ -11,7 +10,7 @@ import torch
 
 from inferscale.errors import BlobCorruptError, NotFoundError, TransferError
 from inferscale.store import KVStore
-from inferscale.store.node import serve_node
+from inferscale.store.node import child_process, serve_node
 
 from .helpers import FP, make_block
 
@@ -26,25 +25,9 @@ def peer_node(tmp_path):
         for it in ITEMS:
             s.put("acme", "alice", make_block(it, tokens=5))
         s.put("other", "bob", make_block("x"))
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=serve_node, args=(str(root), {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0,
-                                                            "preload": [("acme", "alice", FP)]}, child), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(60):
-            raise RuntimeError("peer process did not start")
-        info = parent.recv()
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "preload": [("acme", "alice", FP)]}
+    with child_process(serve_node, str(root), options) as info:
         yield info["peer"]
-    finally:
-        try:
-            parent.send("stop")
-        except OSError:
-            pass
-        proc.join(15)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
 
 
 def test_pull_between_processes(open_store, peer_node):
