@@ -67,33 +67,19 @@ def job_manifest(name: str, tenant: str, cr_name: str, user_id: str, model: str,
             {"name": "kv", "mountPath": settings.kv_host_path},
         ],
     }
-    pod_labels = labels(tenant, cr_name)
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "namespace": tenant, "labels": pod_labels},
-        "spec": {
-            # A bad item exits 2 and would fail again: retrying only burns GPU time.
-            "backoffLimit": 1,
-            "podFailurePolicy": {"rules": [
-                {"action": "FailJob", "onExitCodes": {"containerName": "encode", "operator": "In", "values": [2]}},
-            ]},
-            "ttlSecondsAfterFinished": 86400,
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "nodeSelector": dict(settings.encoder_node_selector),
-                    "tolerations": [dict(t) for t in settings.encoder_tolerations],
-                    "containers": [container],
-                    "volumes": [
-                        {"name": "memories", "configMap": {"name": name}},
-                        {"name": "kv", "hostPath": {"path": settings.kv_host_path, "type": "DirectoryOrCreate"}},
-                    ],
-                },
-            },
-        },
-    }
+    return _job(name, tenant, cr_name, {
+        # A bad item exits 2 and would fail again: retrying only burns GPU time.
+        "backoffLimit": 1,
+        "podFailurePolicy": {"rules": [
+            {"action": "FailJob", "onExitCodes": {"containerName": "encode", "operator": "In", "values": [2]}},
+        ]},
+        "ttlSecondsAfterFinished": 86400,
+    }, {
+        "nodeSelector": dict(settings.encoder_node_selector),
+        "tolerations": [dict(t) for t in settings.encoder_tolerations],
+        "containers": [container],
+        "volumes": [{"name": "memories", "configMap": {"name": name}}, _kv_volume(settings)],
+    })
 
 
 def job_phase(job: Mapping[str, Any]) -> tuple[JobPhase, str]:
@@ -145,26 +131,29 @@ def cleanup_job_manifest(name: str, tenant: str, cr_name: str, node: str, direct
                             "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "kv", "mountPath": settings.kv_host_path}],
     }
+    return _job(name, tenant, cr_name, {
+        "backoffLimit": 2,
+        "activeDeadlineSeconds": max(int(settings.cleanup_timeout_seconds), 1),
+        "ttlSecondsAfterFinished": 600,
+    }, {
+        "nodeName": node,
+        "tolerations": [{"operator": "Exists"}],
+        "containers": [container],
+        "volumes": [_kv_volume(settings)],
+    })
+
+
+def _kv_volume(settings: Settings) -> dict[str, Any]:
+    return {"name": "kv", "hostPath": {"path": settings.kv_host_path, "type": "DirectoryOrCreate"}}
+
+
+def _job(name: str, tenant: str, cr_name: str, job_spec: dict[str, Any], pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """A batch/v1 Job labelled for its UserMemory; its pods never restart in place (the Job retries)."""
     pod_labels = labels(tenant, cr_name)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name, "namespace": tenant, "labels": pod_labels},
-        "spec": {
-            "backoffLimit": 2,
-            "activeDeadlineSeconds": max(int(settings.cleanup_timeout_seconds), 1),
-            "ttlSecondsAfterFinished": 600,
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "nodeName": node,
-                    "tolerations": [{"operator": "Exists"}],
-                    "containers": [container],
-                    "volumes": [
-                        {"name": "kv", "hostPath": {"path": settings.kv_host_path, "type": "DirectoryOrCreate"}},
-                    ],
-                },
-            },
-        },
+        "spec": {**job_spec, "template": {"metadata": {"labels": pod_labels},
+                                          "spec": {"restartPolicy": "Never", **pod_spec}}},
     }
