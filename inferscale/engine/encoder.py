@@ -55,12 +55,12 @@ def encode_items(
         k_pos = torch.cat([torch.arange(p), q_pos])
         k_seg = torch.cat([torch.full((p,), -1), seg])
         allowed = (k_seg[None, :] == -1) | ((k_seg[None, :] == seg[:, None]) & (k_pos[None, :] <= q_pos[:, None]))
-        mask = attention_mask_arg(layout, allowed, q_pos, k_pos, engine.loaded.dtype)
+        mask = attention_mask_arg(layout, allowed, q_pos, k_pos, engine.loaded.dtype, engine.device)
         cache = cache_from_kv(engine.prefix_kv, model.config, windowed=False)
         model.model(
             input_ids=ids[None].to(engine.device),
             position_ids=q_pos[None].to(engine.device),
-            attention_mask=_to(mask, engine.device),
+            attention_mask=mask,
             cache=cache,
             use_cache=True,
         )
@@ -84,10 +84,4 @@ def encode_items(
         if on_progress is not None:
             on_progress(len(group))
     return [b for b in blocks if b is not None]
-
-
-def _to(mask: torch.Tensor | dict[str, torch.Tensor], device: torch.device):
-    if isinstance(mask, dict):
-        return {k: v.to(device) for k, v in mask.items()}
-    return mask.to(device)
 

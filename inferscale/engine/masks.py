@@ -18,6 +18,7 @@ def attention_mask_arg(
     q_pos: torch.Tensor,  # [Q] long
     k_pos: torch.Tensor,  # [K] long
     dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """What to pass as ``attention_mask=``: one 4D mask, or a dict per layer type for mixed models."""
     masks: dict[str, torch.Tensor] = {}
@@ -29,5 +30,5 @@ def attention_mask_arg(
             a = a & ((q_pos[:, None] - k_pos[None, :]) < spec.sliding_window)
         m = torch.zeros(a.shape, dtype=dtype)
         m.masked_fill_(~a, torch.finfo(dtype).min)
-        masks[spec.layer_type] = m[None, None]
+        masks[spec.layer_type] = m[None, None].to(device)
     return masks if layout.mixed else next(iter(masks.values()))

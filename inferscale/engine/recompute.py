@@ -82,8 +82,7 @@ def prefill_with_recompute(
     stale = torch.zeros(n + q_pos.numel(), dtype=torch.bool)
     stale[p + sel] = True
     allowed = (k_pos[None, :] <= q_pos[:, None]) & ~stale[None, :]
-    mask = attention_mask_arg(layout, allowed, q_pos, k_pos, loaded.dtype)
-    mask = {k: v.to(engine.device) for k, v in mask.items()} if isinstance(mask, dict) else mask.to(engine.device)
+    mask = attention_mask_arg(layout, allowed, q_pos, k_pos, loaded.dtype, engine.device)
     out = model(input_ids=q_ids[None].to(engine.device), position_ids=q_pos[None].to(engine.device),
                 attention_mask=mask, cache=full, use_cache=True, logits_to_keep=1)
 
