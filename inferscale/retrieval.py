@@ -55,3 +55,9 @@ def top_k(query_emb: torch.Tensor, ids: list[str], matrix: torch.Tensor, k: int)
     k = min(k, len(ids))
     vals, idx = torch.topk(scores, k)
     return [(ids[i], float(v)) for v, i in zip(vals.tolist(), idx.tolist())]
+
+
+def injection_order(best_first: list[str]) -> list[str]:
+    """The order retrieved memories enter the prompt: least relevant first, so the most relevant sits right before
+    the question. Every mode (and the bench) uses it, so modes differ only in how memory tokens get their KV."""
+    return best_first[::-1]

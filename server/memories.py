@@ -18,7 +18,7 @@ from opentelemetry import trace
 from inferscale.engine.template import MemoryItem
 from inferscale.errors import NotFoundError
 from inferscale.kvformat import KVBlock
-from inferscale.retrieval import top_k
+from inferscale.retrieval import injection_order, top_k
 from inferscale.server.auth import Tenant, require_tenant
 from inferscale.server.httperrors import ApiError
 from inferscale.server.schemas import (ID_PATTERN, ErrorBody, MemoryInfo, MemoryList, PutMemories, PutMemoriesResult,
@@ -60,10 +60,15 @@ class MemoryService:
             raise ApiError(400, f"duplicate memory id(s): {', '.join(dupes[:5])}", param="items", code="duplicate_id")
         items = [MemoryItem(id=i.id, text=i.text, timestamp=i.timestamp or None) for i in body.items]
         emb = await asyncio.to_thread(self.embedder.embed, [i.text for i in items])
+        # New items are encoded behind the memories before them: the user's latest stored ones, then the earlier
+        # items of this upload (see inferscale/engine/encoder.py).
+        history = [] if body.replace else await asyncio.to_thread(self._history, tenant, user, set(ids))
         nbytes = 0
         for start in range(0, len(items), ENCODE_CHUNK):
             chunk, rows = items[start:start + ENCODE_CHUNK], emb[start:start + ENCODE_CHUNK]
-            blocks = await self.worker.call(lambda eng, c=chunk, r=rows: eng.encode(c, embed=lambda _texts: r))
+            listed = history + items[:start + ENCODE_CHUNK]
+            blocks = await self.worker.call(
+                lambda eng, li=listed, c=chunk, r=rows: eng.encode(li, only={i.id for i in c}, embed=lambda _t: r))
             for b in blocks:
                 await asyncio.to_thread(self.store.put, tenant, user, b)
                 nbytes += b.nbytes
@@ -77,6 +82,25 @@ class MemoryService:
             self.prom.encoded.inc(len(items))
         return PutMemoriesResult(user=user, encoded=len(items), removed=removed, bytes=nbytes,
                                  seconds=round(time.perf_counter() - t0, 4))
+
+    def _history(self, tenant: str, user: str, exclude: set[str]) -> list[MemoryItem]:
+        """The user's stored memories that new ones follow (oldest first), as many as an item's context can hold."""
+        try:
+            infos = self.store.list(tenant, user)
+        except NotFoundError:
+            return []
+        infos = sorted((i for i in infos if info_id(i) not in exclude and not getattr(i, "corrupt", False)
+                        and getattr(i, "fingerprint", self.fingerprint) == self.fingerprint),
+                       key=lambda i: (getattr(i, "created", 0.0), info_id(i)))
+        tail, tokens = [], 0
+        while infos and tokens < self.engine.context_tokens:
+            info = infos.pop()
+            meta = blob_meta(getattr(info, "path", None))
+            if not meta.get("text"):
+                break  # unreadable header: the context stops here rather than skipping a memory
+            tail.append(MemoryItem(id=info_id(info), text=meta["text"], timestamp=meta.get("timestamp") or None))
+            tokens += int(getattr(info, "tokens", 0) or 0)
+        return tail[::-1]
 
     async def list(self, tenant: str, user: str) -> MemoryList:
         def run() -> list[MemoryInfo]:
@@ -111,8 +135,8 @@ class MemoryService:
         if not chosen:
             return [], []
         with tracer.start_as_current_span("kv_fetch", context=ctx) as span:
-            # Injected best-last: the most relevant memory sits next to the question.
-            blocks, stats = await asyncio.to_thread(self.store.get_many, tenant, user, chosen[::-1], self.fingerprint)
+            blocks, stats = await asyncio.to_thread(self.store.get_many, tenant, user, injection_order(chosen),
+                                                    self.fingerprint)
             tiers = fetch_tiers(stats)
             nbytes = int(getattr(stats, "bytes", 0) or sum(b.nbytes for b in blocks))
             span.set_attribute("inferscale.kv.tier", ",".join(sorted(tiers)) or "none")

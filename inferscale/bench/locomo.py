@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from inferscale.engine.encoder import DEFAULT_CONTEXT_TOKENS
 from inferscale.engine.template import MemoryItem
 from inferscale.errors import ConfigError
 
@@ -60,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text, kv, none, kv-recompute (ratio from --recompute-ratio) or kv-recompute@R")
     p.add_argument("--recompute-ratio", type=float, default=0.15)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS,
+                   help="encode each fact behind up to this many tokens of the facts before it (0: the prefix only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--model", default=None)
@@ -158,7 +161,7 @@ def parse_modes(spec: str, default_ratio: float) -> list[tuple[str, str, float]]
 # ---- run ----------------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from inferscale.engine import Engine, Sampling
-    from inferscale.retrieval import Embedder, top_k
+    from inferscale.retrieval import Embedder, injection_order, top_k
 
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
     modes = parse_modes(args.modes, args.recompute_ratio)
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         convs = convs[: args.conversations]
     if not convs:
         raise ConfigError("no conversations selected")
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, context_tokens=args.context_tokens)
     embedder = Embedder()
     sampling = Sampling(max_new_tokens=args.max_tokens)
     rng = random.Random(args.seed)
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         for q in sample_questions(conv.questions, args.questions_per_conv, rng):
             ranked = [i for i, _ in top_k(embedder.embed([q.question])[0], ids, matrix, max(ks))]
             for k in ks:
-                chosen = [by_id[i] for i in ranked[:k]]
+                chosen = [by_id[i] for i in injection_order(ranked[:k])]
                 got = {dia_of[i] for i in ranked[:k]}
                 recall = (sum(e in got for e in q.evidence) / len(q.evidence)) if q.evidence else None
                 ref = None
@@ -201,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
                     })
         _print_summary(summarize(rows))
     result = {"model": engine.loaded.name, "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+              "context_tokens": engine.context_tokens,
               "conversations": [c.sample_id for c in convs], "seed": args.seed, "ks": ks,
               "modes": [m[0] for m in modes]}
     by_k = summarize(rows)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
-from inferscale.engine.encoder import encode_items
+from inferscale.engine.encoder import DEFAULT_CONTEXT_TOKENS, encode_items
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
 from inferscale.errors import ConfigError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
 from inferscale.kvformat import KVBlock, list_blobs, load_block
@@ -63,9 +63,13 @@ class Sampling:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, template: PromptTemplate = DEFAULT_TEMPLATE) -> None:
+    def __init__(self, loaded: LoadedModel, template: PromptTemplate = DEFAULT_TEMPLATE, *,
+                 context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> None:
+        if context_tokens < 0:
+            raise ConfigError(f"context_tokens {context_tokens}: expected 0 or more")
         self.loaded = loaded
         self.template = template
+        self.context_tokens = context_tokens  # how much of the preceding memories each item is encoded behind
         self.tokenizer = loaded.tokenizer
         self.prefix_ids: list[int] = self.tokenizer(template.prefix, add_special_tokens=True).input_ids
         if self.tokenizer.bos_token_id is not None and self.prefix_ids[:1] != [self.tokenizer.bos_token_id]:
@@ -83,8 +87,9 @@ class Engine:
             self.stop_ids.add(self.tokenizer.eos_token_id)
 
     @classmethod
-    def load(cls, name_or_path: str | None = None, *, device: str | None = None, dtype: str | None = None) -> Engine:
-        return cls(load_model(name_or_path, device=device, dtype=dtype))
+    def load(cls, name_or_path: str | None = None, *, device: str | None = None, dtype: str | None = None,
+             context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> Engine:
+        return cls(load_model(name_or_path, device=device, dtype=dtype), context_tokens=context_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -105,11 +110,16 @@ class Engine:
         self,
         items: list[MemoryItem],
         *,
+        only: Collection[str] | None = None,
+        context_tokens: int | None = None,
         batch_tokens: int = 1024,
         on_progress: Callable[[int], None] | None = None,
         embed: Callable[[list[str]], torch.Tensor] | None = None,
     ) -> list[KVBlock]:
-        return encode_items(self, items, batch_tokens=batch_tokens, on_progress=on_progress, embed=embed)
+        """One block per item of ``items`` (a user's memories, oldest first), or per item named in ``only``; each
+        is encoded behind the memories before it in ``items`` (see encoder.py)."""
+        return encode_items(self, items, only=only, context_tokens=context_tokens, batch_tokens=batch_tokens,
+                            on_progress=on_progress, embed=embed)
 
     def checked_item_ids(self, item: MemoryItem) -> list[int]:
         """The item's token ids; MemoryItemError if it cannot be encoded (it would not fit the model's context)."""

@@ -100,11 +100,38 @@ def test_multi_block_injection_matches_manual_rotation(engine):
 
 
 def test_packed_encoding_equals_one_by_one(engine):
+    """A block depends only on its item and its context: encoding the list at once, or item by item with the
+    earlier items as context only (as the server does for a new memory), gives the same blocks."""
     packed = engine.encode(ITEMS, batch_tokens=4096)
-    single = [engine.encode([item])[0] for item in ITEMS]
+    single = [engine.encode(ITEMS[: i + 1], only={item.id})[0] for i, item in enumerate(ITEMS)]
     for a, b in zip(packed, single):
-        assert a.token_ids == b.token_ids and a.start_pos == b.start_pos == len(engine.prefix_ids)
+        assert a.token_ids == b.token_ids and a.start_pos == b.start_pos
+        assert a.extra["context"] == b.extra["context"]
         assert (a.kv - b.kv).abs().max() < 1e-4
+    assert packed[0].start_pos == len(engine.prefix_ids) and packed[-1].start_pos > len(engine.prefix_ids)
+    assert packed[-1].extra["context"] == "m0,m1,m2"
+
+
+def test_context_is_whole_preceding_items_within_budget(engine):
+    lengths = [b.num_tokens for b in engine.encode(ITEMS, context_tokens=0)]
+    budget = lengths[1] + lengths[2]  # room for m1 and m2 behind m3, not for m0 too
+    blocks = engine.encode(ITEMS, context_tokens=budget)
+    assert blocks[3].extra["context"] == "m1,m2"
+    assert blocks[3].start_pos == len(engine.prefix_ids) + budget
+    assert all(b.extra["context"] == "" for b in engine.encode(ITEMS, context_tokens=0))
+
+
+def test_blocks_in_encoding_order_with_full_context_equal_text(engine):
+    """Each block's KV is what text mode computes for its tokens when the prompt holds exactly its context before
+    it, so the list injected in order, with every predecessor in context, is the text prompt itself."""
+    blocks = engine.encode(ITEMS, context_tokens=10_000)
+    q = engine.question_ids("where did caroline go?")
+    text, kv = engine.prefill(q, blocks, "text"), engine.prefill(q, blocks, "kv")
+    assert (text.logits - kv.logits).abs().max() < 1e-4
+    shuffled = [blocks[2], blocks[0], blocks[3], blocks[1]]  # out of order the context no longer matches
+    text, kv = engine.prefill(q, shuffled, "text"), engine.prefill(q, shuffled, "kv")
+    if not all(spec.sliding_window for spec in engine.loaded.layout.layers):
+        assert (text.logits - kv.logits).abs().max() > 1e-4
 
 
 def test_modes_differ_where_they_should(engine):

@@ -21,7 +21,7 @@ def engine(request):
 
 
 def test_ratio_zero_is_kv_and_one_is_text(engine):
-    blocks = engine.encode(ITEMS)
+    blocks = engine.encode(ITEMS, context_tokens=0)  # context-free blocks: kv differs from text
     q = engine.question_ids("where did caroline go?")
     text, kv = engine.prefill(q, blocks, "text"), engine.prefill(q, blocks, "kv")
     r0 = engine.prefill(q, blocks, "kv-recompute", recompute_ratio=0.0)
@@ -38,7 +38,7 @@ def test_ratio_zero_is_kv_and_one_is_text(engine):
 
 def test_partial_recompute_moves_toward_text():
     engine = tm.engine("gemma3", sliding_window=512)
-    blocks = engine.encode(ITEMS)
+    blocks = engine.encode(ITEMS, context_tokens=0)  # context-free blocks: kv differs from text
     q = engine.question_ids("where did caroline go?")
     text = engine.prefill(q, blocks, "text").logits
     err = {r: float((engine.prefill(q, blocks, "kv-recompute", recompute_ratio=r).logits - text).abs().max())

@@ -73,3 +73,25 @@ def test_memories_crud(live):
     assert [i["id"] for i in httpx.get(f"{live.url}/v1/memories/crud-user", headers=h).json()["items"]] == ["a3"]
     assert httpx.delete(f"{live.url}/v1/memories/crud-user", headers=h).json()["removed_blocks"] == 1
     assert httpx.get(f"{live.url}/v1/memories/crud-user", headers=h).status_code == 404
+
+
+def test_new_memories_are_encoded_behind_the_latest_stored_ones(live, tiny_engine):
+    """An upload continues the user's list: its first item's context is the user's latest stored memories, so a
+    memory added later gets the same KV as if the whole list had been uploaded at once."""
+    h = live.headers("acme")
+    first = [{"id": "c1", "text": "the user moved to oslo"}, {"id": "c2", "text": "the user adopted a dog"}]
+    later = [{"id": "c3", "text": "the user started running"}]
+    url = f"{live.url}/v1/memories/context-user"
+    assert httpx.put(url, json={"items": first}, headers=h).status_code == 200
+    assert httpx.put(url, json={"items": later}, headers=h).status_code == 200
+    store, fp = live.app.state.memories.store, tiny_engine.loaded.fingerprint
+    stored = store.get_many("acme", "context-user", ["c3"], fp, copy=True)[0][0]
+    from inferscale.engine import MemoryItem
+
+    whole = tiny_engine.encode([MemoryItem(**i) for i in first + later])[2]
+    assert stored.extra["context"] == "c1,c2" and stored.start_pos == whole.start_pos
+    assert (stored.kv.float() - whole.kv.float()).abs().max() < 1e-4
+    # replace=True starts the list over: nothing stored before is context any more
+    httpx.put(url, json={"items": later, "replace": True}, headers=h)
+    assert store.get_many("acme", "context-user", ["c3"], fp, copy=True)[0][0].extra["context"] == ""
+    httpx.delete(url, headers=h)
