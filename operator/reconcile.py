@@ -70,7 +70,8 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
 
     if changed:
         jname = jobs.job_name(name, chash, changed)
-        cm = jobs.configmap_manifest(jname, tenant, name, [desired.items[i] for i in changed])
+        # Every item, in spec order: the changed ones are encoded behind the items before them.
+        cm = jobs.configmap_manifest(jname, tenant, name, list(desired.items.values()))
         job = jobs.job_manifest(jname, tenant, name, desired.user_id, desired.model, changed, cfg)
         kopf.adopt([cm, job], owner=dict(body))  # garbage-collected with the UserMemory
         live = await asyncio.to_thread(kube.read_job, tenant, jname)

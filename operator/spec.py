@@ -12,12 +12,16 @@ import datetime
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 USER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_TEXT = 8192
+# An encode Job encodes each item behind up to this many items before it in the spec (the engine's context_items,
+# inferscale/engine/encoder.py; a test keeps the two equal). So an item's hash covers those items too: editing,
+# inserting or removing an item re-encodes the items behind it, and nothing a user removed lives on in their KV.
+CONTEXT_ITEMS = 10
 
 
 class SpecError(Exception):
@@ -51,7 +55,9 @@ class Desired:
     node_selector: Mapping[str, str]
 
     def item_hashes(self) -> dict[str, str]:
-        return {i: item_hash(self.model, item) for i, item in self.items.items()}
+        """{id: hash of the model, the item and the CONTEXT_ITEMS items before it}, in spec order."""
+        items = list(self.items.values())
+        return {item.id: item_hash(self.model, item, items[max(0, n - CONTEXT_ITEMS):n]) for n, item in enumerate(items)}
 
     def content_hash(self) -> str:
         return content_hash(self.model, self.item_hashes())
@@ -61,10 +67,11 @@ class Desired:
 RefReader = Callable[[str, str, str], str]
 
 
-def item_hash(model: str, item: Item) -> str:
+def item_hash(model: str, item: Item, context: Sequence[Item] = ()) -> str:
     # The model is part of the hash: a blob encoded for another model is useless, so a model
     # change re-encodes every item.
-    raw = json.dumps([model, item.id, item.text, item.timestamp], ensure_ascii=False)
+    raw = json.dumps([model, item.id, item.text, item.timestamp, [[c.id, c.text, c.timestamp] for c in context]],
+                     ensure_ascii=False)
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 

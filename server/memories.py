@@ -53,25 +53,22 @@ class MemoryService:
         return self.engine.loaded.fingerprint
 
     async def put(self, tenant: str, user: str, body: PutMemories) -> PutMemoriesResult:
+        """Add the items to the end of the user's list; an id already stored is replaced in place. Each item is
+        encoded behind the memories before it in that list, and the stored items encoded behind a replaced one are
+        encoded again (see inferscale/engine/encoder.py)."""
         t0 = time.perf_counter()
         ids = [i.id for i in body.items]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ApiError(400, f"duplicate memory id(s): {', '.join(dupes[:5])}", param="items", code="duplicate_id")
-        items = [MemoryItem(id=i.id, text=i.text, timestamp=i.timestamp or None) for i in body.items]
-        emb = await asyncio.to_thread(self.embedder.embed, [i.text for i in items])
-        # New items are encoded behind the memories before them: the user's latest stored ones, then the earlier
-        # items of this upload (see inferscale/engine/encoder.py).
-        history = [] if body.replace else await asyncio.to_thread(self._history, tenant, user, set(ids))
-        nbytes = 0
-        for start in range(0, len(items), ENCODE_CHUNK):
-            chunk, rows = items[start:start + ENCODE_CHUNK], emb[start:start + ENCODE_CHUNK]
-            listed = history + items[:start + ENCODE_CHUNK]
-            blocks = await self.worker.call(
-                lambda eng, li=listed, c=chunk, r=rows: eng.encode(li, only={i.id for i in c}, embed=lambda _t: r))
-            for b in blocks:
-                await asyncio.to_thread(self.store.put, tenant, user, b)
-                nbytes += b.nbytes
+        new = {i.id: MemoryItem(id=i.id, text=i.text, timestamp=i.timestamp or None) for i in body.items}
+        stored = [] if body.replace else await asyncio.to_thread(self._ordered, tenant, user)
+        order = [info_id(i) for i in stored]
+        known = set(order)
+        order += [i for i in ids if i not in known]
+        infos = {info_id(i): i for i in stored}
+        nbytes = await self._encode(tenant, user, order, [order.index(i) for i in ids],
+                                    lambda i: new[i] if i in new else self._item(infos[i]))
         removed = 0
         if body.replace:
             keep = set(ids)
@@ -79,28 +76,51 @@ class MemoryService:
                 if info_id(info) not in keep:
                     removed += _count(await asyncio.to_thread(self.store.delete, tenant, user, info_id(info)))
         if self.prom is not None:
-            self.prom.encoded.inc(len(items))
-        return PutMemoriesResult(user=user, encoded=len(items), removed=removed, bytes=nbytes,
+            self.prom.encoded.inc(len(ids))
+        return PutMemoriesResult(user=user, encoded=len(ids), removed=removed, bytes=nbytes,
                                  seconds=round(time.perf_counter() - t0, 4))
 
-    def _history(self, tenant: str, user: str, exclude: set[str]) -> list[MemoryItem]:
-        """The user's stored memories that new ones follow (oldest first), as many as an item's context can hold."""
+    async def _encode(self, tenant: str, user: str, order: list[str], changed: list[int], item_of) -> int:
+        """Encode the items at positions ``changed`` of the list ``order`` (and the items behind them), each behind
+        its predecessors; store the blocks. Only the stretches around changed items are read."""
+        m = self.engine.context_items
+        spans: list[list[int]] = []  # [first, last) around changed positions, merged where they overlap
+        for pos in sorted(changed):
+            lo, hi = max(0, pos - m), min(len(order), pos + m + 1)
+            if spans and lo <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], hi)
+            else:
+                spans.append([lo, hi])
+        wanted = {order[p] for p in changed}
+        nbytes = 0
+        for lo, hi in spans:
+            listed = await asyncio.to_thread(lambda a=lo, b=hi: [item_of(i) for i in order[a:b]])
+            names = [i.id for i in listed if i.id in wanted]
+            for start in range(0, len(names), ENCODE_CHUNK):  # chunks, so decoding interleaves with a big upload
+                chunk = set(names[start:start + ENCODE_CHUNK])
+                blocks = await self.worker.call(
+                    lambda eng, li=listed, c=chunk: eng.encode(li, only=c, embed=self.embedder.embed))
+                for b in blocks:
+                    await asyncio.to_thread(self.store.put, tenant, user, b)
+                    nbytes += b.nbytes
+        return nbytes
+
+    def _ordered(self, tenant: str, user: str) -> list[Any]:
+        """The user's stored memories for this model, in list order (first stored first)."""
         try:
             infos = self.store.list(tenant, user)
         except NotFoundError:
             return []
-        infos = sorted((i for i in infos if info_id(i) not in exclude and not getattr(i, "corrupt", False)
-                        and getattr(i, "fingerprint", self.fingerprint) == self.fingerprint),
-                       key=lambda i: (getattr(i, "created", 0.0), info_id(i)))
-        tail, tokens = [], 0
-        while infos and tokens < self.engine.context_tokens:
-            info = infos.pop()
-            meta = blob_meta(getattr(info, "path", None))
-            if not meta.get("text"):
-                break  # unreadable header: the context stops here rather than skipping a memory
-            tail.append(MemoryItem(id=info_id(info), text=meta["text"], timestamp=meta.get("timestamp") or None))
-            tokens += int(getattr(info, "tokens", 0) or 0)
-        return tail[::-1]
+        return sorted((i for i in infos if not getattr(i, "corrupt", False)
+                       and getattr(i, "fingerprint", self.fingerprint) == self.fingerprint),
+                      key=lambda i: (getattr(i, "created", 0.0), info_id(i)))
+
+    @staticmethod
+    def _item(info: Any) -> MemoryItem:
+        meta = blob_meta(getattr(info, "path", None))
+        if not meta.get("text"):
+            raise NotFoundError(f"memory {info_id(info)!r}: its blob header cannot be read")
+        return MemoryItem(id=info_id(info), text=meta["text"], timestamp=meta.get("timestamp") or None)
 
     async def list(self, tenant: str, user: str) -> MemoryList:
         def run() -> list[MemoryInfo]:
@@ -114,9 +134,30 @@ class MemoryService:
             infos = [i for i in infos if info_id(i) == item_id]
             if not infos:
                 raise NotFoundError(f"memory {item_id!r} of user {user!r} not found")
+        behind = [] if item_id is None else await asyncio.to_thread(self._encoded_behind, tenant, user, item_id)
         nbytes = sum(int(to_info(i).bytes or 0) for i in infos)
         removed = _count(await asyncio.to_thread(self.store.delete, tenant, user, item_id))
+        if behind:  # a deleted memory must not live on in the KV of the memories encoded behind it
+            stored = await asyncio.to_thread(self._ordered, tenant, user)
+            order, by_id = [info_id(i) for i in stored], {info_id(i): i for i in stored}
+            await self._encode(tenant, user, order, [order.index(i) for i in behind if i in by_id],
+                               lambda i: self._item(by_id[i]))
         return Removed(removed_blocks=removed, removed_bytes=nbytes)
+
+    def _encoded_behind(self, tenant: str, user: str, item_id: str) -> list[str]:
+        """The stored memories whose blocks were encoded with ``item_id`` in their context (only the next
+        context_items memories can be)."""
+        stored, out = self._ordered(tenant, user), []
+        pos = next((n for n, i in enumerate(stored) if info_id(i) == item_id), len(stored))
+        for info in stored[pos + 1 : pos + 1 + self.engine.context_items]:
+            extra = blob_meta(getattr(info, "path", None)).get("extra") or "{}"
+            try:
+                context = json.loads(extra).get("context", "")
+            except (ValueError, AttributeError):
+                context = ""
+            if item_id in context.split(","):
+                out.append(info_id(info))
+        return out
 
     async def retrieve(self, tenant: str, user: str, query: str, k: int, tracer: trace.Tracer,
                        ctx: Any) -> tuple[list[KVBlock], list[str]]:

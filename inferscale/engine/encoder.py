@@ -1,14 +1,16 @@
 """Encoding memory items into KV blocks, many items per forward pass.
 
-Each item is encoded after the shared prefix and after the items that precede it in the user's memory list, up to
-``context_tokens`` of them (whole items, most recent first). The context's own KV is thrown away: a block holds
+Each item is encoded after the shared prefix and after the items that precede it in the user's memory list: up to
+``context_items`` of them (whole items, nearest first) within ``context_tokens`` tokens. The context's own KV is thrown away: a block holds
 only its item's tokens, at the positions they had behind that context. Why: injected k at a time, blocks encoded
 after the bare prefix each look like "the first line of the list", and the question reads k first lines. Encoded
 behind real neighbouring memories, a block's deep-layer KV looks like that of a line in the middle of a list, which
 is what the question sees in ``text`` mode. On LoCoMo dev data (conv-26, k=50, 60 questions) first-token agreement
 of ``kv`` with ``text`` rose from 0.43 to 0.82 and the KL between their next-token distributions fell from 0.48 to
 0.085 with 10 facts (~250 tokens) of context. A block is a pure function of its item and its context items, so
-encoding a list at once and encoding only its new items (``only``, the earlier ones as context) give the same blocks.
+encoding a list at once and encoding only its new items (``only``, the earlier ones as context) give the same blocks;
+and when an item changes or goes, the blocks encoded behind it must be encoded again (``only`` includes them), or
+a deleted memory would live on in its neighbours' KV.
 
 Segments ([context][item]) are packed into one sequence after a copy of the prefix KV; a block-diagonal mask lets
 each segment see the prefix and itself only, and every segment starts at position P = len(prefix). Only the base
@@ -27,7 +29,8 @@ from inferscale.engine.template import MemoryItem
 from inferscale.errors import MemoryItemError
 from inferscale.kvformat import KVBlock
 
-DEFAULT_CONTEXT_TOKENS = 256
+DEFAULT_CONTEXT_ITEMS = 10  # the operator hashes each item with as many predecessors (operator/spec.py)
+DEFAULT_CONTEXT_TOKENS = 256  # bounds the work: an item costs at most this many extra tokens to encode
 
 
 def pack(lengths: list[int], budget: int) -> list[list[int]]:
@@ -46,10 +49,11 @@ def pack(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def context_of(lengths: list[int], index: int, budget: int) -> range:
-    """The items right before ``index`` whose lengths sum to at most ``budget`` (whole items, nearest first)."""
+def context_of(lengths: list[int], index: int, budget: int, max_items: int) -> range:
+    """The items right before ``index``: at most ``max_items`` of them, whose lengths sum to at most ``budget``
+    (whole items, nearest first)."""
     first, used = index, 0
-    while first > 0 and used + lengths[first - 1] <= budget:
+    while first > 0 and index - first < max_items and used + lengths[first - 1] <= budget:
         first -= 1
         used += lengths[first]
     return range(first, index)
@@ -66,18 +70,23 @@ def encode_items(
     on_progress: Callable[[int], None] | None = None,
     embed: Callable[[list[str]], torch.Tensor] | None = None,
 ) -> list[KVBlock]:
-    """Blocks for ``items`` (a user's memories, oldest first), or for those whose ids are in ``only``: the others
-    then serve only as context."""
+    """Blocks for ``items`` (a user's memories, oldest first), or for those whose ids are in ``only`` and those
+    encoded behind them; the others serve only as context."""
     model, layout = engine.loaded.model, engine.loaded.layout
     p = len(engine.prefix_ids)
     budget = engine.context_tokens if context_tokens is None else context_tokens
     if only is not None and (unknown := set(only) - {item.id for item in items}):
         raise MemoryItemError(f"only: no memory with id(s) {', '.join(sorted(unknown))}")
-    chosen = [i for i, item in enumerate(items) if only is None or item.id in only]
     every = [engine.checked_item_ids(item) for item in items]  # all checked before any work
+    lengths = [len(t) for t in every]
     # Context fits the model too: the prefix, the context and the item within its positions.
-    contexts = [context_of([len(t) for t in every], i, min(budget, layout.max_positions - 1 - p - len(every[i])))
-                for i in chosen]
+    contexts = [context_of(lengths, i, min(budget, layout.max_positions - 1 - p - lengths[i]), engine.context_items)
+                for i in range(len(items))]
+    # A block depends on the text of its context items, not on their blocks: the items behind a named one are
+    # encoded again, the items behind those are not.
+    named = {i for i, item in enumerate(items) if only is None or item.id in only}
+    chosen = [i for i in range(len(items)) if i in named or any(j in named for j in contexts[i])]
+    contexts = [contexts[i] for i in chosen]
     token_lists = [every[i] for i in chosen]
     segments = [[t for j in ctx for t in every[j]] + every[i] for i, ctx in zip(chosen, contexts)]
     embeddings = embed([items[i].text for i in chosen]) if embed is not None and chosen else None

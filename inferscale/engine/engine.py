@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
-from inferscale.engine.encoder import DEFAULT_CONTEXT_TOKENS, encode_items
+from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS, encode_items
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
 from inferscale.errors import ConfigError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
 from inferscale.kvformat import KVBlock, list_blobs, load_block
@@ -64,12 +64,13 @@ class Sampling:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, template: PromptTemplate = DEFAULT_TEMPLATE, *,
-                 context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> None:
-        if context_tokens < 0:
-            raise ConfigError(f"context_tokens {context_tokens}: expected 0 or more")
+                 context_items: int = DEFAULT_CONTEXT_ITEMS, context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> None:
+        if context_items < 0 or context_tokens < 0:
+            raise ConfigError(f"context of {context_items} items / {context_tokens} tokens: expected 0 or more")
         self.loaded = loaded
         self.template = template
-        self.context_tokens = context_tokens  # how much of the preceding memories each item is encoded behind
+        # How much of the preceding memories each item is encoded behind (see encoder.py).
+        self.context_items, self.context_tokens = context_items, context_tokens
         self.tokenizer = loaded.tokenizer
         self.prefix_ids: list[int] = self.tokenizer(template.prefix, add_special_tokens=True).input_ids
         if self.tokenizer.bos_token_id is not None and self.prefix_ids[:1] != [self.tokenizer.bos_token_id]:
@@ -116,8 +117,8 @@ class Engine:
         on_progress: Callable[[int], None] | None = None,
         embed: Callable[[list[str]], torch.Tensor] | None = None,
     ) -> list[KVBlock]:
-        """One block per item of ``items`` (a user's memories, oldest first), or per item named in ``only``; each
-        is encoded behind the memories before it in ``items`` (see encoder.py)."""
+        """One block per item of ``items`` (a user's memories, oldest first), or per item named in ``only`` and per
+        item encoded behind one of those; each is encoded behind the memories before it in ``items`` (encoder.py)."""
         return encode_items(self, items, only=only, context_tokens=context_tokens, batch_tokens=batch_tokens,
                             on_progress=on_progress, embed=embed)
 

@@ -93,7 +93,8 @@ class Catalogue:
 
     # -- writes ---------------------------------------------------------------------------------------------
     def upsert(self, info: ItemInfo, embedding: bytes | None) -> None:
-        """Insert or replace an item (a re-put clears its corrupt flag and keeps its pin)."""
+        """Insert or replace an item (a re-put clears its corrupt flag and keeps its pin and its place: ``created``
+        orders a user's memories, which is the order they are encoded behind each other)."""
         emb = embedding
         with self._lock, self._db:
             self._db.execute(
@@ -101,7 +102,7 @@ class Catalogue:
                 " last_access, pinned, corrupt, embedding, created) VALUES (?,?,?,?,?,?,?,?,?,0,0,?,0,0,?,?)"
                 " ON CONFLICT (tenant, user, fingerprint, item) DO UPDATE SET path=excluded.path, size=excluded.size,"
                 " kv_bytes=excluded.kv_bytes, tokens=excluded.tokens, sha256=excluded.sha256, dram=0, gpu=0,"
-                " corrupt=0, embedding=excluded.embedding, created=excluded.created",
+                " corrupt=0, embedding=excluded.embedding",
                 (*info.key, info.path, info.size, info.kv_bytes, info.tokens, info.sha256, info.last_access, emb,
                  info.created),
             )

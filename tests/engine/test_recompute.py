@@ -52,3 +52,31 @@ def test_bad_ratio():
     blocks = engine.encode(ITEMS[:1])
     with pytest.raises(ConfigError, match="recompute ratio"):
         engine.prefill(engine.question_ids("x"), blocks, "kv-recompute", recompute_ratio=1.5)
+
+
+def test_attention_scores_are_the_questions_attention_and_leave_the_cache(engine):
+    """Scores from the injected cache equal the question's attention in a plain forward of the whole text (blocks
+    encoded in order with full context are exactly text); the cache and the attention implementation are as before."""
+    from inferscale.engine.cache import injected_cache, kv_of_cache
+    from inferscale.engine.recompute import attention_scores
+
+    model = engine.loaded.model
+    blocks = engine.encode(ITEMS, context_tokens=10_000)
+    q = engine.question_ids("where did caroline go?")
+    p = len(engine.prefix_ids)
+    n = p + sum(b.num_tokens for b in blocks)
+    cache = injected_cache(engine.prefix_kv, blocks, engine.loaded.layout, model.config, windowed=False)
+    before, impl = kv_of_cache(cache).clone(), model.config._attn_implementation
+    scores = attention_scores(engine, cache, p, n, q)
+    assert model.config._attn_implementation == impl
+    assert torch.equal(kv_of_cache(cache), before)
+
+    ids = engine.prefix_ids + [t for b in blocks for t in b.token_ids] + q
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = model.model(input_ids=torch.tensor([ids]), output_attentions=True)
+    finally:
+        model.set_attn_implementation(impl)
+    want = torch.stack([a[0, :, n:, p:n].float().amax(dim=(0, 1)) for a in out.attentions]).sum(dim=0)
+    assert scores.shape == (n - p,) and torch.allclose(scores, want, atol=1e-4)

@@ -158,3 +158,27 @@ def test_source_nodes_come_from_the_items_and_the_last_job() -> None:
     status = {"encoded": {"a": {"hash": "h", "node": "n2"}, "b": {"hash": "h", "node": "n1"}, "c": {"hash": "h"}},
               "job": {"name": "j", "node": "n3"}}
     assert source_nodes(status) == ["n1", "n2", "n3"] and source_nodes({}) == []
+
+
+def test_an_items_hash_covers_the_items_encoded_before_it():
+    """Editing, inserting or removing an item changes the hashes of the items behind it (they are encoded behind
+    it, so they must be encoded again) and of no item before it."""
+    from inferscale.operator.spec import CONTEXT_ITEMS, Desired, Item
+
+    def hashes(texts):
+        items = {f"i{n}": Item(f"i{n}", t) for n, t in texts}
+        return Desired("u", "gemma-3-270m", items, 1, {}).item_hashes()
+
+    n = CONTEXT_ITEMS + 3
+    base = hashes([(k, f"fact {k}") for k in range(n)])
+    edited = hashes([(k, "changed" if k == 1 else f"fact {k}") for k in range(n)])
+    assert [i for i in base if base[i] != edited[i]] == [f"i{k}" for k in range(1, 2 + CONTEXT_ITEMS)]
+    removed = hashes([(k, f"fact {k}") for k in range(n) if k != 1])
+    assert [i for i in removed if removed[i] != base[i]] == [f"i{k}" for k in range(2, 2 + CONTEXT_ITEMS)]
+
+
+def test_operator_and_engine_agree_on_the_context():
+    from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS
+    from inferscale.operator.spec import CONTEXT_ITEMS
+
+    assert CONTEXT_ITEMS == DEFAULT_CONTEXT_ITEMS

@@ -95,3 +95,33 @@ def test_new_memories_are_encoded_behind_the_latest_stored_ones(live, tiny_engin
     httpx.put(url, json={"items": later, "replace": True}, headers=h)
     assert store.get_many("acme", "context-user", ["c3"], fp, copy=True)[0][0].extra["context"] == ""
     httpx.delete(url, headers=h)
+
+
+def test_replacing_or_deleting_a_memory_reencodes_the_ones_behind_it(live, tiny_engine):
+    """Blocks carry their context's text in their KV: after an edit or a delete the memories encoded behind it are
+    encoded again, so what a user deleted does not live on in other memories, and the list keeps its order."""
+    from inferscale.engine import MemoryItem
+
+    h = live.headers("acme")
+    url = f"{live.url}/v1/memories/edit-user"
+    items = [{"id": f"e{i}", "text": f"the user fact number {i}"} for i in range(4)]
+    assert httpx.put(url, json={"items": items}, headers=h).status_code == 200
+    store, fp = live.app.state.memories.store, tiny_engine.loaded.fingerprint
+
+    def block(i):
+        return store.get_many("acme", "edit-user", [i], fp, copy=True)[0][0]
+
+    edited = {"id": "e1", "text": "the user moved to lima"}
+    assert httpx.put(url, json={"items": [edited]}, headers=h).status_code == 200
+    want = tiny_engine.encode([MemoryItem(**i) for i in [items[0], edited, items[2], items[3]]])
+    for b in want:  # e1 kept its place; e2 and e3 were encoded again behind the new text
+        assert (block(b.item_id).kv.float() - b.kv.float()).abs().max() < 1e-4, b.item_id
+    assert [i["id"] for i in httpx.get(url, headers=h).json()["items"]] == ["e0", "e1", "e2", "e3"]
+
+    assert httpx.delete(f"{url}/e1", headers=h).status_code == 200
+    want = tiny_engine.encode([MemoryItem(**i) for i in [items[0], items[2], items[3]]])
+    for b in want:
+        got = block(b.item_id)
+        assert "e1" not in got.extra["context"].split(",")
+        assert (got.kv.float() - b.kv.float()).abs().max() < 1e-4, b.item_id
+    httpx.delete(url, headers=h)
