@@ -73,6 +73,7 @@ class PromptTemplate:
     # and an item encoded right after a bare header is encoded as "the first line of the list". Injected k at a
     # time, k "first lines" mislead the model. On LoCoMo dev data (conv-26, k=20) the opening lines cut the KL
     # between kv and text next-token distributions from 1.6 to 0.34; lines without dates did not help (1.6).
+    # Items are also encoded behind the real memories before them (encoder.py); these lines matter for the first.
     prefix: str = (
         "Facts about the user, remembered from past conversations:\n"
         "- (1 January 2023) The user started talking with the assistant.\n"
