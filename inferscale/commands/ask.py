@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _top_k(question: str, blocks: list, k: int) -> list:
-    from inferscale.retrieval import Embedder, top_k
+    from inferscale.retrieval import Embedder, injection_order, top_k
 
     with_emb = [b for b in blocks if b.embedding is not None]
     if len(with_emb) < len(blocks):
@@ -56,4 +56,4 @@ def _top_k(question: str, blocks: list, k: int) -> list:
 
     by_id = {b.item_id: b for b in blocks}
     ranked = top_k(Embedder().embed([question])[0], list(by_id), torch.stack([b.embedding for b in blocks]), k)
-    return [by_id[item_id] for item_id, _score in ranked]
+    return [by_id[item_id] for item_id in injection_order([item_id for item_id, _score in ranked])]
