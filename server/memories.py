@@ -95,11 +95,13 @@ class MemoryService:
         nbytes = 0
         for lo, hi in spans:
             listed = await asyncio.to_thread(lambda a=lo, b=hi: [item_of(i) for i in order[a:b]])
-            names = [i.id for i in listed if i.id in wanted]
-            for start in range(0, len(names), ENCODE_CHUNK):  # chunks, so decoding interleaves with a big upload
-                chunk = set(names[start:start + ENCODE_CHUNK])
+            at = [n for n, i in enumerate(listed) if i.id in wanted]
+            for start in range(0, len(at), ENCODE_CHUNK):  # chunks, so decoding interleaves with a big upload
+                chunk = {listed[n].id for n in at[start:start + ENCODE_CHUNK]}
+                # Up to the next chunk's first item: the items behind this chunk that the next one will not encode.
+                cut = at[start + ENCODE_CHUNK] if start + ENCODE_CHUNK < len(at) else len(listed)
                 blocks = await self.worker.call(
-                    lambda eng, li=listed, c=chunk: eng.encode(li, only=c, embed=self.embedder.embed))
+                    lambda eng, li=listed[:cut], c=chunk: eng.encode(li, only=c, embed=self.embedder.embed))
                 for b in blocks:
                     await asyncio.to_thread(self.store.put, tenant, user, b)
                     nbytes += b.nbytes

@@ -125,3 +125,30 @@ def test_replacing_or_deleting_a_memory_reencodes_the_ones_behind_it(live, tiny_
         assert "e1" not in got.extra["context"].split(",")
         assert (got.kv.float() - b.kv.float()).abs().max() < 1e-4, b.item_id
     httpx.delete(url, headers=h)
+
+
+def test_a_large_upload_is_encoded_in_chunks_once_each(live, tiny_engine, monkeypatch):
+    """More items than one engine call takes: chunk boundaries change nothing, and no item is encoded twice."""
+    from inferscale.engine import MemoryItem
+    from inferscale.server.memories import ENCODE_CHUNK
+
+    items = [{"id": f"b{i:02d}", "text": f"the user remembers thing {i}"} for i in range(ENCODE_CHUNK + 6)]
+    encoded: list[str] = []
+    real = tiny_engine.encode
+
+    def spy(*args, **kwargs):
+        blocks = real(*args, **kwargs)
+        encoded.extend(b.item_id for b in blocks)
+        return blocks
+
+    monkeypatch.setattr(tiny_engine, "encode", spy)
+    url = f"{live.url}/v1/memories/bulk-user"
+    assert httpx.put(url, json={"items": items}, headers=live.headers("acme")).status_code == 200
+    monkeypatch.setattr(tiny_engine, "encode", real)
+    assert sorted(encoded) == [i["id"] for i in items]
+    store, fp = live.app.state.memories.store, tiny_engine.loaded.fingerprint
+    want = tiny_engine.encode([MemoryItem(**i) for i in items])
+    got = store.get_many("acme", "bulk-user", [b.item_id for b in want], fp, copy=True)[0]
+    for a, b in zip(got, want):
+        assert a.extra["context"] == b.extra["context"] and (a.kv.float() - b.kv.float()).abs().max() < 1e-4
+    httpx.delete(url, headers=live.headers("acme"))
