@@ -13,7 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory for the blobs (<id>.safetensors)")
     p.add_argument("--model", default=None, help="model name or path (default: the embedded gemma-3-270m)")
     p.add_argument("--only", default=None,
-                   help="comma-separated ids: encode just these (the changed items); the others still serve as context")
+                   help="comma-separated ids: encode these (the changed items) and the items encoded behind them; "
+                        "the others serve as context only")
     p.add_argument("--context-tokens", type=int, default=None,
                    help="encode each item behind up to this many tokens of the items before it (default 256)")
     p.add_argument("--embed", action="store_true", help="also store each item's retrieval embedding")
