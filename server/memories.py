@@ -62,7 +62,7 @@ class MemoryService:
         if dupes:
             raise ApiError(400, f"duplicate memory id(s): {', '.join(dupes[:5])}", param="items", code="duplicate_id")
         new = {i.id: MemoryItem(id=i.id, text=i.text, timestamp=i.timestamp or None) for i in body.items}
-        stored = [] if body.replace else await asyncio.to_thread(self._ordered, tenant, user)
+        stored = [] if body.replace else await asyncio.to_thread(self._stored, tenant, user)
         order = [info_id(i) for i in stored]
         known = set(order)
         order += [i for i in ids if i not in known]
@@ -107,12 +107,15 @@ class MemoryService:
                     nbytes += b.nbytes
         return nbytes
 
-    def _ordered(self, tenant: str, user: str) -> list[Any]:
-        """The user's stored memories for this model, in list order (first stored first)."""
+    def _stored(self, tenant: str, user: str) -> list[Any]:
+        """The user's stored memories for this model, in list order; none for a user without memories."""
         try:
-            infos = self.store.list(tenant, user)
+            return self._ordered(self.store.list(tenant, user))
         except NotFoundError:
             return []
+
+    def _ordered(self, infos: list[Any]) -> list[Any]:
+        """Of a user's store rows, those of this model, in list order (first stored first)."""
         return sorted((i for i in infos if not getattr(i, "corrupt", False)
                        and getattr(i, "fingerprint", self.fingerprint) == self.fingerprint),
                       key=lambda i: (getattr(i, "created", 0.0), info_id(i)))
@@ -131,25 +134,25 @@ class MemoryService:
         return MemoryList(user=user, items=await asyncio.to_thread(run))
 
     async def delete(self, tenant: str, user: str, item_id: str | None = None) -> Removed:
-        infos = await asyncio.to_thread(self.store.list, tenant, user)  # NotFoundError for an unknown user
-        if item_id is not None:
-            infos = [i for i in infos if info_id(i) == item_id]
-            if not infos:
-                raise NotFoundError(f"memory {item_id!r} of user {user!r} not found")
-        behind = [] if item_id is None else await asyncio.to_thread(self._encoded_behind, tenant, user, item_id)
+        everything = await asyncio.to_thread(self.store.list, tenant, user)  # NotFoundError for an unknown user
+        infos = everything if item_id is None else [i for i in everything if info_id(i) == item_id]
+        if item_id is not None and not infos:
+            raise NotFoundError(f"memory {item_id!r} of user {user!r} not found")
+        stored = self._ordered(everything)
+        behind = [] if item_id is None else await asyncio.to_thread(self._encoded_behind, stored, item_id)
         nbytes = sum(int(to_info(i).bytes or 0) for i in infos)
         removed = _count(await asyncio.to_thread(self.store.delete, tenant, user, item_id))
         if behind:  # a deleted memory must not live on in the KV of the memories encoded behind it
-            stored = await asyncio.to_thread(self._ordered, tenant, user)
-            order, by_id = [info_id(i) for i in stored], {info_id(i): i for i in stored}
-            await self._encode(tenant, user, order, [order.index(i) for i in behind if i in by_id],
+            by_id = {info_id(i): i for i in stored if info_id(i) != item_id}
+            order = list(by_id)
+            await self._encode(tenant, user, order, [order.index(i) for i in behind],
                                lambda i: self._item(by_id[i]))
         return Removed(removed_blocks=removed, removed_bytes=nbytes)
 
-    def _encoded_behind(self, tenant: str, user: str, item_id: str) -> list[str]:
-        """The stored memories whose blocks were encoded with ``item_id`` in their context (only the next
-        context_items memories can be)."""
-        stored, out = self._ordered(tenant, user), []
+    def _encoded_behind(self, stored: list[Any], item_id: str) -> list[str]:
+        """Of the ``stored`` memories (in list order), those whose blocks were encoded with ``item_id`` in their
+        context (only the next context_items memories can be)."""
+        out = []
         pos = next((n for n, i in enumerate(stored) if info_id(i) == item_id), len(stored))
         for info in stored[pos + 1 : pos + 1 + self.engine.context_items]:
             extra = blob_meta(getattr(info, "path", None)).get("extra") or "{}"

@@ -150,9 +150,9 @@ def test_only_also_encodes_the_items_behind_a_named_one(engine):
     got = engine.encode(ITEMS, only={"m1"})
     assert [b.item_id for b in got] == ["m1", "m2", "m3"]
     assert [b.item_id for b in engine.encode(ITEMS, only={"m1"}, context_tokens=0)] == ["m1"]
-    engine.context_items = 1  # m3 sees only m2, so m3 does not depend on m1
+    before, engine.context_items = engine.context_items, 1  # m3 sees only m2, so m3 does not depend on m1
     try:
         assert [b.item_id for b in engine.encode(ITEMS, only={"m1"})] == ["m1", "m2"]
         assert engine.encode(ITEMS)[3].extra["context"] == "m2"
     finally:
-        engine.context_items = 10
+        engine.context_items = before
