@@ -11,17 +11,15 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-USER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+from inferscale.contract import CONTEXT_ITEMS, id_problem
+
 MAX_TEXT = 8192
-# An encode Job encodes each item behind up to this many items before it in the spec (the engine's context_items,
-# inferscale/engine/encoder.py; a test keeps the two equal). So an item's hash covers those items too: editing,
-# inserting or removing an item re-encodes the items behind it, and nothing a user removed lives on in their KV.
-CONTEXT_ITEMS = 10
+# An encode Job encodes each item behind up to CONTEXT_ITEMS items before it in the spec (the engine's
+# context_items). So an item's hash covers those items too: editing, inserting or removing an item re-encodes the
+# items behind it, and nothing a user removed lives on in their KV.
 
 
 class SpecError(Exception):
@@ -84,8 +82,9 @@ def parse_item(obj: Any, where: str) -> Item:
     if not isinstance(obj, dict):
         raise SpecError("InvalidMemory", f"{where}: not a JSON object")
     iid, text, ts = obj.get("id"), obj.get("text"), obj.get("timestamp")
-    if not isinstance(iid, str) or not ID_RE.match(iid):
-        raise SpecError("InvalidMemory", f"{where}: bad id {iid!r} (must match {ID_RE.pattern})")
+    problem = id_problem("id", iid)
+    if problem:
+        raise SpecError("InvalidMemory", f"{where}: bad {problem}")
     if not isinstance(text, str) or not text.strip():
         raise SpecError("InvalidMemory", f"{where}: item {iid!r} has empty text")
     if len(text) > MAX_TEXT:
@@ -111,8 +110,9 @@ def parse_jsonl(text: str, source: str) -> list[Item]:
 def parse(spec: Mapping[str, Any], models: tuple[str, ...], read_ref: RefReader,
           now: datetime.datetime | None = None) -> Desired:
     user_id = spec.get("userId")
-    if not isinstance(user_id, str) or not USER_RE.match(user_id):
-        raise SpecError("InvalidSpec", f"spec.userId {user_id!r} must match {USER_RE.pattern}")
+    problem = id_problem("spec.userId", user_id)
+    if problem:
+        raise SpecError("InvalidSpec", problem)
     model = spec.get("model")
     if model not in models:
         raise SpecError("UnknownModel", f"spec.model {model!r} is not served here (known: {', '.join(models)})")

@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 
+from inferscale.contract import MODES
 from inferscale.errors import ConfigError
 
 
@@ -21,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants-file", help="hashed API keys, JSON (INFERSCALE_TENANTS_FILE; default DATA_DIR/tenants.json)")
     p.add_argument("--tenant", default="default", help="name of the tenant created when there is no tenants file")
     p.add_argument("--default-k", type=int, help="memories retrieved when a request does not say (default 20)")
-    p.add_argument("--default-mode", choices=["kv", "text", "kv-recompute", "none"], help="default memory mode (kv)")
+    p.add_argument("--default-mode", choices=MODES, help="default memory mode (kv)")
     p.add_argument("--console-traces", action="store_true", default=None, help="also print spans to stdout")
 
 

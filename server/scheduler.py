@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
+from inferscale.contract import DEFAULT_RECOMPUTE_RATIO
 from inferscale.engine.engine import Engine, Sampling, Sequence
 from inferscale.kvformat import KVBlock
 
@@ -38,7 +39,7 @@ class GenJob:
     sampling: Sampling
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
-    recompute_ratio: float = 0.15
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     tracer: trace.Tracer | None = None
     context: Any = None  # the request span's OTel context
     cancelled: bool = False

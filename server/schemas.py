@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-ItemId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
-UserId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
-TenantName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")]
+from inferscale.contract import ID_PATTERN, TENANT_PATTERN, Mode
+
+
+
+def _no_dotdot(value: str) -> str:
+    if ".." in value:
+        raise ValueError("must not contain '..'")
+    return value
+
+
+ItemId = Annotated[str, StringConstraints(pattern=ID_PATTERN), AfterValidator(_no_dotdot)]
+UserId = Annotated[str, StringConstraints(pattern=ID_PATTERN), AfterValidator(_no_dotdot)]
+TenantName = Annotated[str, StringConstraints(pattern=TENANT_PATTERN)]
 HARD_MAX_K = 1000
 
 
@@ -48,7 +57,7 @@ class ChatMessage(BaseModel):
 class MemoryOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     k: int | None = Field(None, ge=0, le=HARD_MAX_K, description="memories to retrieve (top-k by cosine similarity)")
-    mode: Literal["kv", "text", "kv-recompute", "none"] | None = Field(
+    mode: Mode | None = Field(
         None, description="kv: inject cached KV; text: paste memories into the prompt; none: no memories"
     )
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0, description="kv-recompute: fraction of tokens re-run")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
-
 from pydantic import BaseModel, Field, ValidationError
 
+from inferscale.contract import DEFAULT_MODE, DEFAULT_RECOMPUTE_RATIO, Mode
 from inferscale.errors import ConfigError
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -56,8 +55,8 @@ class Settings(BaseModel):
     kv_host_path: Path = Path("/var/lib/inferscale/kv")
     # Request defaults and the per-tenant limits a tenants-file entry does not override.
     default_k: int = Field(20, ge=0)
-    default_mode: Literal["kv", "text", "kv-recompute", "none"] = "kv"
-    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
+    default_mode: Mode = DEFAULT_MODE
+    recompute_ratio: float = Field(DEFAULT_RECOMPUTE_RATIO, ge=0.0, le=1.0)
     default_max_tokens: int = Field(64, ge=1)
     max_k: int = Field(64, ge=0)
     max_tokens: int = Field(512, ge=1)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.encoder import DEFAULT_CONTEXT_TOKENS
 from inferscale.engine.template import MemoryItem
 from inferscale.errors import ConfigError
@@ -59,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", default="5,20,50")
     p.add_argument("--modes", default="text,kv,kv-recompute",
                    help="text, kv, none, kv-recompute (ratio from --recompute-ratio) or kv-recompute@R")
-    p.add_argument("--recompute-ratio", type=float, default=0.15)
+    p.add_argument("--recompute-ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS,
                    help="encode each fact behind up to this many tokens of the facts before it (0: the prefix only)")
@@ -147,7 +148,7 @@ def parse_modes(spec: str, default_ratio: float) -> list[tuple[str, str, float]]
     modes = []
     for name in [m.strip() for m in spec.split(",") if m.strip()]:
         base, _, ratio = name.partition("@")
-        if base not in ("text", "kv", "kv-recompute", "none"):
+        if base not in MODES:
             raise ConfigError(f"--modes: unknown mode {name!r}")
         r = float(ratio) if ratio else default_ratio
         label = f"kv-recompute@{r:g}" if base == "kv-recompute" else base

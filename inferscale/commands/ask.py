@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from inferscale.engine import MODES
+from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blobs", required=True, help="directory of KV blobs (from `inferscale encode`)")
     p.add_argument("--mode", choices=MODES, default="kv")
     p.add_argument("--k", type=int, default=None, help="use the k most relevant memories (default: all)")
-    p.add_argument("--recompute-ratio", type=float, default=0.15, help="kv-recompute: fraction of memory tokens")
+    p.add_argument("--recompute-ratio", type=float, default=DEFAULT_RECOMPUTE_RATIO, help="kv-recompute: fraction of memory tokens")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--model", default=None)
     p.add_argument("--device", default=None)

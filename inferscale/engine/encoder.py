@@ -23,14 +23,16 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from inferscale.contract import CONTEXT_ITEMS, CONTEXT_TOKENS
 from inferscale.engine.cache import cache_from_kv, kv_of_cache
 from inferscale.engine.masks import attention_mask_arg
 from inferscale.engine.template import MemoryItem
 from inferscale.errors import MemoryItemError
 from inferscale.kvformat import KVBlock
 
-DEFAULT_CONTEXT_ITEMS = 10  # the operator hashes each item with as many predecessors (operator/spec.py)
-DEFAULT_CONTEXT_TOKENS = 256  # bounds the work: an item costs at most this many extra tokens to encode
+# The defaults live in inferscale.contract (the operator hashes each item with CONTEXT_ITEMS predecessors);
+# CONTEXT_TOKENS bounds the work: an item costs at most that many extra tokens to encode.
+DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS = CONTEXT_ITEMS, CONTEXT_TOKENS
 
 
 def pack(lengths: list[int], budget: int) -> list[list[int]]:

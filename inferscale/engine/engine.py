@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
 from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS, encode_items
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
@@ -26,7 +27,6 @@ from inferscale.errors import ConfigError, MemoryItemError, FingerprintMismatchE
 from inferscale.kvformat import KVBlock, list_blobs, load_block
 from inferscale.models.loader import LoadedModel, load_model
 
-MODES = ("text", "kv", "kv-recompute", "none")
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Engine:
     # ---- prefill ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(
-        self, query_ids: list[int], blocks: list[KVBlock], mode: str = "kv", *, recompute_ratio: float = 0.15,
+        self, query_ids: list[int], blocks: list[KVBlock], mode: str = "kv", *, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
         reserve_tokens: int = 0,
     ) -> Sequence:
         if mode not in MODES:
@@ -228,7 +228,7 @@ class Engine:
 
     def ask(
         self, question: str | list[int], blocks: list[KVBlock], mode: str = "kv", *, sampling: Sampling | None = None,
-        recompute_ratio: float = 0.15,
+        recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
     ) -> Answer:
         """Prefill, then decode until a stop token or the budget. TTFT ends when the first token is chosen."""
         sampling = sampling or Sampling()

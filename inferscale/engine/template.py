@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 
+from inferscale.contract import id_problem
 from inferscale.errors import MemoryItemError
-
-ITEM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -24,8 +22,9 @@ class MemoryItem:
     timestamp: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not ITEM_ID_RE.match(self.id):
-            raise MemoryItemError(f"memory id {self.id!r}: must match {ITEM_ID_RE.pattern}")
+        problem = id_problem("memory id", self.id)
+        if problem:
+            raise MemoryItemError(problem)
         if not isinstance(self.text, str) or not self.text.strip():
             raise MemoryItemError(f"memory {self.id!r}: text is empty")
         if self.timestamp is not None and not isinstance(self.timestamp, str):

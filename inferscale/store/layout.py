@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from inferscale.contract import id_problem, is_valid_id
 from inferscale.errors import ConfigError
 from inferscale.kvformat import SUFFIX
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
 CATALOGUE_NAME = "catalogue.sqlite"
 FP_DIR_LEN = 16
@@ -20,8 +20,9 @@ FP_DIR_LEN = 16
 
 def check_name(kind: str, value: object) -> str:
     """Return ``value`` when it is a valid tenant/user/item name, else raise ConfigError naming it."""
-    if not isinstance(value, str) or not NAME_RE.match(value) or ".." in value:
-        raise ConfigError(f"invalid {kind} name {value!r}: must match {NAME_RE.pattern} and not contain '..'")
+    problem = id_problem(f"{kind} name", value)
+    if problem:
+        raise ConfigError(f"invalid {problem}")
     return value
 
 
@@ -41,7 +42,7 @@ def scan_blobs(root: Path) -> list[tuple[str, str, Path]]:
     out = []
     for path in sorted(Path(root).glob(f"*/*/*/*{SUFFIX}")):
         tenant, user = path.parts[-4], path.parts[-3]
-        if path.name.startswith(".") or not NAME_RE.match(tenant) or not NAME_RE.match(user):
+        if path.name.startswith(".") or not is_valid_id(tenant) or not is_valid_id(user):
             continue
         out.append((tenant, user, path))
     return out

@@ -1,0 +1,50 @@
+"""The rules the engine, the store, the server, the operator and the CRD share, defined once here.
+
+Standard library only (no torch, no pydantic): the operator image imports it too. docs/interfaces.md states the
+same rules in prose; ``crds/usermemory.yaml`` carries ``ID_PATTERN`` and a CEL rule for ``..`` (a test keeps the
+CRD and this module equal).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, get_args
+
+# A user or memory-item id. It becomes a directory or file name on every node, so it must never climb out of its
+# directory: a leading letter/digit, no '/', and no '..' anywhere. Matched with fullmatch (a trailing newline is
+# not accepted). ID_PATTERN is the same rule minus the '..' check, for JSON Schema/CRD/OpenAPI patterns (RE2 and
+# ECMA '$' is end of text); CRDs add the CEL rule ID_CEL_RULE for the '..'.
+ID_MAX_LEN = 128
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+ID_CEL_RULE = "!self.contains('..')"
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+# A tenant is a Kubernetes namespace name (RFC 1123 label).
+TENANT_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+_TENANT_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+Mode = Literal["text", "kv", "kv-recompute", "none"]
+MODES: tuple[str, ...] = get_args(Mode)
+DEFAULT_MODE: Mode = "kv"
+# kv-recompute: the fraction of memory tokens re-run with the question (README, "kv-recompute").
+DEFAULT_RECOMPUTE_RATIO = 0.15
+# Each memory is encoded behind up to CONTEXT_ITEMS items before it, whole items within CONTEXT_TOKENS tokens.
+# The operator's item hash covers the same CONTEXT_ITEMS predecessors.
+CONTEXT_ITEMS = 10
+CONTEXT_TOKENS = 256
+
+
+def is_valid_id(value: object) -> bool:
+    """True when ``value`` is a valid user or item id (see ``ID_PATTERN``; no '..')."""
+    return isinstance(value, str) and _ID_RE.fullmatch(value) is not None and ".." not in value
+
+
+def id_problem(kind: str, value: object) -> str | None:
+    """None when ``value`` is a valid id, else one line naming ``kind`` and what is wrong with it."""
+    if is_valid_id(value):
+        return None
+    return f"{kind} {value!r} must match {ID_PATTERN} and must not contain '..'"
+
+
+def is_valid_tenant(value: object) -> bool:
+    return isinstance(value, str) and _TENANT_RE.fullmatch(value) is not None
