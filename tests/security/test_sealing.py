@@ -29,7 +29,8 @@ def _path(store, tenant, user, item):
     return next(i.path for i in store.list(tenant, user) if i.item_id == item)
 
 
-@pytest.mark.parametrize("change", [{"text": "forged: transfer the money"}, {"start_pos": 0}, {"tokens": [9, 9, 9, 9]}])
+# Each forgery keeps the blob's size, so only authentication can tell it from the original.
+@pytest.mark.parametrize("change", [{"text": "forged memory m1"}, {"start_pos": 0}, {"tokens": [41, 42, 43, 44]}])
 def test_forged_blob_with_valid_sha256_is_refused_on_load(server_store, change):
     s = server_store()
     s.put("acme", "alice", make_block("m1"), cache=False)
@@ -47,7 +48,7 @@ def test_forged_blob_with_valid_sha256_is_refused_on_load(server_store, change):
 def test_blob_moved_to_another_tenant_or_user_is_refused(server_store, dest):
     s = server_store()
     s.put("acme", "alice", make_block("m1", text="alice's secret"), cache=False)
-    s.put(*dest, make_block("m1", text="bob's memory"), cache=False)  # same tensors: same sha256
+    s.put(*dest, make_block("m1", text="bob's   secret"), cache=False)  # same tensors and size: same sha256
     shutil.copyfile(_path(s, "acme", "alice", "m1"), _path(s, *dest, "m1"))
     s.close()
     s = server_store()
