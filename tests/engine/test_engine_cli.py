@@ -82,3 +82,27 @@ def test_corrupt_and_foreign_blobs_are_named(model_dir, tmp_path, capsys):
     assert main(["encode", str(items), "--out", str(out), "--model", str(other)]) == 0
     assert main(["ask", "q?", "--blobs", str(out), "--model", str(model_dir)]) == 2
     assert f"a{SUFFIX}: encoded for model" in capsys.readouterr().err
+
+
+def test_encode_with_a_kek_seals_for_the_tenant_and_user(model_dir, tmp_path, capsys):
+    from inferscale.sealing import Keyring, is_sealed, new_key_line
+    from inferscale.store import KVStore
+
+    kek = tmp_path / "kek"
+    kek.write_text(new_key_line("k1"))
+    items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"},
+                                          {"id": "b", "text": "melanie painted the beach"}])
+    out = tmp_path / "kv" / "acme" / "alice"
+    assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir), "--kek-file", str(kek),
+                 "--tenant", "acme", "--user", "alice"]) == 0
+    for name in (f"a{SUFFIX}", f"b{SUFFIX}"):
+        raw = (out / name).read_bytes()
+        assert is_sealed(raw) and b"caroline" not in raw and (out / name).stat().st_mode & 0o777 == 0o600
+    with KVStore(tmp_path / "store", dram_budget_bytes=8 << 20, nixl=False, keyring=Keyring.load(kek)) as s:
+        assert s.import_dir("acme", "alice", out).blocks == 2
+        assert [i.item_id for i in s.list("acme", "alice")] == ["a", "b"]
+    # sealing needs all three flags; a half-given set fails before any model work, in one line
+    capsys.readouterr()
+    assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir), "--kek-file", str(kek),
+                 "--tenant", "acme"]) == 2
+    assert "--kek-file, --tenant and --user together" in capsys.readouterr().err
