@@ -157,3 +157,23 @@ def test_peer_pull_is_sealed_under_the_pullers_key(open_store, tmp_path, keyring
     s.dram.drop(lambda k: True)
     got, st = s.get_many("acme", "alice", ["m0", "m1"], FP)
     assert st.tiers["disk"] == 2 and torch.equal(got[1].kv, make_block("m1", tokens=5).kv)
+
+
+def test_keys_cli_add_then_rotate(tmp_path, capsys):
+    from inferscale.cli import main
+
+    kek = tmp_path / "kek"
+    assert main(["keys", "add", "--kek-file", str(kek)]) == 0  # creates the file
+    with KVStore(tmp_path / "data" / "store", dram_budget_bytes=8 << 20, nixl=False,
+                 keyring=sealing.Keyring.load(kek)) as s:
+        s.put("acme", "alice", make_block("m0"), cache=False)
+    assert main(["keys", "add", "--kek-file", str(kek)]) == 0
+    assert list(sealing.Keyring.load(kek).keys) == ["k2", "k1"] and os.stat(kek).st_mode & 0o777 == 0o600
+    assert main(["keys", "add", "--kek-file", str(kek), "--id", "k1"]) == 2  # duplicate id: file unchanged
+    assert main(["keys", "rotate", "--kek-file", str(kek), "--data-dir", str(tmp_path / "data")]) == 0
+    assert "re-wrapped 1 blobs under key k2" in capsys.readouterr().out
+    kek.write_text(kek.read_text().splitlines(keepends=True)[0])
+    with KVStore(tmp_path / "data" / "store", dram_budget_bytes=8 << 20, nixl=False,
+                 keyring=sealing.Keyring.load(kek)) as s:
+        got, _ = s.get_many("acme", "alice", ["m0"], FP)
+        assert torch.equal(got[0].kv, make_block("m0").kv)
