@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 from inferscale import sealing
 from inferscale.errors import BlobCorruptError
-from inferscale.kvformat import FORMAT_VERSION, SUFFIX, TEMP_SUFFIX, KVBlock
+from inferscale.kvformat import FORMAT_VERSION, SUFFIX, TEMP_SUFFIX, KVBlock, atomic_write
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -176,4 +177,21 @@ def remove_orphan_temps(root: Path) -> int:
             n += 1
         except OSError:
             pass
+    return n
+
+
+def rewrap_blobs(blobs: list[tuple[str, str, Path]], keyring: sealing.Keyring, lock: threading.Lock) -> int:
+    """Re-wrap the data key of each (tenant, user, path) sealed blob under the keyring's current KEK line,
+    each file rewritten atomically while holding ``lock``. Returns blobs rewritten."""
+    n = 0
+    for tenant, _user, path in blobs:
+        with lock:
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+            new = sealing.rewrap(data, keyring, tenant=tenant, source=str(path))
+            if new is not None:
+                atomic_write(path, new)
+                n += 1
     return n

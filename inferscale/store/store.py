@@ -33,7 +33,9 @@ from inferscale import sealing
 from inferscale.kvformat import KVBlock, atomic_write, encode_blob, list_blobs
 from inferscale.store import peer as peerproto
 from inferscale.store.arena import Arena
-from inferscale.store.blob import BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, verify
+from inferscale.store.blob import (
+    BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, rewrap_blobs, verify,
+)
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.layout import CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
@@ -194,18 +196,8 @@ class KVStore:
         not re-encrypted); afterwards older KEK lines can be dropped. Returns blobs rewritten."""
         if self.keyring is None:
             raise ConfigError("this store has no KEK: nothing to rotate")
-        n = 0
-        for tenant, _user, path in scan_blobs(self.root):
-            with self._write_lock:  # a concurrent put of the key must not be overwritten with the old blob
-                try:
-                    data = path.read_bytes()
-                except FileNotFoundError:
-                    continue
-                new = sealing.rewrap(data, self.keyring, tenant=tenant, source=str(path))
-                if new is not None:
-                    atomic_write(path, new)
-                    n += 1
-        return n
+        # Under the write lock: a concurrent put of a key must not be overwritten with its old blob.
+        return rewrap_blobs(scan_blobs(self.root), self.keyring, self._write_lock)
 
     # -- public API -----------------------------------------------------------------------------------------
     def put(self, tenant: str, user: str, block: KVBlock, *, cache: bool = True) -> ItemInfo:
@@ -315,8 +307,8 @@ class KVStore:
 
     def import_dir(self, tenant: str, user: str, directory: str | os.PathLike, items: list[str] | None = None,
                    *, load: bool = True) -> PullResult:
-        """Adopt an encoding Job's output (``DIR/<id>.safetensors``): verify each blob, store it in the disk tier
-        and, with ``load``, in DRAM. Every blob is checked before any is stored."""
+        """Adopt an encoding Job's output (``DIR/<id><SUFFIX>``): open (authenticate) each blob, store it in the
+        disk tier and, with ``load``, in DRAM. Every blob is checked before any is stored."""
         t0 = time.perf_counter()
         check_name("tenant", tenant), check_name("user", user)
         d = Path(directory)

@@ -177,3 +177,14 @@ def test_keys_cli_add_then_rotate(tmp_path, capsys):
                  keyring=sealing.Keyring.load(kek)) as s:
         got, _ = s.get_many("acme", "alice", ["m0"], FP)
         assert torch.equal(got[0].kv, make_block("m0").kv)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the device tier)")
+def test_sealed_blob_opens_into_pinned_dram_and_reaches_the_device(open_store, keyring):
+    s = open_store(keyring=keyring, gpu_budget_bytes=8 << 20, device="cuda")
+    s.put("acme", "alice", make_block("m0"), cache=False)
+    got, st = s.get_many("acme", "alice", ["m0"], FP)
+    assert st.tiers["disk"] == 1 and got[0].kv.is_cuda
+    assert torch.equal(got[0].kv.cpu(), make_block("m0").kv)
+    got, st = s.get_many("acme", "alice", ["m0"], FP)
+    assert st.tiers["gpu"] == 1
