@@ -25,11 +25,11 @@ from typing import Any, Callable
 
 import torch
 
+from inferscale import sealing
 from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError, StorageError,
     TransferError,
 )
-from inferscale import sealing
 from inferscale.kvformat import KVBlock, atomic_write, encode_blob, list_blobs
 from inferscale.store import peer as peerproto
 from inferscale.store.arena import Arena
