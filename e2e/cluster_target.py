@@ -124,8 +124,8 @@ class ClusterTarget:
         return parse_console_spans(proc.stdout)
 
     def store_blobs(self, placement: dict[str, Any], user: str) -> list[str]:
-        script = ("import os,pathlib,sys; r=pathlib.Path(os.environ.get('INFERSCALE_DATA_DIR','/var/lib/inferscale/data'))"
-                  "/'store'; print('\\n'.join(str(p) for p in (r/sys.argv[1]/sys.argv[2]).rglob('*.safetensors')))")
+        script = ("import os,pathlib,sys; from inferscale.kvformat import SUFFIX; r=pathlib.Path(os.environ.get('INFERSCALE_DATA_DIR','/var/lib/inferscale/data'))"
+                  "/'store'; print('\\n'.join(str(p) for p in (r/sys.argv[1]/sys.argv[2]).rglob('*'+SUFFIX)))")
         proc = self.kubectl("exec", "-n", placement["namespace"], placement["pod"], "-c", "server", "--",
                             "python", "-c", script, self.tenant, user)
         return sorted(line for line in proc.stdout.splitlines() if line.strip())

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from inferscale.kvformat import SUFFIX
+
 from e2e_common import ROOT, free_port, stop_process, tail, tool, wait_for, parse_console_spans
 
 NODE = "e2e-node-0"
@@ -174,12 +176,12 @@ class LocalTarget:
     def store_blobs(self, placement: dict[str, Any], user: str) -> list[str]:
         """Blob files of the user in the pod's disk tier (the store keeps <root>/<tenant>/<user>/...)."""
         root = self.data_dir / "store"
-        return sorted(str(p.relative_to(root)) for p in root.rglob("*.safetensors")
+        return sorted(str(p.relative_to(root)) for p in root.rglob(f"*{SUFFIX}")
                       if p.relative_to(root).parts[:2] == (self.tenant, user))
 
     def staged_blobs(self, user: str) -> list[str]:
         """The encode Job's output on the node's hostPath."""
-        return sorted(p.name for p in (self.kv_host_path / self.tenant / user).glob("*.safetensors"))
+        return sorted(p.name for p in (self.kv_host_path / self.tenant / user).glob(f"*{SUFFIX}"))
 
     def staged_dir_exists(self, node: str, user: str) -> bool | None:
         """Whether the encode Job's output dir is on `node`'s hostPath (one node here: the local filesystem)."""

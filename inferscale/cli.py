@@ -12,6 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "encode": ("inferscale.commands.encode", "encode a JSONL of memories into KV blobs"),
     "ask": ("inferscale.commands.ask", "answer a question with memories from a blobs dir"),
+    "keys": ("inferscale.commands.keys", "KEK file: add a key first, re-wrap a store's sealed blobs under it"),
     "serve": ("inferscale.server.cli", "run the OpenAI-compatible server (single node)"),
     "demo": ("inferscale.server.demo", "load sample memories into a running server and compare kv vs text TTFT"),
 }

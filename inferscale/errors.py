@@ -47,3 +47,8 @@ class PromptTooLongError(InferScaleError):
 
 class StorageError(InferScaleError):
     """The node's disk tier cannot be written (full disk, permissions); no partial file is left behind."""
+
+
+class BlobAuthError(BlobCorruptError):
+    """A KV blob fails authentication under its tenant's key: forged, tampered, plain where a sealed one is
+    required, moved to another tenant, user or item, or sealed under a key the KEK file does not hold."""

@@ -1,4 +1,4 @@
-"""KV blob format: one safetensors file per memory item.
+"""KV blob format: one file per memory item, a safetensors image, sealed at rest (``inferscale.sealing``).
 
 Tensors:
   ``kv``        [layers, 2, kv_heads, tokens, head_dim]  keys (index 0) and values (index 1), model dtype
@@ -6,6 +6,8 @@ Tensors:
 Metadata (all strings): format version, model fingerprint, the memory-prefix hash the item was encoded after,
 the item's id/text/timestamp, its token ids, the first position it was encoded at, dtype, and the sha256 of
 the tensor bytes (kv, then embedding). One contiguous ``kv`` tensor per item keeps a transfer one region.
+On disk a blob is sealed (AES-GCM, bound to tenant/user/item) whenever a KEK is configured; plain images are only
+for local use (``encode`` without ``--kek-file``, ``ask --blobs``). Both use ``SUFFIX``: the content says which.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from inferscale.errors import BlobCorruptError, FingerprintMismatchError
+from inferscale import sealing
+from inferscale.errors import BlobCorruptError, ConfigError, FingerprintMismatchError
 
 FORMAT_VERSION = "1"
-SUFFIX = ".safetensors"
+SUFFIX = ".kvblob"  # a plain safetensors image or a sealed one (sealing.MAGIC); never write it as a literal
+TEMP_SUFFIX = ".tmp"  # atomic_write's temp files: ``.<name>.<random>.tmp``, removed at store start if orphaned
 
 
 @dataclass
@@ -99,6 +103,8 @@ def decode_blob(
     verify: bool = True,
 ) -> KVBlock:
     """Parse and verify a blob. Raises BlobCorruptError / FingerprintMismatchError naming ``source``."""
+    if sealing.is_sealed(data):
+        raise BlobCorruptError(f"{source}: a sealed blob; only a store holding its tenant's KEK can open it")
     try:
         meta = _read_metadata(bytes(data) if not isinstance(data, bytes) else data)
         tensors = st_load(bytes(data) if not isinstance(data, bytes) else data)
@@ -143,20 +149,19 @@ def _read_metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + n]).get("__metadata__", {})
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part.
+def atomic_write(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part, and the
+    rename survives a crash (file and directory fsynced). The file is 0600: blobs hold tenants' data.
 
     On any error (a full disk included) the temp file is removed and the old file is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)  # mode 0600
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp makes 0600 files; blobs are read by serving pods that may run as another uid than the writer.
-        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -164,15 +169,32 @@ def atomic_write(path: Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink in ``directory`` durable."""
+    dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def blob_path(directory: Path, item_id: str) -> Path:
     return Path(directory) / f"{item_id}{SUFFIX}"
 
 
-def save_block(block: KVBlock, directory: Path) -> Path:
+def save_block(block: KVBlock, directory: Path, *, keyring: sealing.Keyring | None = None,
+               tenant: str | None = None, user: str | None = None) -> Path:
+    """Write ``DIR/<item><SUFFIX>``: sealed for (tenant, user) when a keyring is given, else a plain image."""
     path = blob_path(directory, block.item_id)
-    atomic_write(path, encode_blob(block))
+    image = encode_blob(block)
+    if keyring is not None:
+        if not tenant or not user:
+            raise ConfigError("a sealed blob needs its tenant and user")
+        image = sealing.seal(image, keyring, sealing.Binding(tenant, user, block.item_id, block.model_fingerprint))
+    atomic_write(path, image)
     return path
 
 

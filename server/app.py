@@ -23,13 +23,23 @@ log = logging.getLogger(__name__)
 
 
 def open_store(settings: Settings):
-    """The tiered store. With an internal token (cluster mode) it also serves peers on INFERSCALE_NIXL_PORT."""
+    """The tiered store. With an internal token (cluster mode) it also serves peers on INFERSCALE_NIXL_PORT.
+    Blobs are sealed at rest under INFERSCALE_KEK_FILE; when unset, ``<data_dir>/kek`` (created 0600 on first
+    start). A cluster needs the chart's KEK: encoding Jobs seal with it and imports only open what it sealed."""
+    from inferscale.sealing import Keyring, ensure_kek_file
     from inferscale.store import KVStore
 
     cluster = bool(settings.internal_token)
+    if settings.kek_file is not None:
+        keyring = Keyring.load(settings.kek_file)
+    else:
+        if cluster:
+            log.warning("INFERSCALE_KEK_FILE is not set: blobs from encoding Jobs will not open here")
+        keyring = ensure_kek_file(settings.kek_path)
     return KVStore(settings.store_dir, dram_budget_bytes=settings.dram_budget_bytes,
                    gpu_budget_bytes=settings.gpu_budget_bytes, node=settings.node_name, device=settings.device,
-                   peer_port=settings.nixl_port if cluster else None, peer_token=settings.internal_token)
+                   peer_port=settings.nixl_port if cluster else None, peer_token=settings.internal_token,
+                   keyring=keyring)
 
 
 class BodyLimit:

@@ -18,6 +18,7 @@ ENV = {
     "host": "INFERSCALE_HOST",
     "port": "INFERSCALE_PORT",
     "tenants_file": "INFERSCALE_TENANTS_FILE",
+    "kek_file": "INFERSCALE_KEK_FILE",
     "device": "INFERSCALE_DEVICE",
     "dram_budget_bytes": "INFERSCALE_DRAM_BUDGET_BYTES",
     "gpu_budget_bytes": "INFERSCALE_GPU_BUDGET_BYTES",
@@ -44,6 +45,7 @@ class Settings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     tenants_file: Path | None = None  # default: <data_dir>/tenants.json
+    kek_file: Path | None = None  # key-encryption keys sealing blobs at rest; default: <data_dir>/kek, created
     device: str | None = None  # cpu | cuda; None = cuda when available
     dram_budget_bytes: int = Field(2 << 30, ge=0)
     gpu_budget_bytes: int = Field(0, ge=0)
@@ -70,6 +72,10 @@ class Settings(BaseModel):
     @property
     def tenants_path(self) -> Path:
         return self.tenants_file or self.data_dir / "tenants.json"
+
+    @property
+    def kek_path(self) -> Path:
+        return self.kek_file or self.data_dir / "kek"
 
     @property
     def store_dir(self) -> Path:

@@ -7,7 +7,9 @@ Rows (medians over repeats, same bytes, same run):
   dram  KVStore.get_many, all blocks DRAM-resident  vs  torch.Tensor.copy_ of the same bytes (warm destination)
         (zero-copy views of the arena; ``dram-copy`` is the copy=True variant, against fresh-memory copies)
 Plus end-to-end store rows (checksums verified; pulls also written to disk) against the plain way doing the
-same verification, so the cost of integrity is visible rather than hidden. Page cache is warm for both disk
+same verification, so the cost of integrity is visible rather than hidden, and ``disk+unseal``: the same cold
+get_many from a store whose blobs are sealed at rest (AES-256-GCM open into the DRAM slot, no sha256) against the
+unsealed store's ``disk+verify``: the cost of encryption at rest, side by side. Page cache is warm for both disk
 paths (both read the same files right after each other)."""
 
 from __future__ import annotations
@@ -151,6 +153,13 @@ def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     with KVStore(src_root, dram_budget_bytes=256 << 20, nixl=False) as w:
         for b in blocks:
             w.put(TENANT, USER, b, cache=False)
+    # The same blocks sealed at rest, as a server stores them.
+    from inferscale.sealing import ensure_kek_file
+
+    sealed_root, keyring = work / "node-a-sealed", ensure_kek_file(work / "kek")
+    with KVStore(sealed_root, dram_budget_bytes=256 << 20, nixl=False, keyring=keyring) as w:
+        for b in blocks:
+            w.put(TENANT, USER, b, cache=False)
     ids = [b.item_id for b in blocks]
     n = len(blocks)
     rows: list[dict[str, Any]] = []
@@ -198,6 +207,10 @@ def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         t_store = median_s(cold_get, reps, setup=lambda: st.dram.drop(lambda k: True))
         t_plainv = median_s(lambda: plain_disk(True), reps)
         rows.append(row("disk+verify", n, total, t_store, "readinto + sha256", t_plainv))
+        with KVStore(sealed_root, dram_budget_bytes=budget, keyring=keyring) as sealed:
+            t_sealed = median_s(lambda: sealed.get_many(TENANT, USER, ids, FINGERPRINT), reps,
+                                setup=lambda: sealed.dram.drop(lambda k: True))
+        rows.append(row("disk+unseal", n, total, t_sealed, "disk+verify (unsealed store)", t_store))
 
         # -- DRAM hit ---------------------------------------------------------------------------------------
         st.get_many(TENANT, USER, ids, FINGERPRINT)

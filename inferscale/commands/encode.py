@@ -1,4 +1,7 @@
-"""``inferscale encode ITEMS.jsonl --out DIR``: memories → one KV blob per item (atomic writes)."""
+"""``inferscale encode ITEMS.jsonl --out DIR``: memories → one KV blob per item (atomic writes, 0600).
+
+With ``--kek-file F --tenant T --user U`` (an encoding Job) the blobs are sealed for that tenant and user
+(``inferscale.sealing``): the only form a server's Job-dir import accepts. Without them, plain blobs for local use."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from inferscale.errors import ConfigError, MemoryItemError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", help="JSONL, one {id, text, timestamp?} object a line")
-    p.add_argument("--out", required=True, help="directory for the blobs (<id>.safetensors)")
+    p.add_argument("--out", required=True, help="directory for the blobs (<id> + inferscale.kvformat.SUFFIX)")
     p.add_argument("--model", default=None, help="model name or path (default: the embedded gemma-3-270m)")
     p.add_argument("--only", default=None,
                    help="comma-separated ids: encode these (the changed items) and the items encoded behind them; "
@@ -21,6 +24,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, default=1024, help="tokens packed into one forward pass")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--kek-file", default=None,
+                   help="KEK file (<key-id>:<base64 of 32 bytes> a line): seal the blobs for --tenant/--user")
+    p.add_argument("--tenant", default=None, help="the tenant the sealed blobs belong to (with --kek-file)")
+    p.add_argument("--user", default=None, help="the user the sealed blobs belong to (with --kek-file)")
+
+
+def _keyring(args: argparse.Namespace):
+    """The keyring to seal with, or None for plain blobs; all three sealing flags or none."""
+    given = [f for f, v in (("--kek-file", args.kek_file), ("--tenant", args.tenant), ("--user", args.user)) if v]
+    if not given:
+        return None
+    if len(given) != 3:
+        raise ConfigError(f"{', '.join(given)} given: sealing needs --kek-file, --tenant and --user together")
+    from inferscale.contract import id_problem
+    from inferscale.sealing import Keyring
+
+    for kind, value in (("tenant", args.tenant), ("user", args.user)):
+        problem = id_problem(f"{kind} name", value)
+        if problem:
+            raise ConfigError(f"invalid {problem}")
+    return Keyring.load(args.kek_file)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from inferscale.engine import Engine, read_jsonl
     from inferscale.kvformat import save_block
 
+    keyring = _keyring(args)  # before any model work: a bad flag costs nothing
     items = read_jsonl(args.input)
     only = None
     if args.only:
@@ -51,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         blocks = engine.encode(items, only=only, context_tokens=args.context_tokens, batch_tokens=args.batch_tokens,
                                on_progress=bar.update, embed=embed)
     for block in blocks:
-        save_block(block, out)
+        save_block(block, out, keyring=keyring, tenant=args.tenant, user=args.user)
     tokens = sum(b.num_tokens for b in blocks)
     print(f"encoded {len(blocks)} items ({tokens} tokens, {sum(b.nbytes for b in blocks)} bytes) into {out}")
     return 0

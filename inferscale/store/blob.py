@@ -8,13 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from inferscale import sealing
 from inferscale.errors import BlobCorruptError
-from inferscale.kvformat import FORMAT_VERSION, KVBlock
+from inferscale.kvformat import FORMAT_VERSION, SUFFIX, TEMP_SUFFIX, KVBlock, atomic_write
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -113,11 +115,14 @@ def tensor_digest(image: memoryview, info: BlobInfo) -> str:
 
 
 def verify(image: memoryview, *, source: str, expect_sha: str | None, expect_item: str | None = None,
-           expect_fingerprint: str | None = None) -> BlobInfo:
+           expect_fingerprint: str | None = None, digest: bool = True) -> BlobInfo:
     """Parse and check one blob image: header sane, sha256 of its tensors equals the header's and ``expect_sha``
-    (the catalogue's or the peer's), item and fingerprint as expected. Raises BlobCorruptError."""
+    (the catalogue's or the peer's), item and fingerprint as expected. Raises BlobCorruptError.
+
+    ``digest=False`` skips hashing the tensors, for an image just opened from a sealed blob: AES-GCM has
+    authenticated every byte of it (the header's sha256 is still compared with ``expect_sha``)."""
     info = parse_header(image, source=source, total=len(image))
-    digest = tensor_digest(image, info)
+    digest = tensor_digest(image, info) if digest else info.sha256
     if digest != info.sha256 or (expect_sha is not None and digest != expect_sha):
         raise BlobCorruptError(f"{source}: checksum mismatch (item {info.item_id!r})")
     if expect_item is not None and info.item_id != expect_item:
@@ -149,3 +154,44 @@ def block_from_image(image: torch.Tensor, info: BlobInfo, *, kv: torch.Tensor | 
         prefix_sha256=m.get("prefix_sha256", ""), timestamp=m.get("timestamp") or None, embedding=emb,
         extra=json.loads(m.get("extra") or "{}"),
     )
+
+
+def open_image(data: bytes | memoryview, keyring: sealing.Keyring | None, *, tenant: str, user: str, item: str,
+               source: str) -> tuple[memoryview, BlobInfo]:
+    """The verified plain image of one blob file's bytes that must belong to (tenant, user, item): with a
+    keyring only a blob sealed for exactly that place opens (BlobAuthError otherwise, plain blobs included);
+    without one (an unsealed store) the image is checked by its sha256 alone."""
+    if keyring is None:
+        image = memoryview(data).cast("B")
+        return image, verify(image, source=source, expect_sha=None, expect_item=item)
+    image = sealing.open_blob(data, keyring, tenant=tenant, user=user, item=item, source=source)
+    return image, verify(image, source=source, expect_sha=None, expect_item=item, digest=False)
+
+
+def remove_orphan_temps(root: Path) -> int:
+    """Delete temp files a crashed write left in the store layout (``<root>/<t>/<u>/<fp>/.<item>*.tmp``)."""
+    n = 0
+    for p in Path(root).glob(f"*/*/*/.*{SUFFIX}.*{TEMP_SUFFIX}"):
+        try:
+            p.unlink()
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def rewrap_blobs(blobs: list[tuple[str, str, Path]], keyring: sealing.Keyring, lock: threading.Lock) -> int:
+    """Re-wrap the data key of each (tenant, user, path) sealed blob under the keyring's current KEK line,
+    each file rewritten atomically while holding ``lock``. Returns blobs rewritten."""
+    n = 0
+    for tenant, _user, path in blobs:
+        with lock:
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+            new = sealing.rewrap(data, keyring, tenant=tenant, source=str(path))
+            if new is not None:
+                atomic_write(path, new)
+                n += 1
+    return n

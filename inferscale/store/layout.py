@@ -1,6 +1,6 @@
 """Names and paths of the disk tier (G3).
 
-Layout: ``<root>/<tenant>/<user>/<fingerprint[:16]>/<item>.safetensors`` plus ``<root>/catalogue.sqlite``.
+Layout: ``<root>/<tenant>/<user>/<fingerprint[:16]>/<item><kvformat.SUFFIX>`` (sealed) plus ``<root>/catalogue.sqlite``.
 Every name is checked against one pattern before it touches a path, so no name can climb out of its tenant's
 directory (no ``..``, no ``/``, no leading dot)."""
 
@@ -38,7 +38,7 @@ def blob_path(root: Path, tenant: str, user: str, fingerprint: str, item: str) -
 
 def scan_blobs(root: Path) -> list[tuple[str, str, Path]]:
     """(tenant, user, path) of every blob in the store layout (depth 4); encoding-Job output one level up
-    (``<root>/<tenant>/<user>/<item>.safetensors``) and temp files are ignored."""
+    (``<root>/<tenant>/<user>/<item><SUFFIX>``) and temp files are ignored."""
     out = []
     for path in sorted(Path(root).glob(f"*/*/*/*{SUFFIX}")):
         tenant, user = path.parts[-4], path.parts[-3]

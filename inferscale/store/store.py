@@ -3,7 +3,11 @@
 Tiers, fastest first: G1 device (CUDA, optional), G2 DRAM arena, G3 local disk (safetensors blobs, the source
 of truth), G4 peers (other nodes' DRAM via NIXL UCX). Every call names the tenant and every lookup is keyed by
 (tenant, user, fingerprint, item): there is no path from one tenant's name to another's bytes, and identical
-content in two tenants is stored twice on purpose (no cross-tenant dedup)."""
+content in two tenants is stored twice on purpose (no cross-tenant dedup).
+
+With a ``keyring`` (the server always passes one) every blob on disk is sealed for its (tenant, user, item,
+fingerprint) (``inferscale.sealing``) and opened, authenticated, on its way up into DRAM; DRAM and GPU hold plain
+images. Without one the disk holds plain images checked by sha256 only (library and bench use)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from inferscale import sealing
 from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError, StorageError,
     TransferError,
@@ -28,7 +33,9 @@ from inferscale.errors import (
 from inferscale.kvformat import KVBlock, atomic_write, encode_blob, list_blobs
 from inferscale.store import peer as peerproto
 from inferscale.store.arena import Arena
-from inferscale.store.blob import BlobInfo, block_from_image, parse_header, read_header, verify
+from inferscale.store.blob import (
+    BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, rewrap_blobs, verify,
+)
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.layout import CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
@@ -84,8 +91,10 @@ class KVStore:
         timeout_s: float = 10.0,
         device: str | torch.device | None = None,
         min_block_bytes: int = DEFAULT_MIN_BLOCK,
+        keyring: sealing.Keyring | None = None,
     ) -> None:
         self.root = Path(root)
+        self.keyring = keyring
         self.node = node or socket.gethostname()
         self.timeout_s = timeout_s
         self.peer_token = peer_token
@@ -96,6 +105,9 @@ class KVStore:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"store root {self.root} is not usable: {e.strerror or e}") from None
+        orphans = remove_orphan_temps(self.root)  # writes a crash cut short; the blobs they replaced are intact
+        if orphans:
+            log.warning("removed %d orphan temp files under %s", orphans, self.root)
         self.catalogue = Catalogue(self.root / CATALOGUE_NAME)
         if self.catalogue.fresh:
             self.rebuild()
@@ -154,27 +166,38 @@ class KVStore:
         self.close()
 
     def rebuild(self) -> int:
-        """Re-catalogue every blob in the disk tier (after the catalogue was lost). Returns items found."""
+        """Re-catalogue every blob in the disk tier (after the catalogue was lost). Each blob is opened and
+        verified (authenticated, when sealed) before it is trusted; one that fails is skipped and reported.
+        Returns items found."""
         n = 0
         for tenant, user, path in scan_blobs(self.root):
             try:
-                info = read_header(path)
+                data = path.read_bytes()
+                image, info = open_image(data, self.keyring, tenant=tenant, user=user, item=path.stem,
+                                         source=str(path))
+            except OSError as e:
+                log.warning("rebuild: skipping %s: cannot read (%s)", path, e.strerror or e)
+                continue
             except BlobCorruptError as e:
-                log.warning("rebuild: skipping %s", e)
+                log.warning("rebuild: skipping unverified blob: %s", e)
                 continue
-            fp, item = info.fingerprint, info.item_id
-            if path.stem != item or path.parent.name != fp[:FP_DIR_LEN]:
-                log.warning("rebuild: %s holds item %r of model %s; skipped", path, item, fp[:16])
+            fp = info.fingerprint
+            if path.parent.name != fp[:FP_DIR_LEN]:
+                log.warning("rebuild: %s holds item %r of model %s; skipped", path, info.item_id, fp[:16])
                 continue
-            emb = None
-            if info.emb_range is not None:
-                with open(path, "rb") as f:
-                    f.seek(info.emb_range[0])
-                    emb = f.read(info.emb_range[1] - info.emb_range[0])
+            emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
             self.catalogue.upsert(self._item_info(tenant, user, info, path, os.stat(path).st_mtime), emb)
             n += 1
         log.info("catalogue rebuilt from %s: %d items", self.root, n)
         return n
+
+    def rotate_keys(self) -> int:
+        """Re-wrap every sealed blob's data key under the keyring's current KEK line (the ciphertext is copied,
+        not re-encrypted); afterwards older KEK lines can be dropped. Returns blobs rewritten."""
+        if self.keyring is None:
+            raise ConfigError("this store has no KEK: nothing to rotate")
+        # Under the write lock: a concurrent put of a key must not be overwritten with its old blob.
+        return rewrap_blobs(scan_blobs(self.root), self.keyring, self._write_lock)
 
     # -- public API -----------------------------------------------------------------------------------------
     def put(self, tenant: str, user: str, block: KVBlock, *, cache: bool = True) -> ItemInfo:
@@ -284,8 +307,8 @@ class KVStore:
 
     def import_dir(self, tenant: str, user: str, directory: str | os.PathLike, items: list[str] | None = None,
                    *, load: bool = True) -> PullResult:
-        """Adopt an encoding Job's output (``DIR/<id>.safetensors``): verify each blob, store it in the disk tier
-        and, with ``load``, in DRAM. Every blob is checked before any is stored."""
+        """Adopt an encoding Job's output (``DIR/<id><SUFFIX>``): open (authenticate) each blob, store it in the
+        disk tier and, with ``load``, in DRAM. Every blob is checked before any is stored."""
         t0 = time.perf_counter()
         check_name("tenant", tenant), check_name("user", user)
         d = Path(directory)
@@ -304,11 +327,10 @@ class KVStore:
                 data = p.read_bytes()
             except OSError as e:
                 raise BlobCorruptError(f"{p}: cannot read ({e.strerror or e})") from None
-            info = verify(memoryview(data), source=str(p), expect_sha=None, expect_item=item)
-            images.append((data, info))
+            images.append(open_image(data, self.keyring, tenant=tenant, user=user, item=item, source=str(p)))
         tier, nbytes = ("dram" if load else "disk"), 0
         for data, info in images:
-            self._store_image(tenant, user, memoryview(data), info, cache=load)
+            self._store_image(tenant, user, data, info, cache=load)
             nbytes += len(data)
             if load and not self.dram.resident((tenant, user, info.fingerprint, info.item_id)):
                 tier = "disk"
@@ -413,11 +435,14 @@ class KVStore:
         path = blob_path(self.root, *key)
         emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
         item = self._item_info(tenant, user, info, path, time.time())
+        on_disk: bytes | memoryview = image
+        if self.keyring is not None:
+            on_disk = sealing.seal(image, self.keyring, sealing.Binding(tenant, user, info.item_id, info.fingerprint))
         # File and catalogue change together: a reader never sees a new file with an old catalogue entry for
         # longer than this section, and two writers of one key cannot leave them disagreeing.
         with self._write_lock:
             try:
-                atomic_write(path, image)
+                atomic_write(path, on_disk)
             except OSError as e:  # atomic_write removed its temp file; the old blob (if any) is intact
                 raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
             self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
@@ -502,7 +527,8 @@ class KVStore:
                     missing.append(r.item_id)
             sizes = [os.fstat(fd).st_size for fd in fds]
             for r, s in zip(list(opened), sizes):
-                if s != r.size:
+                # r.size is the plain image; a sealed file adds its header and tag (checked when opened).
+                if s != r.size if self.keyring is None else s < r.size + sealing.TAG_BYTES:
                     missing.append(r.item_id)  # truncated or replaced behind our back
             if missing:
                 self._raise_corrupt(tenant, rows[0].user, missing, mark=True)
@@ -522,7 +548,8 @@ class KVStore:
         good, bad = self._verify_slots(
             tenant, [(o, s, r.path, r.sha256, r.item_id, r.fingerprint) for o, s, r in zip(offsets, sizes, opened)],
             recheck=lambda item, sha: self._changed_since(
-                (tenant, rows[0].user, rows[0].fingerprint, item), sha, gens))
+                (tenant, rows[0].user, rows[0].fingerprint, item), sha, gens),
+            sealed_for=rows[0].user if self.keyring is not None else None)
         loaded = [self.dram.commit(r.key, off, size, info, gens[r.key])
                   for (off, size, info), r in zip(good, [r for r in opened if r.item_id not in bad])]
         if bad:
@@ -541,35 +568,44 @@ class KVStore:
             return bool(rows) and rows[0].sha256 == sha
 
     def _verify_slots(self, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
-                      recheck: Callable[[str, str], bool] | None = None
+                      recheck: Callable[[str, str], bool] | None = None, sealed_for: str | None = None
                       ) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
         """Verify blob images in reserved arena slots, in parallel. Bad slots are given back. Returns
         ([(offset, size, info)] of good ones in order, [item ids] of bad ones).
 
+        ``sealed_for`` (a user): the slots hold sealed files of that user; each is authenticated and opened in
+        place (the plain image then starts at the slot's offset, and the slot's tail is given back).
         An intact blob whose checksum differs from the expected one may be a newer version written by a
         concurrent put: ``recheck(item, sha)`` decides before calling it corrupt."""
 
-        def check(slot: tuple[int, int, str, str, str, str]) -> BlobInfo | None:
+        def check(slot: tuple[int, int, str, str, str, str]) -> tuple[BlobInfo, int] | None:
             off, size, source, sha, item, fp = slot
             try:
-                info = verify(self.arena.view(off, size), source=source, expect_sha=None, expect_item=item,
-                              expect_fingerprint=fp)
+                plain = size
+                if sealed_for is not None:
+                    view = self.arena.view(off, size)
+                    plain = sealing.open_into(view, view, self.keyring, tenant=tenant, user=sealed_for, item=item,
+                                              fingerprint=fp, source=source).body_len
+                info = verify(self.arena.view(off, plain), source=source, expect_sha=None, expect_item=item,
+                              expect_fingerprint=fp, digest=sealed_for is None)
                 if info.sha256 != sha and (recheck is None or not recheck(item, info.sha256)):
                     raise BlobCorruptError(f"{source}: checksum {info.sha256[:12]} is not the catalogued "
                                            f"{sha[:12]} (item {item!r})")
-                return info
+                return info, plain
             except BlobCorruptError as e:
                 log.warning("%s", e)
                 return None
 
-        infos = list(self._hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
+        checked = list(self._hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
         good, bad = [], []
-        for (off, size, _, _, item, _), info in zip(slots, infos):
-            if info is None:
+        for (off, size, _, _, item, _), res in zip(slots, checked):
+            if res is None:
                 self.dram.abort(tenant, [off], [size])
                 bad.append(item)
             else:
-                good.append((off, size, info))
+                info, plain = res
+                self.dram.shrink(tenant, off, size, plain)
+                good.append((off, plain, info))
         return good, bad
 
     def _remove(self, tenant: str, user: str, item_ids: list[str] | None, fingerprint: str | None

@@ -160,6 +160,16 @@ class DramTier:
                 self.arena.allocator.free(off, s)
                 self._tenant_bytes[tenant] -= align_up(s)
 
+    def shrink(self, tenant: str, offset: int, reserved: int, keep: int) -> None:
+        """Give back the tail of a reserved slot beyond ``keep`` bytes (a sealed file read into the slot was
+        opened into a smaller plain image at its start)."""
+        cut = align_up(keep)
+        if cut >= align_up(reserved):
+            return
+        with self.lock:
+            self.arena.allocator.free(offset + cut, align_up(reserved) - cut)
+            self._tenant_bytes[tenant] -= align_up(reserved) - cut
+
     def generation(self, key: Key) -> int:
         return self._gen[key]
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from inferscale.kvformat import SUFFIX
 from inferscale.engine import MemoryItem
 from inferscale.errors import BlobCorruptError, FingerprintMismatchError
 from inferscale.kvformat import blob_path, decode_blob, encode_blob, load_block, save_block
@@ -41,7 +42,7 @@ def test_corrupted_blob_raises(block, tmp_path):
     with pytest.raises(BlobCorruptError, match=path.name):
         load_block(path)
     with pytest.raises(BlobCorruptError, match="cannot read"):
-        load_block(tmp_path / "missing.safetensors")
+        load_block(tmp_path / f"missing{SUFFIX}")
 
 
 def test_other_model_blob_is_refused(block, tmp_path):
@@ -78,4 +79,4 @@ def test_blob_bytes_round_trip_and_garbage(block):
     assert decode_blob(encode_blob(block)).token_ids == block.token_ids
     with pytest.raises(BlobCorruptError):
         decode_blob(b"not a blob at all")
-    assert blob_path("d", "x").name == "x.safetensors"
+    assert blob_path("d", "x").name == f"x{SUFFIX}"

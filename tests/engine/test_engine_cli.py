@@ -5,6 +5,7 @@ import json
 import pytest
 
 import tiny_models as tm
+from inferscale.kvformat import SUFFIX
 from inferscale.cli import main
 
 
@@ -26,15 +27,15 @@ def test_encode_then_ask(model_dir, tmp_path, capsys):
                                            {"id": "b", "text": "melanie painted the beach", "timestamp": "may 2023"}])
     out = tmp_path / "blobs"
     assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["a.safetensors", "b.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [f"a{SUFFIX}", f"b{SUFFIX}"]
     assert main(["ask", "where did caroline go?", "--blobs", str(out), "--model", str(model_dir), "--json",
                  "--max-tokens", "4"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["memories"] == 2 and result["memory_tokens"] > 0 and result["ttft_ms"] > 0
     # --only re-encodes just the named item
-    before = (out / "a.safetensors").stat().st_mtime_ns
+    before = (out / f"a{SUFFIX}").stat().st_mtime_ns
     assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir), "--only", "b"]) == 0
-    assert (out / "a.safetensors").stat().st_mtime_ns == before
+    assert (out / f"a{SUFFIX}").stat().st_mtime_ns == before
 
 
 @pytest.mark.parametrize("rows,message", [
@@ -48,13 +49,13 @@ def test_bad_items_fail_with_one_line_and_keep_old_blobs(model_dir, tmp_path, ca
     out = tmp_path / "blobs"
     good = _write(tmp_path / "good.jsonl", [{"id": "a", "text": "caroline went to paris"}])
     assert main(["encode", str(good), "--out", str(out), "--model", str(model_dir)]) == 0
-    before = (out / "a.safetensors").read_bytes()
+    before = (out / f"a{SUFFIX}").read_bytes()
     capsys.readouterr()
     bad = _write(tmp_path / "bad.jsonl", rows)
     assert main(["encode", str(bad), "--out", str(out), "--model", str(model_dir)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("inferscale: error")]
     assert len(errors) == 1 and message in errors[0]
-    assert (out / "a.safetensors").read_bytes() == before
+    assert (out / f"a{SUFFIX}").read_bytes() == before
 
 
 def test_unknown_model_path(tmp_path, capsys):
@@ -67,17 +68,41 @@ def test_corrupt_and_foreign_blobs_are_named(model_dir, tmp_path, capsys):
     items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"}])
     out = tmp_path / "blobs"
     assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir)]) == 0
-    blob = out / "a.safetensors"
+    blob = out / f"a{SUFFIX}"
     data = bytearray(blob.read_bytes())
     data[-5] ^= 0x55
     blob.write_bytes(bytes(data))
     assert main(["ask", "q?", "--blobs", str(out), "--model", str(model_dir)]) == 2
     err = capsys.readouterr().err
-    assert "a.safetensors" in err and "checksum" in err
+    assert f"a{SUFFIX}" in err and "checksum" in err
     # a blob from another model
     other = tmp_path / "other-model"
     tm.model("qwen3", seed=7).save_pretrained(other)
     tm.tokenizer().save_pretrained(other)
     assert main(["encode", str(items), "--out", str(out), "--model", str(other)]) == 0
     assert main(["ask", "q?", "--blobs", str(out), "--model", str(model_dir)]) == 2
-    assert "a.safetensors: encoded for model" in capsys.readouterr().err
+    assert f"a{SUFFIX}: encoded for model" in capsys.readouterr().err
+
+
+def test_encode_with_a_kek_seals_for_the_tenant_and_user(model_dir, tmp_path, capsys):
+    from inferscale.sealing import Keyring, is_sealed, new_key_line
+    from inferscale.store import KVStore
+
+    kek = tmp_path / "kek"
+    kek.write_text(new_key_line("k1"))
+    items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"},
+                                          {"id": "b", "text": "melanie painted the beach"}])
+    out = tmp_path / "kv" / "acme" / "alice"
+    assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir), "--kek-file", str(kek),
+                 "--tenant", "acme", "--user", "alice"]) == 0
+    for name in (f"a{SUFFIX}", f"b{SUFFIX}"):
+        raw = (out / name).read_bytes()
+        assert is_sealed(raw) and b"caroline" not in raw and (out / name).stat().st_mode & 0o777 == 0o600
+    with KVStore(tmp_path / "store", dram_budget_bytes=8 << 20, nixl=False, keyring=Keyring.load(kek)) as s:
+        assert s.import_dir("acme", "alice", out).blocks == 2
+        assert [i.item_id for i in s.list("acme", "alice")] == ["a", "b"]
+    # sealing needs all three flags; a half-given set fails before any model work, in one line
+    capsys.readouterr()
+    assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir), "--kek-file", str(kek),
+                 "--tenant", "acme"]) == 2
+    assert "--kek-file, --tenant and --user together" in capsys.readouterr().err

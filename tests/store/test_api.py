@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from inferscale.kvformat import SUFFIX
 from inferscale.errors import BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError
 from inferscale.kvformat import save_block
 from inferscale.store import KVStore
@@ -132,7 +133,7 @@ def test_import_dir(open_store, tmp_path):
     assert stats.served == {"m2": "dram"} and torch.equal(got[0].kv, make_block("m2").kv)
     with pytest.raises(NotFoundError):
         s.import_dir("acme", "alice", job, ["nope"])
-    (job / "m1.safetensors").write_bytes(b"garbage")
+    (job / f"m1{SUFFIX}").write_bytes(b"garbage")
     with pytest.raises(BlobCorruptError, match="m1"):
         s.import_dir("acme", "bob", job)
     with pytest.raises(NotFoundError):  # nothing of a failed import was stored

@@ -14,7 +14,8 @@ def test_bench_store_smoke(tmp_path, capsys):
                          "--repeats", "2", "--dir", str(tmp_path / "work")])
     assert bench.run(args) == 0
     rows = json.loads(out.read_text())
-    assert [r["source"] for r in rows] == ["disk", "disk+verify", "dram", "dram-copy", "peer", "peer+verify+persist"]
+    assert [r["source"] for r in rows] == ["disk", "disk+verify", "disk+unseal", "dram", "dram-copy", "peer",
+                                          "peer+verify+persist"]
     for r in rows:
         assert {"source", "blocks", "bytes", "ms", "gbps", "baseline", "baseline_gbps"} <= set(r)
         assert r["blocks"] == 4 and r["bytes"] > 4 * 2 * 18 * 2 * 256 * 4 and r["ms"] > 0

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from inferscale.kvformat import SUFFIX
 from inferscale.errors import BlobCorruptError, StorageError
 
 from .helpers import FP, make_block
@@ -78,7 +79,7 @@ def test_full_disk_leaves_no_partial_file(open_store, monkeypatch):
     with pytest.raises(StorageError):
         s.put("acme", "alice", make_block("new"))
     monkeypatch.setattr(kvformat.os, "fsync", real_fsync)
-    assert sorted(p.name for p in directory.iterdir()) == ["m0.safetensors"]  # no temp, no partial file
+    assert sorted(p.name for p in directory.iterdir()) == [f"m0{SUFFIX}"]  # no temp, no partial file
     after = s.list("acme", "alice")
     assert [i.item_id for i in after] == ["m0"] and after[0].sha256 == before.sha256
     got, _ = s.get_many("acme", "alice", ["m0"], FP)

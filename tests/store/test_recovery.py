@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from inferscale.kvformat import SUFFIX
+
 from .helpers import FP, make_block
 
 
@@ -39,7 +41,7 @@ def test_missing_catalogue_rebuilt_from_disk(open_store, tmp_path):
         p = tmp_path / "kv" / f"catalogue.sqlite{suffix}"
         if p.exists():
             os.unlink(p)
-    (tmp_path / "kv" / "acme" / "alice" / "stray.safetensors").write_bytes(b"job output, not store layout")
+    (tmp_path / "kv" / "acme" / "alice" / f"stray{SUFFIX}").write_bytes(b"job output, not store layout")
     s2 = open_store(tmp_path / "kv")
     assert s2.users("acme") == ["alice", "bob"] and [i.item_id for i in s2.list("other", "alice")] == ["x0"]
     ids, emb = s2.embeddings("acme", "bob", FP)
