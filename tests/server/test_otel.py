@@ -5,9 +5,11 @@ and log records that carry the trace ids."""
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -150,3 +152,21 @@ def test_log_records_carry_trace_ids(live, caplog):
     config = uvicorn_log_config()
     assert config["loggers"]["uvicorn.access"]["level"] == "INFO"
     assert "%(otelTraceID)s" in config["formatters"]["access"]["fmt"]
+
+
+def test_readme_metric_names_are_served(live, memories):
+    """Every name in the README's metrics table is on /metrics (after a request, so the histograms have data)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("| Prometheus name (`/metrics`)", 1)[1].split("\n\n", 1)[0]
+    names = set()
+    for row in table.splitlines()[2:]:
+        for name in re.findall(r"`([a-z_]+)(?:\{[^}]*\})?`", re.sub(r"\([^)]*\)", "", row.split("|")[1])):
+            names.add(name)
+    names = {("inferscale_num_requests" + n) if n.startswith("_") else n for n in names}
+    assert len(names) >= 12
+    _chat(live.client(), max_tokens=2)
+    # A counter shows up once it has counted: a refusal by a tenant limit is hard to time, so count one here.
+    live.app.state.telemetry.metrics.rejected("in_flight")
+    families = _scrape(live)
+    served = set(families) | {s.name for samples in families.values() for s in samples}
+    assert not names - served, sorted(names - served)
