@@ -5,6 +5,7 @@ and log records that carry the trace ids."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import time
@@ -170,3 +171,30 @@ def test_readme_metric_names_are_served(live, memories):
     families = _scrape(live)
     served = set(families) | {s.name for samples in families.values() for s in samples}
     assert not names - served, sorted(names - served)
+
+
+def test_serve_log_config_prints_trace_ids_and_access_lines():
+    """`inferscale serve`'s logging config, applied in a fresh process: INFO lines with the current trace id, and a
+    record made without the OpenTelemetry factory still formats."""
+    import subprocess
+    import sys
+
+    code = """
+import logging, logging.config
+from opentelemetry.sdk.trace import TracerProvider
+from inferscale.server.logs import inject_trace_ids_into_logs, uvicorn_log_config
+logging.config.dictConfig(uvicorn_log_config())
+logging.getLogger("inferscale.app").info("before the factory")
+inject_trace_ids_into_logs()
+with TracerProvider().get_tracer("t").start_as_current_span("s") as span:
+    logging.getLogger("inferscale.app").info("inside")
+    logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "GET", "/v1/models", "1.1", 200)
+    print("TRACE", format(span.get_span_context().trace_id, "032x"), flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert out.returncode == 0, out.stderr
+    trace_id = out.stdout.split("TRACE ", 1)[1].split()[0]
+    assert "before the factory trace_id=0" in out.stderr and "Logging error" not in out.stderr
+    assert f"inside trace_id={trace_id}" in out.stderr
+    assert f'"GET /v1/models HTTP/1.1" 200 OK trace_id={trace_id}' in out.stdout
