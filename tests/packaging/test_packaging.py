@@ -187,6 +187,36 @@ def test_dockerfile_operator_target_has_no_torch():
     assert list(stages)[-1] == "server"
 
 
+def _docker_ignored(path: str, patterns: list[str]) -> bool:
+    """.dockerignore's rule: the last pattern matching the path or a parent directory decides; '!' re-includes."""
+    import fnmatch
+
+    ignored = False
+    parts = path.strip("/").split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern[1:] if negate else pattern
+        pat = pat.strip("/").removeprefix("**/")
+        if any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p.split("/")[-1], pat) for p in prefixes):
+            ignored = not negate
+    return ignored
+
+
+def test_nothing_the_dockerfile_copies_is_dockerignored():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert _docker_ignored("tests/test_x.py", patterns) and _docker_ignored("scripts/setup.sh", patterns)  # control
+    copied = []
+    for ins in DockerfileParser(path=str(ROOT / "Dockerfile")).structure:
+        if ins["instruction"] == "COPY":
+            copied += ins["value"].split()[:-1]
+    assert "scripts/requirements.py" in copied and "constraints.txt" in copied
+    for src in copied:
+        assert (ROOT / src).exists(), src
+        assert not _docker_ignored(src, patterns), f"{src} is excluded by .dockerignore"
+
+
 def test_readme_names_the_build_targets():
     readme = (ROOT / "README.md").read_text()
     assert "docker build --target operator" in readme and "docker build --target server" in readme
