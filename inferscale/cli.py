@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from inferscale import __version__
+
 # Each subcommand: (module, help). The module provides add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "encode": ("inferscale.commands.encode", "encode a JSONL of memories into KV blobs"),
@@ -30,6 +32,7 @@ def build_parser(chosen: list[str]) -> argparse.ArgumentParser:
     the operator's image needs no torch. ``chosen`` is argv without options: [command] or ["bench", name]."""
     parser = argparse.ArgumentParser(prog="inferscale", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(subparsers, name: str, module: str, help: str, selected: bool) -> None:
@@ -52,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download from a model hub
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["operator"]:
+    # The operator parses its own flags: everything after the word, plus a -v given before it.
+    head = argv[:argv.index("operator")] if "operator" in argv else None
+    if head is not None and all(a in ("-v", "--verbose") for a in head):
         from inferscale.operator.cli import main as operator_main
 
-        return operator_main(argv[1:])
+        return operator_main((["--verbose"] if head else []) + argv[len(head) + 1:])
     positional = [a for a in argv if not a.startswith("-")]
     try:
         parser = build_parser(positional[:2])

@@ -9,8 +9,9 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  # An unpinned torch would pull a multi-GB CUDA build; this version has a CPU wheel.
-  .venv/bin/python -m pip install -q "torch==2.13.0"
+  # An unpinned torch would pull a multi-GB CUDA build; the version in constraints.txt has a CPU wheel.
+  .venv/bin/python -m pip install -q -c constraints.txt torch
 fi
-.venv/bin/python -m pip install -q -e ".[server,operator,bench,test]"
+# constraints.txt pins every package to the versions the tests ran with (scripts/freeze-constraints.py writes it).
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[server,operator,bench,test]"
 echo "set up: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

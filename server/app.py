@@ -6,10 +6,11 @@ import contextlib
 import logging
 import time
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from inferscale import __version__
 from inferscale.contract import MODES
 from inferscale.server import chat, httperrors, internal, memories
 from inferscale.server.auth import TenantRegistry, require_tenant
@@ -17,6 +18,7 @@ from inferscale.server.httperrors import response as error_response
 from inferscale.server.scheduler import EngineWorker
 from inferscale.server.schemas import ModelCard, ModelList
 from inferscale.server.settings import Settings
+from inferscale.server.logs import inject_trace_ids_into_logs
 from inferscale.server.tracing import setup as setup_telemetry
 
 log = logging.getLogger(__name__)
@@ -43,17 +45,15 @@ def open_store(settings: Settings):
 
 
 class BodyLimit:
-    """Pure ASGI middleware: 413 for bodies over the limit (by Content-Length), and request counts by status."""
+    """Pure ASGI middleware: 413 for bodies over the limit (by Content-Length). Request counts and latencies by
+    route template come from the OpenTelemetry instrumentation (``http.server.*``), never by raw path."""
 
-    def __init__(self, app, limit: int, prom) -> None:
-        self.app, self.limit, self.prom = app, limit, prom
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        label = "/v1/chat/completions" if path.startswith("/v1/chat") else (
-            "/v1/memories" if path.startswith("/v1/memories") else path if len(path) < 40 else "other")
         for k, v in scope.get("headers", []):
             if k == b"content-length":
                 try:
@@ -61,17 +61,10 @@ class BodyLimit:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    self.prom.requests.labels(label, "413").inc()
                     resp = error_response(413, f"request body over {self.limit} bytes", "invalid_request_error",
                                           "request_too_large")
                     return await resp(scope, receive, send)
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.prom.requests.labels(label, str(message["status"])).inc()
-            await send(message)
-
-        return await self.app(scope, receive, counting_send)
+        return await self.app(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, *, engine=None, store=None, embedder=None, tenants=None,
@@ -89,9 +82,10 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     store = store if store is not None else open_store(settings)
     tenants = tenants or TenantRegistry(settings.tenants_path, max_k=settings.max_k, max_tokens=settings.max_tokens,
                                         max_in_flight=settings.max_in_flight)
-    telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
-                                metric_reader=metric_reader)
     worker = EngineWorker(engine, max_active=settings.max_active, max_prefills_per_round=settings.max_prefills_per_round)
+    telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
+                                metric_reader=metric_reader, load=lambda: (worker.active, worker.queued))
+    inject_trace_ids_into_logs()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -101,19 +95,20 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
         if owns_store and hasattr(store, "close"):
             store.close()
 
-    app = FastAPI(title="InferScale", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="InferScale", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible chat completions with per-user memories injected as KV state.")
     st = app.state
     st.settings, st.engine, st.store, st.embedder, st.tenants = settings, engine, store, embedder, tenants
     st.telemetry, st.worker, st.started = telemetry, worker, time.time()
     st.model_ids = [settings.model] + ([engine.loaded.name] if engine.loaded.name != settings.model else [])
     st.modes = list(MODES)
-    st.memories = memories.MemoryService(store, embedder, worker, engine, telemetry.prom)
+    st.memories = memories.MemoryService(store, embedder, worker, engine, telemetry.metrics)
     httperrors.install(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, prom=telemetry.prom)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.include_router(chat.router)
     app.include_router(memories.router)
     app.include_router(internal.router)
+    telemetry.instrument(app)
 
     @app.get("/v1/models", response_model=ModelList, tags=["models"], dependencies=[Depends(require_tenant)])
     async def list_models() -> ModelList:
@@ -139,10 +134,8 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
         return {"status": "ready", "model": settings.model, "active": worker.active, "queued": worker.queued}
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
-    async def prometheus_metrics(request: Request):
-        telemetry.prom.active.set(worker.active)
-        telemetry.prom.queued.set(worker.queued)
-        return Response(generate_latest(telemetry.prom.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics():
+        return Response(generate_latest(telemetry.prometheus), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

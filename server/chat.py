@@ -11,10 +11,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from opentelemetry import trace
 
 from inferscale.engine.engine import Sampling
 from inferscale.server.auth import Tenant, require_tenant
+from inferscale.server.genai_metrics import ChatTelemetry
 from inferscale.server.httperrors import ApiError, body as error_body, from_typed
 from inferscale.server.scheduler import GenJob
 from inferscale.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionRequest, Choice, ErrorBody,
@@ -70,14 +70,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
                        code="mode_unavailable", param="inferscale.mode")
     query, turns = _prompt(req)
     if not tenant.acquire():
-        app.telemetry.prom.rejected.labels("in_flight").inc()
+        app.telemetry.metrics.rejected("in_flight")
         raise ApiError(429, f"too many requests in flight for this tenant (limit {tenant.max_in_flight})",
                        type="rate_limit_error", code="rate_limit_exceeded")
-    span = tel.tracer.start_span(f"chat {req.model}", kind=trace.SpanKind.SERVER, attributes={
-        "gen_ai.operation.name": "chat", "gen_ai.request.model": req.model, "gen_ai.request.max_tokens": max_tokens,
-        "inferscale.tenant": tenant.name, "inferscale.user": req.user or "", "inferscale.mode": mode,
-        "inferscale.k": k, "inferscale.stream": req.stream})
-    ctx = trace.set_span_in_context(span)
+    rec = ChatTelemetry(tel.tracer, tel.metrics, model=req.model, mode=mode, started=t0, request={
+        "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": req.temperature,
+        "gen_ai.request.top_p": req.top_p, "gen_ai.request.seed": req.seed,
+        "inferscale.tenant": tenant.name, "inferscale.user": req.user or "", "inferscale.k": k,
+        "inferscale.stream": req.stream})
+    span, ctx = rec.span, rec.context
     job = None
     handed_off = False
     try:
@@ -85,6 +86,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         if mode != "none" and req.user is not None:
             blocks, chosen = await app.memories.retrieve(tenant.name, req.user, query, k, tel.tracer, ctx)
         effective_mode = mode if req.user is not None else "none"
+        rec.set_mode(effective_mode)
         sampling = Sampling(max_new_tokens=max_tokens, temperature=req.temperature or 0.0,
                             top_p=req.top_p if req.top_p is not None else 1.0, seed=req.seed)
         job = GenJob(build_ids=_ids_builder(turns), blocks=blocks, mode=effective_mode, sampling=sampling,
@@ -95,38 +97,32 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         if first[0] == "error":
             err = first[1]
             raise from_typed(err) if isinstance(err, InferScaleError) else err
-        ttft = (first[3] if first[0] == "token" else time.perf_counter()) - t0
-        span.set_attribute("gen_ai.server.time_to_first_token", ttft)
-        span.set_attribute("inferscale.ttft_ms", ttft * 1000)
+        ttft = rec.first_token(first[3] if first[0] == "token" else None)
         span.set_attribute("inferscale.retrieved", len(chosen))
-        tel.ttft.record(ttft, {"gen_ai.operation.name": "chat", "gen_ai.request.model": req.model,
-                               "inferscale.mode": effective_mode})
-        tel.prom.ttft.labels(effective_mode).observe(ttft)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         meta = MemoryUsage(mode=effective_mode, k=k, items=chosen, memory_tokens=0, ttft_ms=round(ttft * 1000, 3))
         headers = {TTFT_HEADER: f"{ttft * 1000:.3f}"}
         if req.stream:
             handed_off = True
-            gen = _stream(job, first, rid, req, meta, span, tenant, tel)
+            gen = _stream(job, first, rid, req, meta, rec, tenant)
             return StreamingResponse(gen, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
         text, reason, info = await _collect(job, first)
         meta.memory_tokens = info.get("memory_tokens", 0)
         usage = Usage(prompt_tokens=info.get("prompt_tokens", 0), completion_tokens=info.get("completion_tokens", 0),
                       total_tokens=info.get("prompt_tokens", 0) + info.get("completion_tokens", 0))
-        _finish_span(span, usage, reason, tel, effective_mode)
+        _finish(rec, rid, req.model, usage, meta.memory_tokens, reason)
         out = ChatCompletion(id=rid, created=int(time.time()), model=req.model, usage=usage, inferscale=meta,
                              choices=[Choice(message=AssistantMessage(content=text.strip()), finish_reason=reason)])
         return JSONResponse(out.model_dump(), headers=headers)
     except BaseException as e:
         if job is not None:
             job.cancelled = True
-        span.record_exception(e)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+        rec.fail(e)
         raise
     finally:
         if not handed_off:
             tenant.release()
-            span.end()
+            rec.end()
 
 
 async def _collect(job: GenJob, first: tuple) -> tuple[str, str, dict]:
@@ -143,19 +139,17 @@ async def _collect(job: GenJob, first: tuple) -> tuple[str, str, dict]:
         ev = await job.events.get()
 
 
-def _finish_span(span, usage: Usage, reason: str, tel, mode: str) -> None:
-    span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
-    span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
-    span.set_attribute("gen_ai.response.finish_reasons", [reason])
-    tel.prom.tokens.labels(mode).inc(usage.completion_tokens)
+def _finish(rec: ChatTelemetry, rid: str, model: str, usage: Usage, memory_tokens: int, reason: str) -> None:
+    rec.finish(response_id=rid, model=model, prompt_tokens=usage.prompt_tokens,
+               completion_tokens=usage.completion_tokens, memory_tokens=memory_tokens, finish_reasons=[reason])
 
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _stream(job: GenJob, first: tuple, rid: str, req: ChatCompletionRequest, meta: MemoryUsage, span,
-                  tenant: Tenant, tel):
+async def _stream(job: GenJob, first: tuple, rid: str, req: ChatCompletionRequest, meta: MemoryUsage,
+                  rec: ChatTelemetry, tenant: Tenant):
     created = int(time.time())
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
@@ -174,7 +168,7 @@ async def _stream(job: GenJob, first: tuple, rid: str, req: ChatCompletionReques
                 usage = Usage(prompt_tokens=info["prompt_tokens"], completion_tokens=info["completion_tokens"],
                               total_tokens=info["prompt_tokens"] + info["completion_tokens"])
                 meta.memory_tokens = info["memory_tokens"]
-                _finish_span(span, usage, ev[1], tel, meta.mode)
+                _finish(rec, rid, req.model, usage, meta.memory_tokens, ev[1])
                 yield chunk({}, ev[1], inferscale=meta.model_dump())
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
@@ -183,7 +177,7 @@ async def _stream(job: GenJob, first: tuple, rid: str, req: ChatCompletionReques
             else:  # an error after the first token: report it in-band, as OpenAI does
                 err = ev[1]
                 a = from_typed(err) if isinstance(err, InferScaleError) else ApiError(500, str(err), type="server_error")
-                span.set_status(trace.Status(trace.StatusCode.ERROR, a.message))
+                rec.fail(a, message=a.message)
                 yield _sse(error_body(a.message, a.type, a.code))
                 break
             ev = await job.events.get()
@@ -191,4 +185,4 @@ async def _stream(job: GenJob, first: tuple, rid: str, req: ChatCompletionReques
     finally:
         job.cancelled = True  # no-op when finished; stops decoding when the client went away
         tenant.release()
-        span.end()
+        rec.end()

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     from inferscale.server.app import create_app
     from inferscale.server.auth import TENANT_RE, create_tenants_file
+    from inferscale.server.logs import uvicorn_log_config
 
     settings = settings_from_args(args)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -56,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(settings)
     print(f"InferScale serving {settings.model} on http://{settings.host}:{settings.port}  (store: {settings.store_dir}, "
           f"tenants: {', '.join(app.state.tenants.names)})", flush=True)
-    level = "info" if logging.getLogger().level <= logging.INFO else "warning"
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=level, access_log=level == "info")
+    # INFO by default: access logs are how operators see traffic; -v adds debug. Each line carries trace ids.
+    level = "debug" if logging.getLogger().level <= logging.DEBUG else "info"
+    uvicorn.run(app, host=settings.host, port=settings.port, log_config=uvicorn_log_config(level), access_log=True)
     return 0
 
 

@@ -45,8 +45,8 @@ def fetch_tiers(stats: Any) -> dict[str, int]:
 
 
 class MemoryService:
-    def __init__(self, store, embedder, worker, engine, prom=None) -> None:
-        self.store, self.embedder, self.worker, self.engine, self.prom = store, embedder, worker, engine, prom
+    def __init__(self, store, embedder, worker, engine, meters=None) -> None:
+        self.store, self.embedder, self.worker, self.engine, self.meters = store, embedder, worker, engine, meters
 
     @property
     def fingerprint(self) -> str:
@@ -75,8 +75,8 @@ class MemoryService:
             for info in await asyncio.to_thread(self.store.list, tenant, user):
                 if info_id(info) not in keep:
                     removed += _count(await asyncio.to_thread(self.store.delete, tenant, user, info_id(info)))
-        if self.prom is not None:
-            self.prom.encoded.inc(len(ids))
+        if self.meters is not None:
+            self.meters.encoded(len(ids))
         return PutMemoriesResult(user=user, encoded=len(ids), removed=removed, bytes=nbytes,
                                  seconds=round(time.perf_counter() - t0, 4))
 
@@ -190,8 +190,8 @@ class MemoryService:
             span.set_attribute("inferscale.kv.blocks", len(blocks))
             for tier, n in tiers.items():
                 span.set_attribute(f"inferscale.kv.blocks.{tier}", n)
-            if self.prom is not None:
-                self.prom.kv_bytes.labels(",".join(sorted(tiers)) or "none").inc(nbytes)
+            if self.meters is not None:
+                self.meters.kv_fetched(",".join(sorted(tiers)) or "none", nbytes)
         return blocks, chosen
 
 

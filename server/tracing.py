@@ -1,42 +1,60 @@
-"""OpenTelemetry: traces and the GenAI TTFT metric, plus the Prometheus metrics behind /metrics.
+"""OpenTelemetry for the server: one TracerProvider and one MeterProvider per app, the meter read both by OTLP and
+by the Prometheus reader behind ``/metrics`` (one metrics stack, not two).
 
 OTLP export (HTTP) is configured by the standard variables: ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the
 ``..._TRACES_``/``..._METRICS_`` variants), ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``,
 ``OTEL_TRACES_SAMPLER[_ARG]``, ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER`` (``none`` turns one off) and
 ``OTEL_SDK_DISABLED``. ``--console-traces`` (INFERSCALE_CONSOLE_TRACES) also prints spans to stdout. Providers
-are per app (never global), so several apps -- tests -- can live in one process.
+are per app (never global), so several apps -- tests -- can live in one process. HTTP server spans, W3C
+``traceparent`` extraction and the ``http.server.*`` metrics come from ``opentelemetry-instrumentation-fastapi``
+(``instrument``), which labels by route template only, after routing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
+from fastapi import FastAPI
 from opentelemetry import metrics, trace
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+
+from inferscale.server.genai_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-TTFT_METRIC = "gen_ai.server.time_to_first_token"
-# The GenAI semantic conventions' advised buckets for TTFT.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+# Paths that get no HTTP span: probes and scrapes would drown the traces (the instrumentation takes regexes).
+UNTRACED_PATHS = "/healthz$,/readyz$,/metrics$"
+SEMCONV_OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
 
 
 @dataclass
 class Telemetry:
     tracer: trace.Tracer
     meter: metrics.Meter
-    ttft: metrics.Histogram
+    metrics: ServerMetrics
     tracer_provider: TracerProvider | None
     meter_provider: MeterProvider | None
-    prom: Prom
+    # What /metrics serves: the Prometheus reader of this app's MeterProvider (empty when the SDK is disabled).
+    prometheus: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def instrument(self, app: FastAPI) -> None:
+        """HTTP server spans (parents of the chat span; the caller's ``traceparent`` is their parent) and metrics."""
+        if self.tracer_provider is None:
+            return
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        FastAPIInstrumentor.instrument_app(app, tracer_provider=self.tracer_provider,
+                                           meter_provider=self.meter_provider, excluded_urls=UNTRACED_PATHS,
+                                           exclude_spans=["receive", "send"])
 
     def shutdown(self) -> None:
         for p in (self.tracer_provider, self.meter_provider):
@@ -47,20 +65,13 @@ class Telemetry:
                     pass
 
 
-class Prom:
-    """Prometheus metrics in a registry of their own (one per app)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("inferscale_http_requests", "HTTP requests", ["path", "status"], registry=r)
-        self.ttft = Histogram("inferscale_ttft_seconds", "time to first token", ["mode"], buckets=TTFT_BUCKETS, registry=r)
-        self.tokens = Counter("inferscale_generated_tokens", "completion tokens generated", ["mode"], registry=r)
-        self.kv_bytes = Counter("inferscale_kv_fetch_bytes", "KV bytes fetched from the store", ["tier"], registry=r)
-        self.active = Gauge("inferscale_active_sequences", "sequences being decoded", registry=r)
-        self.queued = Gauge("inferscale_queued_jobs", "jobs waiting for the engine worker", registry=r)
-        self.encoded = Counter("inferscale_memories_encoded", "memory items encoded", registry=r)
-        self.rejected = Counter("inferscale_rejected_requests", "requests refused by a tenant limit", ["limit"], registry=r)
+def _stable_http_semconv() -> None:
+    """Opt in to the stable HTTP conventions before any instrumentation reads the setting (once per process): their
+    metric attributes are method (unknown ones become ``_OTHER``), status, route template and scheme; the old ones
+    also take the caller's ``Host`` header (``http.host``, ``http.server.name``), a label any caller could mint."""
+    values = [v.strip() for v in os.environ.get(SEMCONV_OPT_IN, "").split(",") if v.strip()]
+    values = [v for v in values if v != "http/dup"] + ([] if "http" in values else ["http"])
+    os.environ[SEMCONV_OPT_IN] = ",".join(values)
 
 
 def _enabled(var: str) -> bool:
@@ -72,12 +83,14 @@ def _otlp_configured(signal: str) -> bool:
 
 
 def setup(*, console: bool = False, span_exporter: SpanExporter | None = None,
-          metric_reader: MetricReader | None = None) -> Telemetry:
-    prom = Prom()
+          metric_reader: MetricReader | None = None,
+          load: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> Telemetry:
+    """``load`` returns (running, waiting) sequences for the gauges, read at collection time."""
+    _stable_http_semconv()  # before any instrumentor (the logging one too) fixes the process-wide choice
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" and span_exporter is None:
         tracer = trace.NoOpTracerProvider().get_tracer(__name__)
         meter = metrics.NoOpMeterProvider().get_meter(__name__)
-        return Telemetry(tracer, meter, meter.create_histogram(TTFT_METRIC, unit="s"), None, None, prom)
+        return Telemetry(tracer, meter, ServerMetrics(meter, load), None, None)
 
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "inferscale-server")}).merge(
         OTELResourceDetector().detect()
@@ -93,17 +106,19 @@ def setup(*, console: bool = False, span_exporter: SpanExporter | None = None,
 
         tp.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
 
-    readers: list[MetricReader] = [metric_reader] if metric_reader is not None else []
+    # A registry of this app's own: the reader's default is prometheus_client's process-global one.
+    registry = CollectorRegistry()
+    readers: list[MetricReader] = [PrometheusMetricReader(registry=registry)]
+    if metric_reader is not None:
+        readers.append(metric_reader)
     if _enabled("OTEL_METRICS_EXPORTER") and _otlp_configured("METRICS"):
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
-    view = View(instrument_name=TTFT_METRIC, aggregation=ExplicitBucketHistogramAggregation(TTFT_BUCKETS))
-    mp = MeterProvider(resource=resource, metric_readers=readers, views=[view])
+    mp = MeterProvider(resource=resource, metric_readers=readers)
     tracer = tp.get_tracer("inferscale.server")
     meter = mp.get_meter("inferscale.server")
-    ttft = meter.create_histogram(TTFT_METRIC, unit="s", description="Time to generate the first token")
-    return Telemetry(tracer, meter, ttft, tp, mp, prom)
+    return Telemetry(tracer, meter, ServerMetrics(meter, load), tp, mp, registry)
 
 
 def _warn_protocol() -> None:

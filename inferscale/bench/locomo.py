@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from inferscale.bench.progress import progress
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.encoder import DEFAULT_CONTEXT_TOKENS
 from inferscale.engine.template import MemoryItem
@@ -176,16 +177,21 @@ def run(args: argparse.Namespace) -> int:
     sampling = Sampling(max_new_tokens=args.max_tokens)
     rng = random.Random(args.seed)
     rows = []
+    bar = progress(total=0, desc="bench locomo", unit="answer")
     for conv in convs:
         t0 = time.perf_counter()
         blocks = engine.encode([f.item for f in conv.facts], embed=embedder.embed)
+        bar.clear()
         print(f"{conv.sample_id}: {len(blocks)} facts, {sum(b.num_tokens for b in blocks)} tokens encoded in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         ids = [b.item_id for b in blocks]
         by_id = {b.item_id: b for b in blocks}
         dia_of = {f.item.id: f.dia_id for f in conv.facts}
         matrix = torch.stack([b.embedding for b in blocks])
-        for q in sample_questions(conv.questions, args.questions_per_conv, rng):
+        picked = sample_questions(conv.questions, args.questions_per_conv, rng)
+        bar.total += len(picked) * len(ks) * len(modes)
+        bar.refresh()
+        for q in picked:
             ranked = [i for i, _ in top_k(embedder.embed([q.question])[0], ids, matrix, max(ks))]
             for k in ks:
                 chosen = [by_id[i] for i in injection_order(ranked[:k])]
@@ -195,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
                 for label, mode, ratio in modes:
                     ans = engine.ask(q.question, chosen, mode, sampling=sampling, recompute_ratio=ratio)
                     ref = ans if label == "text" else ref
+                    bar.update()
                     rows.append({
                         "conv": q.conv, "question": q.question, "gold": q.answer, "category": q.category,
                         "k": k, "mode": label, "answer": ans.text, "f1": round(f1_score(ans.text, q.answer), 4),
@@ -203,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
                         "agree_answer": ans.token_ids == ref.token_ids,
                         "memory_tokens": ans.memory_tokens,
                     })
+        bar.clear()
         _print_summary(summarize(rows))
+    bar.close()
     result = {"model": engine.loaded.name, "dtype": str(engine.loaded.dtype).removeprefix("torch."),
               "context_tokens": engine.context_tokens,
               "conversations": [c.sample_id for c in convs], "seed": args.seed, "ks": ks,

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from inferscale.bench.progress import progress
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name or path (default: embedded gemma-3-270m)")
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     for name, fn in timers.items():  # warm-up: allocator, kernels, lazy imports
         fn(ks[0], questions[0])
     rows = []
+    bar = progress(total=len(ks) * args.repeats * len(timers), desc="bench ttft", unit="prefill")
     for k in ks:
         samples: dict[str, list[float]] = {name: [] for name in timers}
         names = list(timers)
@@ -91,11 +94,14 @@ def run(args: argparse.Namespace) -> int:
             # Rotate the order each repeat: a mode timed right after text's long prefill finds cold caches.
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 samples[name].append(timers[name](k, q))
+                bar.update()
         row = {"k": k, "memory_tokens": sum(b.num_tokens for b in blocks[:k])}
         for name in timers:
             row[f"ttft_{name}_ms"] = round(statistics.median(samples[name]) * 1000, 1)
         rows.append(row)
+        bar.clear()
         _print_row(row)
+    bar.close()
     result = {
         "model": engine.loaded.name,
         "device": str(engine.device) + ("" if engine.device.type != "cpu" else f" ({platform.processor() or platform.machine()})"),

@@ -627,7 +627,7 @@ def test_notes_render():
                str(CHART / "values-cpu.yaml")).stdout
     notes = out.split("NOTES:", 1)[1]
     assert "port-forward svc/rel-inferscale 8000:8000" in notes
-    assert "kubectl apply -f crds/examples/usermemory-inline.yaml" in notes
+    assert "| kubectl apply -f -" in notes  # the UserMemory inline: no repository path (test_chart_hooks.py)
     assert "CPU only" in notes
     assert "no tenant API keys are configured" in notes
 
