@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of TTFT vs k")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--random-weights", default=None, metavar="SHAPE",
+                   help="time a random-weight model of this shape instead of --model (llama3-8b, llama-tiny)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +46,12 @@ def run(args: argparse.Namespace) -> int:
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
     if not ks or ks[0] < 1:
         raise ConfigError(f"--k {args.k!r}: expected positive integers")
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    if args.random_weights:
+        from inferscale.bench.random_model import random_engine
+
+        engine = random_engine(args.random_weights, device=args.device, dtype=args.dtype)
+    else:
+        engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
     items = read_jsonl(args.memories) if args.memories else synthetic_memories(max(ks), engine.tokenizer)
     if len(items) < max(ks):
         raise ConfigError(f"--memories has {len(items)} items, fewer than k={max(ks)}")
