@@ -29,6 +29,7 @@ from inferscale.trtllm.core import fill_pool, plan_span, pool_view
 from inferscale.trtllm.plans import PlanRegistry, prompt_key
 
 PLAN_DIR_ENV = "INFERSCALE_TRTLLM_PLAN_DIR"
+TRACE_ENV = "INFERSCALE_TRTLLM_TRACE"  # optional file: one line per fill, so a check can see the connector act
 
 
 @dataclass
@@ -119,6 +120,9 @@ class InferScaleConnectorWorker(KvCacheConnectorWorker):
                 plan = plan_span(entry.prefix_kv.shape[3], entry.blocks, order.question_len, self.tokens_per_block)
                 fill_pool(pool, order.page_table, plan, entry.prefix_kv, entry.block_kvs, entry.groups,
                           order.start, order.end)
+                if os.environ.get(TRACE_ENV):
+                    with open(os.environ[TRACE_ENV], "a") as trace:
+                        trace.write(f"filled {order.key} {order.start} {order.end}\n")
 
     def wait_for_layer_load(self, layer_idx: int, stream) -> None:
         pass  # start_load_kv fills every layer on the forward stream before the forward pass is enqueued
