@@ -185,3 +185,21 @@ def test_paged_plan_outside_the_page_table_is_a_config_error():
               inv_freq=_inv_freq(1e4, 8), page_table=[1], tokens_per_page=4)
     with pytest.raises(ConfigError):
         inject.inject_reference(torch.zeros((1, 2, 1, 2, 8)), torch.zeros((2, 1, 2, 1, 4, 8)), **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_in_place_rotation_is_what_the_engine_gets_on_cuda(dtype):
+    """rotate_in_place on CUDA runs the kernel with src = dst and values left alone: checked here directly."""
+    gen = torch.Generator().manual_seed(11)
+    kv = (torch.randn((3, 2, 2, 21, 64), generator=gen) * 2).to(dtype)
+    delta = torch.randint(-900, 900, (13,), generator=gen)
+    inv_freq = _inv_freq(1e6, 64)
+    want = kv.clone()
+    rope_shift(want[:, 0, :, 8:], delta, inv_freq, inplace=True)
+    got = kv.to(DEVICE)
+    tokens = list(range(8, 21))
+    inject_triton(got, got, src_layers=[0, 1, 2], dst_layers=[0, 1, 2], src_tokens=tokens, dst_positions=tokens,
+                  deltas=delta, inv_freq=inv_freq, move_values=False)
+    got = got.cpu()
+    assert torch.equal(got[:, 1], kv[:, 1]) and torch.equal(got[:, 0, :, :8], kv[:, 0, :, :8])
+    assert float((got.float() - want.float()).abs().max()) <= TOL[dtype]
