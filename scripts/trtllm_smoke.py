@@ -5,7 +5,8 @@ plan for the prompt [prefix][memories][question]; TensorRT-LLM then generates th
   baseline   no connector: TensorRT-LLM prefills every token itself
   connector  InferScaleConnector fills the page-aligned [prefix][memories] pages from the plan (blocks injected
              in their encoding order, so Δ = 0 and the injected KV is what a prefill computes)
-and the greedy tokens are compared. The trace file proves the connector filled pages. Writes JSON to argv[1].
+and the greedy tokens are compared. The trace file proves the connector filled pages, and that the same prompt
+under another tenant's cache_salt got none. Writes JSON to argv[1].
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def main(out_json: str) -> int:
     question = engine.question_ids("where did caroline go in may?")
     prompt = list(engine.prefix_ids) + [t for b in blocks for t in b.token_ids] + list(question)
     groups = [(list(layers), inv_freq) for layers, inv_freq in engine.loaded.layout.freq_groups().values()]
+    salt = cache_salt(b"smoke-test-secret-0123456789", "tenant-a")
     PlanRegistry(plan_dir).put(prompt, InjectionEntry(engine.prefix_kv, [b.kv for b in blocks],
-                                                      [b.start_pos for b in blocks], groups))
+                                                      [b.start_pos for b in blocks], groups, salt))
     del engine, model
     torch.cuda.empty_cache()
 
@@ -80,16 +82,20 @@ def main(out_json: str) -> int:
                                        connector_worker_class="InferScaleConnectorWorker")
     llm = LLM(model=str(model_dir), skip_tokenizer_init=True, cuda_graph_config=None, kv_cache_config=kv_cfg,
               kv_connector_config=connector)
-    salt = cache_salt(b"smoke-test-secret-0123456789", "tenant-a")
     got = llm.generate([prompt], params, cache_salt=salt)[0].outputs[0].token_ids
     result["connector_s"] = round(time.perf_counter() - t, 1)
+    fills_before = len(trace.read_text().splitlines()) if trace.exists() else 0
+    # Another tenant sending the very same token ids must not receive tenant-a's injected pages.
+    other = cache_salt(b"smoke-test-secret-0123456789", "tenant-b")
+    llm.generate([prompt], params, cache_salt=other)
+    result["other_tenant_filled"] = (len(trace.read_text().splitlines()) if trace.exists() else 0) > fills_before
     llm.shutdown()
 
     fills = trace.read_text().split("\n") if trace.exists() else []
     result.update(baseline_tokens=list(base), connector_tokens=list(got),
                   token_agreement=sum(a == b for a, b in zip(base, got)) / max(1, len(base)),
                   fills=[f for f in fills if f])
-    result["ok"] = bool(result["fills"]) and got[:1] == base[:1]
+    result["ok"] = bool(result["fills"]) and got[:1] == base[:1] and not result["other_tenant_filled"]
     Path(out_json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return 0 if result["ok"] else 1

@@ -6,8 +6,8 @@ pair; TensorRT-LLM imports it by name (``KvCacheConnectorConfig(connector_module
 ...)``), so ``tensorrt_llm`` is imported only inside a TensorRT-LLM process.
 """
 
-from inferscale.trtllm.core import BlockPlacement, SpanPlan, cache_salt, fill_pool, plan_span, pool_view
+from inferscale.trtllm.core import BlockPlacement, SpanPlan, cache_salt, fill_pool, plan_span, pool_view, salt_allows
 from inferscale.trtllm.plans import InjectionEntry, PlanRegistry, prompt_key
 
 __all__ = ["BlockPlacement", "InjectionEntry", "PlanRegistry", "SpanPlan", "cache_salt", "fill_pool", "plan_span",
-           "pool_view", "prompt_key"]
+           "pool_view", "prompt_key", "salt_allows"]

@@ -25,7 +25,7 @@ from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (  # lazy: only Te
     SchedulerOutput,
 )
 
-from inferscale.trtllm.core import fill_pool, plan_span, pool_view
+from inferscale.trtllm.core import fill_pool, plan_span, pool_view, salt_allows
 from inferscale.trtllm.plans import PlanRegistry, prompt_key
 
 PLAN_DIR_ENV = "INFERSCALE_TRTLLM_PLAN_DIR"
@@ -58,11 +58,14 @@ class InferScaleConnectorScheduler(KvCacheConnectorScheduler):
         self.tokens_per_block = int(llm_args.kv_cache_config.tokens_per_block)
         self.registry = _registry()
         self.pending: dict[int, LoadOrder] = {}
+        from tensorrt_llm.inputs import get_cache_salt_id  # how TensorRT-LLM turns a cache_salt into the id
+
+        self.salt_id = get_cache_salt_id
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = list(request.get_tokens(0))
         entry = self.registry.get(tokens)
-        if entry is None:
+        if entry is None or not salt_allows(entry.salt, getattr(request, "cache_salt_id", None), self.salt_id):
             return 0, False
         memory_end = entry.prefix_kv.shape[3] + sum(n for n, _ in entry.blocks)
         if len(tokens) <= memory_end:  # no question after the memories: not a prompt this plan was made for

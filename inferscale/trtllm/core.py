@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,16 @@ def cache_salt(secret: bytes, tenant: str) -> str:
     if not is_valid_tenant(tenant):
         raise ConfigError(f"tenant {tenant!r} is not a valid tenant name")
     return hmac.new(bytes(secret), _SALT_DOMAIN + tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def salt_allows(plan_salt: str, request_salt_id: int | None, salt_id: Callable[[str], int]) -> bool:
+    """May a request use a plan? Only when it carries the plan's salt. TensorRT-LLM hands the connector a
+    request's salt as an id (``salt_id``, its own hash of the salt string), so the plan's salt is hashed the same
+    way and compared. A plan with no salt, or a request with none, never matches: a prompt that merely repeats
+    another tenant's token ids must not receive that tenant's injected KV."""
+    if not plan_salt or request_salt_id is None:
+        return False
+    return hmac.compare_digest(str(salt_id(plan_salt)), str(request_salt_id))
 
 
 @dataclass(frozen=True)

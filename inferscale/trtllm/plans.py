@@ -26,6 +26,7 @@ class InjectionEntry:
     block_kvs: list[torch.Tensor]  # each [layers, 2, H, tokens, D], in prompt order
     encoded_at: list[int]  # first position each block was encoded at
     groups: list[tuple[list[int], torch.Tensor]]  # (layer indices, inv_freq) per RoPE θ
+    salt: str = ""  # the cache_salt the request must carry (core.cache_salt of its tenant); "" never matches
 
     @property
     def blocks(self) -> list[tuple[int, int]]:
@@ -50,7 +51,7 @@ class PlanRegistry:
         key = prompt_key(token_ids)
         payload = {"prefix_kv": entry.prefix_kv.cpu(), "block_kvs": [b.cpu() for b in entry.block_kvs],
                    "encoded_at": list(entry.encoded_at),
-                   "groups": [(list(layers), f.cpu()) for layers, f in entry.groups]}
+                   "groups": [(list(layers), f.cpu()) for layers, f in entry.groups], "salt": entry.salt}
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
         os.close(fd)
         torch.save(payload, tmp)
@@ -66,7 +67,7 @@ class PlanRegistry:
             return None
         p = torch.load(path, map_location="cpu", weights_only=True)  # tensors and lists only: no pickled code
         return InjectionEntry(p["prefix_kv"], list(p["block_kvs"]), list(p["encoded_at"]),
-                              [(list(layers), f) for layers, f in p["groups"]])
+                              [(list(layers), f) for layers, f in p["groups"]], p.get("salt", ""))
 
     def discard(self, key: str) -> None:
         (self.dir / f"{key}.pt").unlink(missing_ok=True)

@@ -11,7 +11,7 @@ from inferscale.engine import MemoryItem
 from inferscale.engine.cache import injected_cache, kv_of_cache
 from inferscale.errors import ConfigError
 from inferscale.kernels.rope import rope_shift
-from inferscale.trtllm import InjectionEntry, PlanRegistry, cache_salt, fill_pool, plan_span, pool_view
+from inferscale.trtllm import InjectionEntry, PlanRegistry, cache_salt, fill_pool, plan_span, pool_view, salt_allows
 
 SECRET = b"s" * 32
 
@@ -44,6 +44,23 @@ def test_salt_rejects_invalid_tenant(tenant):
 def test_salt_rejects_short_secret():
     with pytest.raises(ConfigError):
         cache_salt(b"short", "tenant-a")
+
+
+def _salt_id(salt: str) -> int:
+    """Stands in for TensorRT-LLM's salt → id hash (a plain function of the string; any stable hash will do)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+
+
+def test_plan_is_used_only_by_requests_carrying_its_tenants_salt():
+    """Attack: tenant B sends exactly tenant A's prompt token ids. The plan is found by token ids, but B's request
+    carries B's salt, so it must not get A's injected KV."""
+    plan_salt = cache_salt(SECRET, "tenant-a")
+    assert salt_allows(plan_salt, _salt_id(plan_salt), _salt_id)
+    assert not salt_allows(plan_salt, _salt_id(cache_salt(SECRET, "tenant-b")), _salt_id)
+    assert not salt_allows(plan_salt, None, _salt_id)  # a request with no salt
+    assert not salt_allows("", _salt_id(""), _salt_id)  # a plan registered without one
 
 
 # ---- span planning --------------------------------------------------------------------------------------------
@@ -155,10 +172,12 @@ def test_pool_view_of_trtllm_registered_tensor():
 # ---- plans handed between processes ---------------------------------------------------------------------------
 def test_plan_registry_round_trip(tmp_path):
     reg = PlanRegistry(tmp_path)
-    entry = InjectionEntry(torch.randn(1, 2, 1, 3, 8), [torch.randn(1, 2, 1, 2, 8)], [3], [([0], _inv_freq(1e4, 8))])
+    entry = InjectionEntry(torch.randn(1, 2, 1, 3, 8), [torch.randn(1, 2, 1, 2, 8)], [3], [([0], _inv_freq(1e4, 8))],
+                           salt=cache_salt(SECRET, "tenant-a"))
     reg.put([1, 2, 3], entry)
     got = reg.get([1, 2, 3])
     assert torch.equal(got.prefix_kv, entry.prefix_kv) and got.blocks == [(2, 3)] and got.groups[0][0] == [0]
+    assert got.salt == entry.salt
     assert reg.get([1, 2, 4]) is None
     assert not list(tmp_path.glob("*.tmp"))
 
