@@ -137,5 +137,6 @@ def inject_triton(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_layer
         *src.stride(), *cs, *ds,
         HAS_SCALE=scale is not None, MOVE_VALUES=move_values, BLOCK_T=BLOCK_T,
         BLOCK_D=triton.next_power_of_2(half),
+        enable_fp_fusion=False,  # no FMA contraction: the GPU rounds as the torch reference does
     )
     return dst

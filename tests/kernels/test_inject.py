@@ -64,13 +64,9 @@ def _check(out, ref, dtype, touched_mask):
     got, want = out[touched_mask].float(), ref[touched_mask].float()
     assert not torch.isnan(got).any(), "kernel left a planned position unwritten"
     diff = (got - want).abs()
-    if COMPILED and dtype != torch.float32:
-        # Compiled code may contract a·b - c·d into an FMA: a float32 result one ulp off can round to the
-        # neighbouring half-precision value. Allow that one step, never more.
-        step = want.abs().clamp_min(1e-2) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
-        assert bool((diff <= torch.maximum(torch.full_like(diff, tol), step)).all()), float(diff.max())
-    else:
-        assert float(diff.max()) <= tol, float(diff.max())
+    # Compiled, the kernel runs without FMA contraction (enable_fp_fusion=False), so the GPU rounds as the
+    # reference does: the same bound holds compiled and interpreted.
+    assert float(diff.max()) <= tol, float(diff.max())
 
 
 CASES = [
