@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         "device": str(engine.device) + ("" if engine.device.type != "cpu" else f" ({platform.processor() or platform.machine()})"),
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "inject": "triton" if engine.device.type == "cuda" and _triton_available() else "torch",
         "repeats": args.repeats,
         "rows": rows,
         "summary": _summary(rows),
@@ -121,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
         p.unlink(missing_ok=True)
     blob_dir.rmdir()
     return 0
+
+
+def _triton_available() -> bool:
+    from inferscale.kernels.inject import triton_available
+
+    return triton_available()
 
 
 def _summary(rows: list[dict]) -> dict:

@@ -201,3 +201,30 @@ def test_adapter_needs_tensorrt_llm():
             import inferscale.trtllm.connector  # noqa: F401
     else:
         pytest.skip("tensorrt_llm is installed: scripts/gpu-check.sh exercises the adapter")
+
+
+def test_fill_pool_through_the_triton_kernel_equals_torch(monkeypatch):
+    """The connector's fill with the kernel it uses on GPU (here under Triton's interpreter) gives the torch
+    path's pages, NaN-poisoned pool and all."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    import inferscale.trtllm.core as core
+    from inferscale.kernels.inject_triton import inject_triton
+
+    gen = torch.Generator().manual_seed(5)
+    layers, heads, d, tpb = 2, 2, 32, 4
+    prefix = torch.randn((layers, 2, heads, 5, d), generator=gen)
+    blocks = [torch.randn((layers, 2, heads, n, d), generator=gen) for n in (6, 9)]
+    plan = plan_span(5, [(6, 5), (9, 70)], 2, tokens_per_block=tpb)
+    groups = [([0], _inv_freq(1e4, d)), ([1], _inv_freq(1e6, d))]
+    pages = [4, 1, 6, 0, 2]
+    want = torch.full((8, layers, 2, heads, tpb, d), float("nan"), dtype=torch.bfloat16)
+    fill_pool(want, pages, plan, prefix, blocks, groups, 0, plan.claim_end)
+    monkeypatch.setattr(core, "shift_and_place", inject_triton)
+    got = torch.full_like(want, float("nan"))
+    fill_pool(got, pages, plan, prefix, blocks, groups, 0, plan.claim_end)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    filled = ~torch.isnan(want)
+    assert filled.any() and float((got[filled].float() - want[filled].float()).abs().max()) <= 1e-3
