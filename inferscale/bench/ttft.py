@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of TTFT vs k")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--random-weights", default=None, metavar="SHAPE",
+                   help="time a random-weight model of this shape instead of --model (llama3-8b, llama-tiny)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
     if not ks or ks[0] < 1:
         raise ConfigError(f"--k {args.k!r}: expected positive integers")
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    if args.random_weights:
+        from inferscale.bench.random_model import random_engine
+
+        engine = random_engine(args.random_weights, device=args.device, dtype=args.dtype)
+    else:
+        engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
     items = read_jsonl(args.memories) if args.memories else synthetic_memories(max(ks), engine.tokenizer)
     if len(items) < max(ks):
         raise ConfigError(f"--memories has {len(items)} items, fewer than k={max(ks)}")
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         "device": str(engine.device) + ("" if engine.device.type != "cpu" else f" ({platform.processor() or platform.machine()})"),
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "inject": "triton" if engine.device.type == "cuda" and _triton_available() else "torch",
         "repeats": args.repeats,
         "rows": rows,
         "summary": _summary(rows),
@@ -120,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
         p.unlink(missing_ok=True)
     blob_dir.rmdir()
     return 0
+
+
+def _triton_available() -> bool:
+    from inferscale.kernels.inject import triton_available
+
+    return triton_available()
 
 
 def _summary(rows: list[dict]) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from inferscale.kernels.rope import rope_shift
+from inferscale.kernels.inject import rotate_in_place  # kernel selection: Triton on CUDA, torch on CPU
 from inferscale.kvformat import KVBlock
 from inferscale.models.layout import ModelLayout
 
@@ -65,7 +65,7 @@ def injected_cache(
         if deltas:
             delta = torch.cat(deltas)
             mem = kept - delta.numel()  # the kept prefix tokens come first and never move
-            rope_shift(kv[:, 0, :, mem:], delta, inv_freq, inplace=True)
+            rotate_in_place(kv, mem, delta, inv_freq)  # keys of tokens mem.. only
         for j, li in enumerate(idx):
             if windowed:
                 _fill(cache.layers[li], kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), n)

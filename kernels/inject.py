@@ -1,0 +1,154 @@
+"""Injection: gather memory tokens from a source buffer → dequantize → rotate keys by Δ → write into a cache.
+
+One operation, two implementations with the same signature:
+  ``inject_reference``  torch, built on ``rope.rope_shift``: the oracle, and the CPU path.
+  ``inject_triton``     one fused Triton launch per layer group (``inject_triton.py``), used on CUDA.
+``shift_and_place`` picks between them: Triton when the tensors are on CUDA and triton imports, torch otherwise.
+
+Shapes (one call = one layer group: one θ, so one ``inv_freq``):
+  src       [L_src, 2, H, N_src, D]  a tier/staging buffer: blocks concatenated along tokens. Any float dtype, or
+                                     int8 with ``scale``.
+  scale     optional, broadcastable to src (e.g. [L_src, 2, H, N_src, 1] per token, [L_src, 2, H, 1, D] per
+                                     channel): dequantized value = src · scale, in float32.
+  dst       contiguous cache layout  [L_dst, 2, H, N_dst, D], or
+            paged pool               [num_pages, L_dst, 2, H, tokens_per_page, D] (TensorRT-LLM's KV pool,
+                                     ``KvCacheConnectorWorker.register_kv_caches`` tensor viewed 6-d), with
+                                     ``page_table`` mapping a sequence's page number to a pool page.
+  src_layers / dst_layers [G]        layer j of the group reads src layer src_layers[j], writes dst_layers[j]
+  src_tokens / dst_positions / deltas [T]   token t reads src token src_tokens[t], lands at sequence position
+                                     dst_positions[t], its key rotated by deltas[t] (0: copied as is).
+Keys rotate in float32 with angles Δ·θ computed in float64 (exact for Δ up to ~1e5, as ``rope.shift_cos_sin``);
+values are only dequantized and cast. ``dst`` is written in place and returned.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+
+from inferscale.errors import ConfigError
+from inferscale.kernels.rope import rope_shift
+
+
+def _as_index(x: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.long).to(device)
+
+
+def check_inject_args(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_layers, src_tokens, dst_positions,
+                      deltas, inv_freq: torch.Tensor, scale: torch.Tensor | None, page_table,
+                      tokens_per_page: int | None) -> None:
+    """Shape and range checks shared by both implementations: a bad plan is a ConfigError, never a silent write
+    outside the request's pages."""
+    if src.dim() != 5 or src.shape[1] != 2:
+        raise ConfigError(f"inject: src must be [layers, 2, heads, tokens, head_dim], got {tuple(src.shape)}")
+    paged = page_table is not None
+    want = 6 if paged else 5
+    if dst.dim() != want:
+        raise ConfigError(f"inject: dst must have {want} dims ({'paged pool' if paged else 'cache'}), got {tuple(dst.shape)}")
+    h, d = src.shape[2], src.shape[4]
+    dh, dd = (dst.shape[3], dst.shape[5]) if paged else (dst.shape[2], dst.shape[4])
+    if (h, d) != (dh, dd):
+        raise ConfigError(f"inject: src heads/head_dim {(h, d)} != dst {(dh, dd)}")
+    if d % 2:
+        raise ConfigError(f"inject: head_dim {d} is odd; RoPE rotates pairs")
+    if inv_freq.numel() != d // 2:
+        raise ConfigError(f"inject: inv_freq has {inv_freq.numel()} entries, head_dim {d} needs {d // 2}")
+    if len(src_layers) != len(dst_layers):
+        raise ConfigError("inject: src_layers and dst_layers differ in length")
+    if not len(src_tokens) == len(dst_positions) == len(deltas):
+        raise ConfigError("inject: src_tokens, dst_positions and deltas differ in length")
+    if src.dtype in (torch.int8, torch.uint8) and scale is None:
+        raise ConfigError("inject: integer src needs a scale")
+    if scale is not None:
+        try:
+            torch.broadcast_shapes(scale.shape, src.shape)
+        except RuntimeError as e:
+            raise ConfigError(f"inject: scale {tuple(scale.shape)} does not broadcast to src {tuple(src.shape)}") from e
+    if paged and (tokens_per_page is None or tokens_per_page != dst.shape[4]):
+        raise ConfigError(f"inject: tokens_per_page {tokens_per_page} != pool page size {dst.shape[4]}")
+    layer_cap = dst.shape[1] if paged else dst.shape[0]
+    _in_range("src_layers", src_layers, src.shape[0])
+    _in_range("dst_layers", dst_layers, layer_cap)
+    _in_range("src_tokens", src_tokens, src.shape[3])
+    if paged:
+        _in_range("dst_positions", dst_positions, len(page_table) * tokens_per_page)
+        _in_range("page_table", page_table, dst.shape[0])
+    else:
+        _in_range("dst_positions", dst_positions, dst.shape[3])
+
+
+def _in_range(name: str, values, bound: int) -> None:
+    t = torch.as_tensor(values)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= bound):
+        raise ConfigError(f"inject: {name} outside [0, {bound})")
+
+
+def inject_reference(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_layers, src_tokens, dst_positions,
+                     deltas, inv_freq: torch.Tensor, scale: torch.Tensor | None = None, page_table=None,
+                     tokens_per_page: int | None = None, move_values: bool = True) -> torch.Tensor:
+    """Torch oracle: the same result as the fused kernel, one step at a time."""
+    check_inject_args(src, dst, src_layers=src_layers, dst_layers=dst_layers, src_tokens=src_tokens,
+                      dst_positions=dst_positions, deltas=deltas, inv_freq=inv_freq, scale=scale,
+                      page_table=page_table, tokens_per_page=tokens_per_page)
+    dev = src.device
+    sl, tok = _as_index(src_layers, dev), _as_index(src_tokens, dev)
+    picked = src.index_select(0, sl).index_select(3, tok)  # [G, 2, H, T, D]
+    if scale is not None:
+        sc = scale.to(dev).expand(src.shape).index_select(0, sl).index_select(3, tok)
+        picked = picked.to(torch.float32) * sc.to(torch.float32)
+    else:
+        picked = picked.to(torch.float32)
+    keys = rope_shift(picked[:, 0], _as_index(deltas, torch.device("cpu")), inv_freq)  # float32 in, float32 out
+    vals = picked[:, 1]
+    pos = _as_index(dst_positions, dst.device)
+    for j, li in enumerate(_as_index(dst_layers, torch.device("cpu")).tolist()):
+        if page_table is None:
+            dst[li, 0, :, pos] = keys[j].to(dst.device, dst.dtype)
+            if move_values:
+                dst[li, 1, :, pos] = vals[j].to(dst.device, dst.dtype)
+        else:
+            pages = _as_index(page_table, dst.device)[pos // tokens_per_page]
+            off = pos % tokens_per_page
+            # pool[page, layer, kv, :, off] for each token: advanced indexing puts the token axis first.
+            dst[pages, li, 0, :, off] = keys[j].transpose(0, 1).to(dst.device, dst.dtype)
+            if move_values:
+                dst[pages, li, 1, :, off] = vals[j].transpose(0, 1).to(dst.device, dst.dtype)
+    return dst
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the Triton kernel can run: triton imports (CUDA wheels ship it; CPU wheels do not)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- selection: the one place that decides Triton vs torch (the engine and the TRT-LLM worker call these) ----
+def shift_and_place(src: torch.Tensor, dst: torch.Tensor, **kw) -> torch.Tensor:
+    """``inject`` on the best path: the fused Triton kernel when ``dst`` is on CUDA and triton imports, else the
+    torch reference. ``INFERSCALE_INJECT=torch`` forces the reference (a kill switch for a kernel bug)."""
+    if dst.is_cuda and triton_available() and os.environ.get("INFERSCALE_INJECT", "") != "torch":
+        from inferscale.kernels.inject_triton import inject_triton
+
+        return inject_triton(src, dst, **kw)
+    return inject_reference(src, dst, **kw)
+
+
+def rotate_in_place(kv: torch.Tensor, first: int, delta: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """Rotate the keys of tokens ``first``.. of a cache-layout buffer ``kv`` [G, 2, H, N, D] by ``delta`` [N-first].
+
+    The engine's call (``engine/cache.py``): on CPU exactly the old ``rope_shift`` in place; on CUDA the fused
+    kernel reading and writing the same buffer (each program reads a token's key before writing it)."""
+    if kv.is_cuda and triton_available() and os.environ.get("INFERSCALE_INJECT", "") != "torch":
+        layers = list(range(kv.shape[0]))
+        tokens = torch.arange(first, kv.shape[3])
+        shift_and_place(kv, kv, src_layers=layers, dst_layers=layers, src_tokens=tokens, dst_positions=tokens,
+                        deltas=delta, inv_freq=inv_freq, move_values=False)
+        return
+    rope_shift(kv[:, 0, :, first:], delta, inv_freq, inplace=True)
