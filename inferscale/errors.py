@@ -47,3 +47,11 @@ class PromptTooLongError(InferScaleError):
 
 class StorageError(InferScaleError):
     """The node's disk tier cannot be written (full disk, permissions); no partial file is left behind."""
+
+
+class UnsafePathError(InferScaleError):
+    """A path argument names a place it may not: outside its tenant/user directory, or through a symlink."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

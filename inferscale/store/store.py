@@ -7,7 +7,6 @@ content in two tenants is stored twice on purpose (no cross-tenant dedup)."""
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import socket
@@ -25,11 +24,11 @@ from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError, StorageError,
     TransferError,
 )
-from inferscale.kvformat import KVBlock, atomic_write, encode_blob, list_blobs
-from inferscale.store import peer as peerproto
+from inferscale.kvformat import KVBlock, atomic_write, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import BlobInfo, block_from_image, parse_header, read_header, verify
 from inferscale.store.catalogue import Catalogue, ItemInfo
+from inferscale.store.jobdir import read_job_dir
 from inferscale.store.layout import CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
@@ -80,15 +79,19 @@ class KVStore:
         nixl: bool = True,
         peer_port: int | None = None,
         peer_host: str = "0.0.0.0",
-        peer_token: str | None = None,
+        peer_secret: str | None = None,
         timeout_s: float = 10.0,
         device: str | torch.device | None = None,
         min_block_bytes: int = DEFAULT_MIN_BLOCK,
+        job_root: str | os.PathLike | None = None,
+        ucx_port_range: str | None = None,
     ) -> None:
         self.root = Path(root)
+        # The node's KV host path: the only place a peer may ask this store to import a Job's output from.
+        self.job_root = None if job_root is None else Path(job_root)
         self.node = node or socket.gethostname()
         self.timeout_s = timeout_s
-        self.peer_token = peer_token
+        self.peer_secret = peer_secret  # INFERSCALE_PEER_SECRET: MACs peer requests, never sent
         for name, v in (("dram_budget_bytes", dram_budget_bytes), ("gpu_budget_bytes", gpu_budget_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
@@ -123,7 +126,7 @@ class KVStore:
             from inferscale.store.nixl_transport import NixlTransport
 
             self.transport = NixlTransport(self.arena, name=f"{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                                           timeout_s=timeout_s)
+                                           timeout_s=timeout_s, ucx_port_range=ucx_port_range)
         self._hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
         self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
@@ -132,7 +135,7 @@ class KVStore:
         if peer_port is not None:
             from inferscale.store.serving import PeerService
 
-            self.peer_service = PeerService(self, peer_host, peer_port, token=peer_token, timeout_s=timeout_s)
+            self.peer_service = PeerService(self, peer_host, peer_port, secret=peer_secret, timeout_s=timeout_s)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -285,27 +288,10 @@ class KVStore:
     def import_dir(self, tenant: str, user: str, directory: str | os.PathLike, items: list[str] | None = None,
                    *, load: bool = True) -> PullResult:
         """Adopt an encoding Job's output (``DIR/<id>.safetensors``): verify each blob, store it in the disk tier
-        and, with ``load``, in DRAM. Every blob is checked before any is stored."""
+        and, with ``load``, in DRAM. Every blob is checked before any is stored; nothing is read through a symlink
+        (inferscale/store/jobdir.py)."""
         t0 = time.perf_counter()
-        check_name("tenant", tenant), check_name("user", user)
-        d = Path(directory)
-        if not d.is_dir():
-            raise NotFoundError(f"blob directory {d} does not exist")
-        paths = {p.stem: p for p in list_blobs(d)}
-        if items is not None:
-            missing = [i for i in items if i not in paths]
-            if missing:
-                raise NotFoundError(f"items {missing} not found in {d}")
-            paths = {i: paths[i] for i in items}
-        images = []
-        for item, p in paths.items():
-            check_name("item", item)
-            try:
-                data = p.read_bytes()
-            except OSError as e:
-                raise BlobCorruptError(f"{p}: cannot read ({e.strerror or e})") from None
-            info = verify(memoryview(data), source=str(p), expect_sha=None, expect_item=item)
-            images.append((data, info))
+        images = read_job_dir(tenant, user, directory, items)
         tier, nbytes = ("dram" if load else "disk"), 0
         for data, info in images:
             self._store_image(tenant, user, memoryview(data), info, cache=load)
@@ -316,81 +302,18 @@ class KVStore:
 
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
                        fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
-        """Copy a user's blocks from a peer node's DRAM (NIXL UCX READ, one request) into this node's DRAM and
-        disk, verifying every checksum. TransferError when the peer is unreachable or too slow.
+        """Copy a user's blocks from a peer node (NIXL UCX READ of a lease, one request) into this node's DRAM
+        and disk, verifying every checksum (inferscale/store/pulling.py). TransferError when the peer is
+        unreachable or too slow. ``source_dir``: an encoding Job's output directory on the peer's node
+        (``<its kv host path>/<tenant>/<user>``); the peer imports missing items from it before serving them."""
+        from inferscale.store.pulling import pull_from_peer
 
-        ``source_dir``: an encoding Job's output directory on the peer's node (``.../<tenant>/<user>``); the
-        peer imports missing items from it before serving them."""
-        t0 = time.perf_counter()
-        check_name("tenant", tenant), check_name("user", user)
-        for i in item_ids or []:
-            check_name("item", i)
-        if fingerprint is not None:
-            check_fingerprint(fingerprint)
-        blocks, offsets = self._peer_fetch(tenant, user, peer, item_ids, fingerprint, source_dir)
-        good, bad = self._verify_slots(
-            tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
-                      b["fingerprint"]) for o, b in zip(offsets, blocks)])
-        nbytes = 0
-        for n, (off, size, info) in enumerate(good):
-            try:
-                self._store_image(tenant, user, self.arena.view(off, size), info, cache=False)
-            except BaseException:  # e.g. a full disk: give back the slots not committed yet
-                for o, s, _ in good[n:]:
-                    self.dram.abort(tenant, [o], [s])
-                raise
-            key = (tenant, user, info.fingerprint, info.item_id)
-            self.dram.release(self.dram.commit(key, off, size, info))
-            nbytes += size
-        self.catalogue.set_flag([(tenant, user, i.fingerprint, i.item_id) for _, _, i in good], "dram", 1)
-        self._counters["peer_pulls"] += len(good)
-        if bad:
-            self._raise_corrupt(tenant, user, bad, mark=True)
-        return self._result(tenant, user, len(good), nbytes, "dram", t0)
+        return pull_from_peer(self, tenant, user, peer, item_ids, fingerprint, source_dir)
 
     def _result(self, tenant: str, user: str, blocks: int, nbytes: int, tier: str, t0: float) -> PullResult:
         rows = self.catalogue.items(tenant, user)
         return PullResult(tenant, user, blocks, nbytes, tier, time.perf_counter() - t0, len(rows),
                           sum(r.size for r in rows), sum(r.tokens for r in rows))
-
-    def _peer_fetch(self, tenant: str, user: str, peer: str, item_ids: list[str] | None,
-                    fingerprint: str | None, source_dir: str | None = None) -> tuple[list[dict[str, Any]], list[int]]:
-        """Locate the blocks at the peer, READ them all in one NIXL request into reserved arena slots, end the
-        lease. Returns (the peer's block records, slot offsets); the slots are unverified and uncommitted."""
-        if self.transport is None or not self.transport.has_ucx:
-            raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
-        reply = peerproto.request(peer, {"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
-                                         "fingerprint": fingerprint, "dir": source_dir, "token": self.peer_token},
-                                self.timeout_s)
-        if reply.get("error") == "not_found":
-            raise NotFoundError(f"peer {peer}: {reply.get('message')}")
-        if "error" in reply:
-            raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
-        lease, blocks = reply["lease"], reply["blocks"]
-        done = False
-        try:
-            agent = self.transport.add_remote(base64.b64decode(reply["agent"]))
-            sizes = [b["size"] for b in blocks]
-            offsets, evicted = self.dram.reserve(tenant, sizes)
-            try:
-                # The completion notification ends the peer's lease: no extra round trip on success.
-                self.transport.read_remote(agent, [(b["addr"], b["size"]) for b in blocks], offsets,
-                                           notif=f"lease:{lease}".encode())
-                done = True
-            except TransferError as e:
-                self.transport.forget_remote(agent)
-                if not getattr(e, "inflight", False):  # a transfer still in flight may yet write: leak, not reuse
-                    self.dram.abort(tenant, offsets, sizes)
-                raise
-        finally:
-            if not done:
-                try:
-                    peerproto.request(peer, {"op": "release", "lease": lease, "token": self.peer_token},
-                                      self.timeout_s)
-                except TransferError as e:
-                    log.warning("releasing lease at %s: %s", peer, e)
-        self.catalogue.record([], {("dram", 0): evicted})
-        return blocks, offsets
 
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = {"node": self.node, **self.catalogue.totals(), **self.dram.stats(), **self._counters}
