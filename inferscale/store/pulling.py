@@ -27,7 +27,7 @@ def pull_from_peer(store: KVStore, tenant: str, user: str, peer: str, item_ids: 
         check_name("item", i)
     if fingerprint is not None:
         check_fingerprint(fingerprint)
-    blocks, offsets = _fetch(store, tenant, user, peer, item_ids, fingerprint, source_dir)
+    blocks, offsets = fetch_leased(store, tenant, user, peer, item_ids, fingerprint, source_dir)
     good, bad = store._verify_slots(
         tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
                   b["fingerprint"]) for o, b in zip(offsets, blocks)])
@@ -49,7 +49,7 @@ def pull_from_peer(store: KVStore, tenant: str, user: str, peer: str, item_ids: 
     return store._result(tenant, user, len(good), nbytes, "dram", t0)
 
 
-def _fetch(store: KVStore, tenant: str, user: str, peer: str, item_ids: list[str] | None,
+def fetch_leased(store: KVStore, tenant: str, user: str, peer: str, item_ids: list[str] | None,
            fingerprint: str | None, source_dir: str | None) -> tuple[list[dict[str, Any]], list[int]]:
     """Get a lease on the blocks at the peer, READ them all in one NIXL request into reserved arena slots, end
     the lease. Returns (the peer's block records, slot offsets); the slots are unverified and uncommitted."""
