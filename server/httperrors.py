@@ -72,7 +72,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(E.InferScaleError)
     async def _typed(_: Request, e: E.InferScaleError):
         a = from_typed(e)
-        return response(a.status, a.message, a.type, a.code)
+        return response(a.status, a.message, a.type, a.code, a.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
