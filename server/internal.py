@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 
+from inferscale.errors import UnsafePathError
 from inferscale.jobpaths import job_dir_path
 from inferscale.server.auth import require_internal
 from inferscale.server.httperrors import ApiError
@@ -23,7 +24,11 @@ def _pull(store, settings, req: PullRequest):
     if src.peer is None or src.node == settings.node_name:  # the encoding Job's output is on this node
         # The same rule as purge's source_dir (inferscale/jobpaths.py), checked before anything is read.
         path = job_dir_path(settings.kv_host_path, req.tenant, req.user, src.dir, param="source.dir")
-        return store.import_dir(req.tenant, req.user, path, req.items)
+        try:
+            return store.import_dir(req.tenant, req.user, path, req.items)
+        except UnsafePathError as e:  # a symlink or hard link inside the dir (store/jobdir.py)
+            e.param = e.param or "source.dir"
+            raise
     # The peer checks the dir against its own INFERSCALE_KV_HOST_PATH with the same rule before importing it.
     return store.pull_from_peer(req.tenant, req.user, src.peer, req.items, source_dir=src.dir)
 
