@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Request
 from inferscale.errors import UnsafePathError
 from inferscale.jobpaths import job_dir_path
 from inferscale.server.auth import require_internal
-from inferscale.server.httperrors import ApiError
 from inferscale.server.schemas import Capacity, ErrorBody, PullRequest, PullResult, Purged, PurgeRequest
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_internal)],

@@ -14,7 +14,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,49 +21,19 @@ import torch
 
 from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError, StorageError,
-    TransferError,
 )
 from inferscale.kvformat import KVBlock, atomic_write, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import BlobInfo, block_from_image, parse_header, read_header, verify
 from inferscale.store.catalogue import Catalogue, ItemInfo
+from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
 from inferscale.store.layout import CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs
+from inferscale.store.results import FetchStats, PullResult
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
 log = logging.getLogger(__name__)
 DEFAULT_MIN_BLOCK = 64 << 10  # budgets below this cannot hold any real block; the server passes its model's size
-
-
-@dataclass
-class FetchStats:
-    """What one get_many cost: which tier served each block, bytes served, wall time."""
-
-    tiers: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "dram": 0, "disk": 0})
-    bytes: int = 0  # kv bytes of the blocks returned
-    bytes_read: int = 0  # blob bytes brought up from disk
-    seconds: float = 0.0
-    served: dict[str, str] = field(default_factory=dict)  # item id -> tier
-
-    def as_attributes(self, prefix: str = "kv.") -> dict[str, int | float]:
-        """Flat attributes for a tracing span."""
-        out: dict[str, int | float] = {f"{prefix}tier.{k}": v for k, v in self.tiers.items()}
-        out.update({f"{prefix}blocks": sum(self.tiers.values()), f"{prefix}bytes": self.bytes,
-                    f"{prefix}bytes_read": self.bytes_read, f"{prefix}seconds": self.seconds})
-        return out
-
-
-@dataclass
-class PullResult:
-    tenant: str
-    user: str
-    blocks: int
-    bytes: int
-    tier: str  # where the blocks now are: "dram" (or "disk" when they did not fit)
-    seconds: float
-    total_blocks: int = 0  # the user's totals on this node after the call (what /internal/v1/pull reports)
-    total_bytes: int = 0
-    total_tokens: int = 0
 
 
 class KVStore:
@@ -402,57 +371,13 @@ class KVStore:
         if not misses:
             return entries, [], []
         try:
-            loaded, evicted = self._load_from_disk(tenant, misses, protect)
+            loaded, evicted = load_from_disk(self, tenant, misses, protect)
         except BaseException:
             for e in entries.values():
                 self.dram.release(e)
             raise
         entries.update({e.key: e for e in loaded})
         return entries, loaded, evicted
-
-    def _load_from_disk(self, tenant: str, rows: list[ItemInfo], protect: set[Key]
-                        ) -> tuple[list[DramEntry], list[Key]]:
-        fds: list[int] = []
-        missing: list[str] = []
-        opened: list[ItemInfo] = []
-        gens = {r.key: self.dram.generation(r.key) for r in rows}  # before the files are opened
-        try:
-            for r in rows:
-                try:
-                    fds.append(os.open(r.path, os.O_RDONLY))
-                    opened.append(r)
-                except OSError:
-                    missing.append(r.item_id)
-            sizes = [os.fstat(fd).st_size for fd in fds]
-            for r, s in zip(list(opened), sizes):
-                if s != r.size:
-                    missing.append(r.item_id)  # truncated or replaced behind our back
-            if missing:
-                self._raise_corrupt(tenant, rows[0].user, missing, mark=True)
-            offsets, evicted = self.dram.reserve(tenant, sizes, protect)
-            try:
-                if self.transport is not None and self.transport.has_posix:
-                    self.transport.read_files(list(zip(fds, sizes)), offsets)
-                else:
-                    for fd, off, size in zip(fds, offsets, sizes):
-                        _pread_into(fd, self.arena.view(off, size))
-            except BaseException:
-                self.dram.abort(tenant, offsets, sizes)
-                raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-        good, bad = self._verify_slots(
-            tenant, [(o, s, r.path, r.sha256, r.item_id, r.fingerprint) for o, s, r in zip(offsets, sizes, opened)],
-            recheck=lambda item, sha: self._changed_since(
-                (tenant, rows[0].user, rows[0].fingerprint, item), sha, gens))
-        loaded = [self.dram.commit(r.key, off, size, info, gens[r.key])
-                  for (off, size, info), r in zip(good, [r for r in opened if r.item_id not in bad])]
-        if bad:
-            for e in loaded:
-                self.dram.release(e)
-            self._raise_corrupt(tenant, rows[0].user, bad, mark=True)
-        return loaded, evicted
 
     def _changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
         """Whether an intact blob that disagrees with the catalogue row read earlier is explained by a put
@@ -530,11 +455,3 @@ class KVStore:
         (self._pins.update if on else self._pins.difference_update)(keys)
         return len(keys)
 
-
-def _pread_into(fd: int, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], got)
-        if n == 0:
-            raise BlobCorruptError(f"file shrank while reading (fd {fd})")
-        got += n
