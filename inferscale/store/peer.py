@@ -8,7 +8,10 @@ crosses this socket; the bytes go through NIXL. Frames: 4-byte big-endian length
 Authentication (``INFERSCALE_PEER_SECRET``, never sent): on connect the server sends ``{"nonce": <hex>}``, fresh
 per connection; the client's one request carries ``"auth": hex(HMAC-SHA256(secret, nonce || canonical JSON of
 the request without "auth"))``, checked with ``hmac.compare_digest``. A sniffed request cannot be replayed (the
-next connection has another nonce) nor altered (the MAC covers every field)."""
+next connection has another nonce) nor altered (the MAC covers every field). The request also carries the
+client's own nonce ``"cnonce"``; a successful reply carries ``"auth": hex(HMAC-SHA256(secret, "reply:" || cnonce ||
+canonical JSON of the reply without "auth"))``, so a process on a peer's address without the secret cannot hand
+out leases (forged blocks, metadata). Error replies are not MACed: forging one only fails a pull."""
 
 from __future__ import annotations
 
@@ -49,7 +52,10 @@ def recv_msg(sock: socket.socket) -> dict[str, Any]:
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
     if n > MAX_FRAME:
         raise ConnectionError(f"frame of {n} bytes")
-    return json.loads(_recv_exact(sock, n))
+    msg = json.loads(_recv_exact(sock, n))
+    if not isinstance(msg, dict):
+        raise ValueError("a frame that is not a JSON object")
+    return msg
 
 
 def canonical(msg: dict[str, Any]) -> bytes:
@@ -59,6 +65,11 @@ def canonical(msg: dict[str, Any]) -> bytes:
 
 def request_mac(secret: str, nonce: str, msg: dict[str, Any]) -> str:
     return hmac.new(secret.encode(), nonce.encode() + b"\n" + canonical(msg), hashlib.sha256).hexdigest()
+
+
+def reply_mac(secret: str, cnonce: str, reply: dict[str, Any]) -> str:
+    return hmac.new(secret.encode(), b"reply:" + cnonce.encode() + b"\n" + canonical(reply),
+                    hashlib.sha256).hexdigest()
 
 
 def parse_peer(peer: str) -> tuple[str, int]:
@@ -78,10 +89,18 @@ def request(peer: str, msg: dict[str, Any], timeout_s: float, secret: str | None
             nonce = recv_msg(s).get("nonce")
             if not isinstance(nonce, str):
                 raise ValueError("no nonce in the peer's greeting")
-            send_msg(s, {**msg, "auth": request_mac(secret, nonce, msg)} if secret else msg)
-            return recv_msg(s)
+            if secret:
+                msg = {**msg, "cnonce": secrets.token_hex(16)}
+                msg["auth"] = request_mac(secret, nonce, msg)
+            send_msg(s, msg)
+            reply = recv_msg(s)
     except (OSError, ConnectionError, ValueError) as e:
         raise TransferError(f"peer {peer} unreachable or not answering ({e})") from None
+    got = reply.pop("auth", None)
+    if secret and "error" not in reply and not (isinstance(got, str) and hmac.compare_digest(
+            got.encode(), reply_mac(secret, msg["cnonce"], reply).encode())):
+        raise TransferError(f"peer {peer}: reply not authenticated (not a peer holding INFERSCALE_PEER_SECRET)")
+    return reply
 
 
 class PeerServer:
@@ -104,6 +123,9 @@ class PeerServer:
                         reply = {"error": "unauthorized", "message": "bad or missing peer MAC (INFERSCALE_PEER_SECRET)"}
                     else:
                         reply = outer._safe(handler, msg)
+                        cnonce = msg.get("cnonce")
+                        if secret is not None and "error" not in reply and isinstance(cnonce, str):
+                            reply = {**reply, "auth": reply_mac(secret, cnonce, reply)}
                     send_msg(self.request, reply)
                 except (OSError, ConnectionError, ValueError) as e:
                     log.debug("peer connection dropped: %s", e)

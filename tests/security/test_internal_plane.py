@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from inferscale.errors import ConfigError
+from inferscale.errors import ConfigError, TransferError
 from inferscale.server.auth import TenantRegistry, hash_key
 from inferscale.store import peer as peerproto
 
@@ -132,3 +132,20 @@ def test_peer_secret_never_travels_and_a_sniffed_request_cannot_be_replayed():
         assert len(seen) == 1
     finally:
         server.close()
+
+
+def test_a_process_without_the_secret_cannot_answer_as_a_peer():
+    """Whoever listens on a peer's address without the secret (a pod that set its own nixl-peer annotation, a
+    spoofed address) cannot hand the puller a lease: its reply carries no valid MAC."""
+    forged = {"lease": "x", "node": "evil", "agent": "", "blocks": [{"item": "m1", "fingerprint": "f" * 64,
+                                                                     "addr": 0, "size": 8, "sha256": "0" * 64}]}
+    impostor = peerproto.PeerServer("127.0.0.1", 0, lambda m: dict(forged), secret=None, timeout_s=5)
+    wrong = peerproto.PeerServer("127.0.0.1", 0, lambda m: dict(forged), secret="another-secret", timeout_s=5)
+    try:
+        msg = {"op": "locate", "tenant": "acme", "user": "alice", "items": None, "fingerprint": None, "dir": None}
+        with pytest.raises(TransferError, match="not authenticated"):
+            peerproto.request(f"127.0.0.1:{impostor.port}", msg, 5, "the-real-secret")
+        assert peerproto.request(f"127.0.0.1:{wrong.port}", msg, 5, "the-real-secret")["error"] == "unauthorized"
+    finally:
+        impostor.close()
+        wrong.close()
