@@ -1,9 +1,10 @@
 """KVStore: the tiered, tenant-scoped store of memory KV blocks on one node.
 
 Tiers, fastest first: G1 device (CUDA, optional), G2 DRAM arena, G3 local disk (safetensors blobs, the source
-of truth), G4 peers (other nodes' DRAM via NIXL UCX). Every call names the tenant and every lookup is keyed by
-(tenant, user, fingerprint, item): there is no path from one tenant's name to another's bytes, and identical
-content in two tenants is stored twice on purpose (no cross-tenant dedup)."""
+of truth), G4 peers (other nodes' DRAM via NIXL UCX, one lease at a time: pulling.py, serving.py). Every call
+names the tenant and every lookup is keyed by (tenant, user, fingerprint, item): there is no path from one
+tenant's name to another's bytes, and identical content in two tenants is stored twice on purpose (no
+cross-tenant dedup)."""
 
 from __future__ import annotations
 
