@@ -52,3 +52,11 @@ class StorageError(InferScaleError):
 class BlobAuthError(BlobCorruptError):
     """A KV blob fails authentication under its tenant's key: forged, tampered, plain where a sealed one is
     required, moved to another tenant, user or item, or sealed under a key the KEK file does not hold."""
+
+
+class UnsafePathError(InferScaleError):
+    """A path argument names a place it may not: outside its tenant/user directory, or through a symlink."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

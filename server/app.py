@@ -25,23 +25,43 @@ log = logging.getLogger(__name__)
 
 
 def open_store(settings: Settings):
-    """The tiered store. With an internal token (cluster mode) it also serves peers on INFERSCALE_NIXL_PORT.
-    Blobs are sealed at rest under INFERSCALE_KEK_FILE; when unset, ``<data_dir>/kek`` (created 0600 on first
-    start). A cluster needs the chart's KEK: encoding Jobs seal with it and imports only open what it sealed."""
+    """The tiered store. With a peer secret (cluster mode) it also serves peers on INFERSCALE_NIXL_PORT, MACed
+    with that secret; it imports a peer-named Job dir only from INFERSCALE_KV_HOST_PATH. Blobs are sealed at rest
+    under INFERSCALE_KEK_FILE; when unset, ``<data_dir>/kek`` (created 0600 on first start). A cluster needs the
+    chart's KEK: encoding Jobs seal with it and imports only open what it sealed."""
     from inferscale.sealing import Keyring, ensure_kek_file
     from inferscale.store import KVStore
 
-    cluster = bool(settings.internal_token)
+    cluster = bool(settings.peer_secret)
     if settings.kek_file is not None:
         keyring = Keyring.load(settings.kek_file)
     else:
-        if cluster:
+        if cluster or settings.internal_token:
             log.warning("INFERSCALE_KEK_FILE is not set: blobs from encoding Jobs will not open here")
         keyring = ensure_kek_file(settings.kek_path)
     return KVStore(settings.store_dir, dram_budget_bytes=settings.dram_budget_bytes,
                    gpu_budget_bytes=settings.gpu_budget_bytes, node=settings.node_name, device=settings.device,
-                   peer_port=settings.nixl_port if cluster else None, peer_token=settings.internal_token,
-                   keyring=keyring)
+                   peer_port=settings.nixl_port if cluster else None, peer_secret=settings.peer_secret,
+                   job_root=settings.kv_host_path, ucx_port_range=settings.ucx_port_range, keyring=keyring)
+
+
+def plane_credentials(settings: Settings) -> dict[str, str]:
+    """The internal token and peer secret that are set, by the variable that holds them."""
+    creds = {"INFERSCALE_INTERNAL_TOKEN": settings.internal_token, "INFERSCALE_PEER_SECRET": settings.peer_secret}
+    return {k: v for k, v in creds.items() if v}
+
+
+def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
+    """The internal plane: only ``/internal/v1/*`` (Bearer INFERSCALE_INTERNAL_TOKEN), served on its own
+    listener (INFERSCALE_INTERNAL_PORT) over the tenant app's store. The tenant port has no such route."""
+    app = FastAPI(title="InferScale internal", version=__version__, docs_url=None, redoc_url=None,
+                  description="Operator -> serving pod: pull, purge, capacity.")
+    app.state.settings, app.state.store = settings, store
+    httperrors.install(app)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.include_router(internal.router)
+    telemetry.instrument(app)
+    return app
 
 
 class BodyLimit:
@@ -82,6 +102,8 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     store = store if store is not None else open_store(settings)
     tenants = tenants or TenantRegistry(settings.tenants_path, max_k=settings.max_k, max_tokens=settings.max_tokens,
                                         max_in_flight=settings.max_in_flight)
+    # A tenant API key must never be a plane credential: refuse to start if one is (and any later file with one).
+    tenants.forbid(plane_credentials(settings))
     worker = EngineWorker(engine, max_active=settings.max_active, max_prefills_per_round=settings.max_prefills_per_round)
     telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
                                 metric_reader=metric_reader, load=lambda: (worker.active, worker.queued))
@@ -107,8 +129,8 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.include_router(chat.router)
     app.include_router(memories.router)
-    app.include_router(internal.router)
     telemetry.instrument(app)
+    st.internal_app = create_internal_app(settings, store, telemetry) if settings.internal_token else None
 
     @app.get("/v1/models", response_model=ModelList, tags=["models"], dependencies=[Depends(require_tenant)])
     async def list_models() -> ModelList:
@@ -140,4 +162,4 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     return app
 
 
-__all__ = ["create_app", "open_store", "JSONResponse"]
+__all__ = ["create_app", "create_internal_app", "open_store", "JSONResponse"]

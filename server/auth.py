@@ -83,7 +83,23 @@ class TenantRegistry:
         self._stamp: tuple | None = None
         self._checked = 0.0
         self._lock = threading.Lock()
+        self._forbidden: dict[str, str] = {}  # sha256 of a plane credential -> the variable holding it
         self.reload()
+
+    def forbid(self, credentials: dict[str, str]) -> None:
+        """Refuse (ConfigError) any tenant key equal to one of ``credentials`` (variable -> value: the internal
+        token, the peer secret), now and on every reload, so a tenant key can never act on another plane."""
+        self._forbidden = {hash_key(v): name for name, v in credentials.items() if v}
+        with self._lock:
+            known = list(self._by_hash)
+        self._check_forbidden(known)
+
+    def _check_forbidden(self, hashes: list[str]) -> None:
+        for h in hashes:
+            for bad, name in self._forbidden.items():
+                if hmac.compare_digest(h, bad):
+                    raise ConfigError(f"tenants file {self.path}: a tenant API key equals {name}; "
+                                      f"use different secrets for the tenant API and the {name} plane")
 
     def _file_stamp(self) -> tuple:
         st = self.path.stat()
@@ -118,6 +134,7 @@ class TenantRegistry:
                 if not isinstance(h, str) or not re.fullmatch(r"[0-9a-f]{64}", h):
                     raise ConfigError(f"tenants file {self.path}: tenant {name!r} has a key that is not a sha256 hex")
                 by_hash[h] = t
+        self._check_forbidden(list(by_hash))
         with self._lock:
             self._by_hash, self._tenants, self._stamp = by_hash, tenants, stamp
 
@@ -162,7 +179,8 @@ def require_tenant(request: Request) -> Tenant:
 
 
 def require_internal(request: Request) -> None:
-    """FastAPI dependency for /internal/v1/*: the operator's shared token."""
+    """FastAPI dependency for /internal/v1/* (served only on the internal listener): the operator's token,
+    compared in constant time. Tenant keys are never looked at here."""
     expected = request.app.state.settings.internal_token
     if not expected:
         raise AuthError("internal API disabled: INFERSCALE_INTERNAL_TOKEN is not set", 401, "internal_disabled")

@@ -6,6 +6,7 @@ created holding a single tenant, and that tenant's fresh API key is printed once
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
@@ -15,7 +16,9 @@ from inferscale.errors import ConfigError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="bind address (INFERSCALE_HOST, default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (INFERSCALE_PORT, default 8000)")
+    p.add_argument("--port", type=int, help="tenant API port (INFERSCALE_PORT, default 8000)")
+    p.add_argument("--internal-port", type=int,
+                   help="internal API port, served only with INFERSCALE_INTERNAL_TOKEN (INFERSCALE_INTERNAL_PORT, 8001)")
     p.add_argument("--model", help="model name or path (INFERSCALE_MODEL, default gemma-3-270m)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="INFERSCALE_DEVICE (default: cuda when available)")
     p.add_argument("--data-dir", help="store and tenants file live here (INFERSCALE_DATA_DIR)")
@@ -29,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace):
     from inferscale.server.settings import Settings
 
-    return Settings.from_env(host=args.host, port=args.port, model=args.model, device=args.device,
+    return Settings.from_env(host=args.host, port=args.port, internal_port=getattr(args, "internal_port", None),
+                             model=args.model, device=args.device,
                              data_dir=args.data_dir, tenants_file=args.tenants_file, default_k=args.default_k,
                              default_mode=args.default_mode, console_traces=args.console_traces)
 
@@ -59,8 +63,30 @@ def run(args: argparse.Namespace) -> int:
           f"tenants: {', '.join(app.state.tenants.names)})", flush=True)
     # INFO by default: access logs are how operators see traffic; -v adds debug. Each line carries trace ids.
     level = "debug" if logging.getLogger().level <= logging.DEBUG else "info"
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=uvicorn_log_config(level), access_log=True)
+    internal_app = app.state.internal_app
+    if internal_app is None:  # single node: the tenant API only
+        uvicorn.run(app, host=settings.host, port=settings.port, log_config=uvicorn_log_config(level), access_log=True)
+        return 0
+    print(f"Internal API (operator only) on http://{settings.host}:{settings.internal_port}/internal/v1", flush=True)
+    asyncio.run(serve_together([
+        uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                      log_config=uvicorn_log_config(level), access_log=True)),
+        uvicorn.Server(uvicorn.Config(internal_app, host=settings.host, port=settings.internal_port,
+                                      log_config=uvicorn_log_config(level), access_log=True, lifespan="off")),
+    ]))
     return 0
+
+
+async def serve_together(servers: list) -> None:
+    """Run uvicorn servers in one event loop (one process, shared store and engine); when one stops (a
+    signal, a failed bind), stop the others too."""
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for s in servers:
+            s.should_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _client_host(host: str) -> str:

@@ -38,6 +38,7 @@ _TYPED: list[tuple[type, int, str, str]] = [
     (E.PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
     (E.MemoryItemError, 400, "invalid_request_error", "invalid_memory_item"),
     (E.ConfigError, 400, "invalid_request_error", "invalid_value"),
+    (E.UnsafePathError, 400, "invalid_request_error", "unsafe_path"),
     (E.QuotaExceededError, 429, "insufficient_quota", "quota_exceeded"),
     (E.FingerprintMismatchError, 409, "conflict_error", "fingerprint_mismatch"),
     (E.BlobCorruptError, 503, "server_error", "blob_corrupt"),
@@ -49,7 +50,7 @@ _TYPED: list[tuple[type, int, str, str]] = [
 def from_typed(e: E.InferScaleError) -> ApiError:
     for cls, status, type_, code in _TYPED:
         if isinstance(e, cls):
-            return ApiError(status, str(e), type=type_, code=code)
+            return ApiError(status, str(e), type=type_, code=code, param=getattr(e, "param", None))
     return ApiError(500, str(e), type="server_error")
 
 
@@ -71,7 +72,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(E.InferScaleError)
     async def _typed(_: Request, e: E.InferScaleError):
         a = from_typed(e)
-        return response(a.status, a.message, a.type, a.code)
+        return response(a.status, a.message, a.type, a.code, a.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):

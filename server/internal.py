@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 
+from inferscale.errors import UnsafePathError
+from inferscale.jobpaths import job_dir_path
 from inferscale.server.auth import require_internal
-from inferscale.server.httperrors import ApiError
 from inferscale.server.schemas import Capacity, ErrorBody, PullRequest, PullResult, Purged, PurgeRequest
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_internal)],
@@ -21,8 +21,15 @@ router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depen
 def _pull(store, settings, req: PullRequest):
     src = req.source
     if src.peer is None or src.node == settings.node_name:  # the encoding Job's output is on this node
-        return store.import_dir(req.tenant, req.user, src.dir, req.items)
-    return store.pull_from_peer(req.tenant, req.user, src.peer, req.items)
+        # The same rule as purge's source_dir (inferscale/jobpaths.py), checked before anything is read.
+        path = job_dir_path(settings.kv_host_path, req.tenant, req.user, src.dir, param="source.dir")
+        try:
+            return store.import_dir(req.tenant, req.user, path, req.items)
+        except UnsafePathError as e:  # a symlink or hard link inside the dir (store/jobdir.py)
+            e.param = e.param or "source.dir"
+            raise
+    # The peer checks the dir against its own INFERSCALE_KV_HOST_PATH with the same rule before importing it.
+    return store.pull_from_peer(req.tenant, req.user, src.peer, req.items, source_dir=src.dir)
 
 
 @router.post("/pull", response_model=PullResult)
@@ -35,26 +42,6 @@ async def pull(req: PullRequest, request: Request) -> PullResult:
     tier = "gpu" if st.settings.gpu_budget_bytes > 0 and getattr(st.store, "gpu", None) is not None else "dram"
     return PullResult(tenant=req.tenant, user=req.user, blocks=len(infos), bytes=sum(i.size for i in infos),
                       tokens=sum(i.tokens for i in infos), tier=tier)
-
-
-def source_dir_path(root: Path, tenant: str, user: str, source_dir: str) -> Path:
-    """The encoding-Job output dir ``source_dir`` names, resolved; ApiError 400 unless it is ``<root>/.../<tenant>/<user>``:
-    absolute, no ``.``/``..`` components, strictly inside ``root`` once symlinks are resolved, and ending in the
-    request's tenant and user both as given and as resolved."""
-    def bad(why: str) -> ApiError:
-        return ApiError(400, f"source_dir {source_dir!r}: {why}", code="invalid_value", param="source_dir")
-
-    raw = source_dir.rstrip("/")
-    parts = raw.split("/")
-    if not raw.startswith("/") or any(p in ("", ".", "..") for p in parts[1:]):
-        raise bad("must be an absolute, normalized path")
-    if tuple(parts[-2:]) != (tenant, user):
-        raise bad(f"must end in /{tenant}/{user}")
-    real_root = Path(os.path.realpath(root))
-    real = Path(os.path.realpath(raw))
-    if real_root not in real.parents or real.parts[-2:] != (tenant, user):
-        raise bad(f"must be <{root}>/{tenant}/{user} (INFERSCALE_KV_HOST_PATH)")
-    return real
 
 
 def _remove_dir(path: Path) -> bool:
@@ -77,7 +64,7 @@ async def purge(req: PurgeRequest, request: Request) -> Purged:
     With ``source_dir``, also delete that encoding-Job output dir on this node (only ``<kv host path>/<tenant>/<user>``:
     anything else is a 400, checked before anything is removed)."""
     st = request.app.state
-    src = source_dir_path(st.settings.kv_host_path, req.tenant, req.user, req.source_dir) if req.source_dir else None
+    src = job_dir_path(st.settings.kv_host_path, req.tenant, req.user, req.source_dir) if req.source_dir else None
     blocks, nbytes = await asyncio.to_thread(st.store.purge, req.tenant, req.user, req.items)
     removed_dir = await asyncio.to_thread(_remove_dir, src) if src is not None else None
     return Purged(removed_blocks=blocks, removed_bytes=nbytes, source_dir_removed=removed_dir)

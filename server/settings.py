@@ -24,6 +24,9 @@ ENV = {
     "gpu_budget_bytes": "INFERSCALE_GPU_BUDGET_BYTES",
     "nixl_port": "INFERSCALE_NIXL_PORT",
     "internal_token": "INFERSCALE_INTERNAL_TOKEN",
+    "internal_port": "INFERSCALE_INTERNAL_PORT",
+    "peer_secret": "INFERSCALE_PEER_SECRET",
+    "ucx_port_range": "INFERSCALE_UCX_PORT_RANGE",
     "node_name": "INFERSCALE_NODE_NAME",
     "pod_name": "INFERSCALE_POD_NAME",
     "kv_host_path": "INFERSCALE_KV_HOST_PATH",
@@ -50,7 +53,13 @@ class Settings(BaseModel):
     dram_budget_bytes: int = Field(2 << 30, ge=0)
     gpu_budget_bytes: int = Field(0, ge=0)
     nixl_port: int = Field(5555, ge=0, le=65535)
-    internal_token: str | None = None  # None = /internal/v1/* disabled
+    # The internal plane (operator -> server): its own listener, its own token; None = no internal listener.
+    internal_token: str | None = None
+    internal_port: int = Field(8001, ge=0, le=65535)
+    # The peer plane (server <-> server): MACs peer requests (never sent); None = no peer service.
+    peer_secret: str | None = None
+    # UCX's TCP data ports (UCX_TCP_PORT_RANGE), so a NetworkPolicy can name them.
+    ucx_port_range: str = Field("5556-5599", pattern=r"^[0-9]{1,5}-[0-9]{1,5}$")
     node_name: str = Field(default_factory=lambda: os.uname().nodename)
     pod_name: str = ""
     # The node's KV hostPath root (encoding Jobs write <root>/<tenant>/<user>): a purge may delete such a dir.

@@ -228,11 +228,13 @@ def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         t_fresh = median_s(lambda: [torch.empty_like(p).copy_(p) for p in parts], reps)
         rows.append(row("dram-copy", n, total, t_hitc, "torch.empty + copy_ per block", t_fresh))
 
+    from inferscale.store.pulling import fetch_leased
+
     # -- peer process -> DRAM -------------------------------------------------------------------------------
     with child_process(_peer_main, str(src_root), budget, start_timeout_s=120, stop_timeout_s=30) as info:
         with KVStore(dst_root, dram_budget_bytes=budget) as st:
             def nixl_peer() -> None:
-                got, offs = st._peer_fetch(TENANT, USER, info["peer"], ids, FINGERPRINT)
+                got, offs = fetch_leased(st, TENANT, USER, info["peer"], ids, FINGERPRINT, None)
                 st.dram.abort(TENANT, offs, [g["size"] for g in got])
 
             buf = memoryview(bytearray(total))

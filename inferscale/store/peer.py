@@ -3,12 +3,23 @@
 A puller asks over TCP "where are blocks X, Y of tenant/user?"; the owner makes them DRAM-resident, holds them
 (a lease, so they cannot be evicted mid-transfer) and answers with arena addresses, sizes and checksums plus its
 NIXL agent metadata. The puller then READs all of them in one NIXL request and says "done". Only metadata
-crosses this socket; the bytes go through NIXL. Frames: 4-byte big-endian length + JSON."""
+crosses this socket; the bytes go through NIXL. Frames: 4-byte big-endian length + JSON.
+
+Authentication (``INFERSCALE_PEER_SECRET``, never sent): on connect the server sends ``{"nonce": <hex>}``, fresh
+per connection; the client's one request carries ``"auth": hex(HMAC-SHA256(secret, nonce || canonical JSON of
+the request without "auth"))``, checked with ``hmac.compare_digest``. A sniffed request cannot be replayed (the
+next connection has another nonce) nor altered (the MAC covers every field). The request also carries the
+client's own nonce ``"cnonce"``; a successful reply carries ``"auth": hex(HMAC-SHA256(secret, "reply:" || cnonce ||
+canonical JSON of the reply without "auth"))``, so a process on a peer's address without the secret cannot hand
+out leases (forged blocks, metadata). Error replies are not MACed: forging one only fails a pull."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import socket
 import socketserver
 import struct
@@ -41,7 +52,24 @@ def recv_msg(sock: socket.socket) -> dict[str, Any]:
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
     if n > MAX_FRAME:
         raise ConnectionError(f"frame of {n} bytes")
-    return json.loads(_recv_exact(sock, n))
+    msg = json.loads(_recv_exact(sock, n))
+    if not isinstance(msg, dict):
+        raise ValueError("a frame that is not a JSON object")
+    return msg
+
+
+def canonical(msg: dict[str, Any]) -> bytes:
+    """The bytes a request's MAC covers: every field but "auth", keys sorted, no whitespace."""
+    return json.dumps({k: v for k, v in msg.items() if k != "auth"}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def request_mac(secret: str, nonce: str, msg: dict[str, Any]) -> str:
+    return hmac.new(secret.encode(), nonce.encode() + b"\n" + canonical(msg), hashlib.sha256).hexdigest()
+
+
+def reply_mac(secret: str, cnonce: str, reply: dict[str, Any]) -> str:
+    return hmac.new(secret.encode(), b"reply:" + cnonce.encode() + b"\n" + canonical(reply),
+                    hashlib.sha256).hexdigest()
 
 
 def parse_peer(peer: str) -> tuple[str, int]:
@@ -51,34 +79,53 @@ def parse_peer(peer: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def request(peer: str, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """One request/response to a peer's metadata service, bounded by ``timeout_s`` end to end."""
+def request(peer: str, msg: dict[str, Any], timeout_s: float, secret: str | None = None) -> dict[str, Any]:
+    """One request/response to a peer's metadata service, bounded by ``timeout_s`` end to end; with ``secret``
+    the request is MACed over the server's nonce (the secret itself never leaves this process)."""
     host, port = parse_peer(peer)
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
             s.settimeout(timeout_s)
+            nonce = recv_msg(s).get("nonce")
+            if not isinstance(nonce, str):
+                raise ValueError("no nonce in the peer's greeting")
+            if secret:
+                msg = {**msg, "cnonce": secrets.token_hex(16)}
+                msg["auth"] = request_mac(secret, nonce, msg)
             send_msg(s, msg)
-            return recv_msg(s)
+            reply = recv_msg(s)
     except (OSError, ConnectionError, ValueError) as e:
         raise TransferError(f"peer {peer} unreachable or not answering ({e})") from None
+    got = reply.pop("auth", None)
+    if secret and "error" not in reply and not (isinstance(got, str) and hmac.compare_digest(
+            got.encode(), reply_mac(secret, msg["cnonce"], reply).encode())):
+        raise TransferError(f"peer {peer}: reply not authenticated (not a peer holding INFERSCALE_PEER_SECRET)")
+    return reply
 
 
 class PeerServer:
-    """Serves ``handler(msg) -> reply`` on a TCP port in daemon threads."""
+    """Serves ``handler(msg) -> reply`` on a TCP port in daemon threads; with ``secret``, only to MACed requests."""
 
     def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]],
-                 token: str | None = None, timeout_s: float = 30.0) -> None:
+                 secret: str | None = None, timeout_s: float = 30.0) -> None:
         outer = self
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:  # one request per connection
                 self.request.settimeout(timeout_s)
                 try:
+                    nonce = secrets.token_hex(16)
+                    send_msg(self.request, {"nonce": nonce})
                     msg = recv_msg(self.request)
-                    if token is not None and msg.get("token") != token:
-                        reply = {"error": "unauthorized", "message": "bad or missing peer token"}
+                    got = msg.get("auth")
+                    if secret is not None and not (isinstance(got, str) and hmac.compare_digest(
+                            got.encode(), request_mac(secret, nonce, msg).encode())):
+                        reply = {"error": "unauthorized", "message": "bad or missing peer MAC (INFERSCALE_PEER_SECRET)"}
                     else:
                         reply = outer._safe(handler, msg)
+                        cnonce = msg.get("cnonce")
+                        if secret is not None and "error" not in reply and isinstance(cnonce, str):
+                            reply = {**reply, "auth": reply_mac(secret, cnonce, reply)}
                     send_msg(self.request, reply)
                 except (OSError, ConnectionError, ValueError) as e:
                     log.debug("peer connection dropped: %s", e)

@@ -1,6 +1,7 @@
-"""Serving peers (G4, the owner's side): answer "where are blocks X, Y of tenant/user?" with arena addresses,
-hold those blocks under a lease while the puller READs them through NIXL, and end the lease on the NIXL
-completion notification (or a timer, if the puller vanished)."""
+"""Serving peers (G4, the owner's side): answer "where are blocks X, Y of tenant/user?" with a lease: a staging
+copy of exactly those blocks, registered with NIXL UCX for that lease alone (nixl_transport.Lease), whose
+addresses and partial agent metadata are all the puller gets. The lease ends on the puller's NIXL completion
+notification, its "release", or a timer (if the puller vanished); then its bytes are zeroed and deregistered."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import logging
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from inferscale.errors import NotFoundError
+from inferscale.jobpaths import job_dir_path
 from inferscale.store.layout import check_fingerprint, check_name
 from inferscale.store.peer import PeerServer
-from inferscale.store.tiers import DramEntry
 
 if TYPE_CHECKING:
+    from inferscale.store.nixl_transport import Lease
     from inferscale.store.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -25,14 +26,14 @@ LEASE_SECONDS = 30.0
 
 
 class PeerService:
-    def __init__(self, store: KVStore, host: str, port: int, *, token: str | None, timeout_s: float) -> None:
+    def __init__(self, store: KVStore, host: str, port: int, *, secret: str | None, timeout_s: float) -> None:
         self.store = store
-        self.leases: dict[str, tuple[list[DramEntry], threading.Timer]] = {}
+        self.leases: dict[str, tuple[Lease, threading.Timer]] = {}
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
         self.closing = False
         self.watcher: threading.Thread | None = None
-        self.server = PeerServer(host, port, self.handle, token=token, timeout_s=timeout_s)
+        self.server = PeerServer(host, port, self.handle, secret=secret, timeout_s=timeout_s)
         self.port = self.server.port
 
     def close(self) -> None:
@@ -66,7 +67,7 @@ class PeerService:
         if fp is not None:
             check_fingerprint(fp)
         if src:
-            self._import_for_peer(tenant, user, Path(src), items)
+            self._import_for_peer(tenant, user, str(src), items)
         rows = self.store.catalogue.items(tenant, user, fp, items)
         if not rows:
             raise NotFoundError(f"no memories for tenant {tenant!r} user {user!r} on node {self.store.node}")
@@ -78,32 +79,36 @@ class PeerService:
         entries, loaded, evicted = self.store._ensure_dram(tenant, rows, {r.key for r in rows})
         self.store.catalogue.record([], {("dram", 0): evicted, ("dram", 1): [e.key for e in loaded]})
         held = [entries[r.key] for r in rows]
+        try:  # the lease is a copy: the arena slots go back at once and are never exposed to a peer
+            region = self.store.transport.open_lease([self.store.arena.view(e.offset, e.size) for e in held])
+        finally:
+            for e in held:
+                self.store.dram.release(e)
         lease = uuid.uuid4().hex
         timer = threading.Timer(LEASE_SECONDS, self._expire_lease, args=(lease,))
         timer.daemon = True
         with self.cv:
-            self.leases[lease] = (held, timer)
+            self.leases[lease] = (region, timer)
             if self.watcher is None:
                 self.watcher = threading.Thread(target=self._watch_leases, name="kvstore-leases", daemon=True)
                 self.watcher.start()
             self.cv.notify_all()
         timer.start()
         return {
-            "lease": lease, "node": self.store.node,
-            "agent": base64.b64encode(self.store.transport.metadata()).decode(),
-            "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": self.store.arena.base + e.offset,
-                        "size": e.size, "sha256": e.info.sha256} for e in held],
+            "lease": lease, "node": self.store.node, "agent": base64.b64encode(region.metadata).decode(),
+            "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": addr, "size": size,
+                        "sha256": e.info.sha256} for e, (addr, size) in zip(held, region.ranges)],
         }
 
-    def _import_for_peer(self, tenant: str, user: str, src: Path, items: list[str] | None) -> None:
-        """Import a Job's output directory named by a puller, only if it is this tenant/user's directory."""
-        if not src.is_absolute() or ".." in src.parts or src.parts[-2:] != (tenant, user):
-            raise NotFoundError(f"directory {src} is not a blob directory of tenant {tenant!r} user {user!r}")
+    def _import_for_peer(self, tenant: str, user: str, src: str, items: list[str] | None) -> None:
+        """Import a Job's output directory named by a puller: only ``<job_root>/<tenant>/<user>`` of this node
+        (the one rule of inferscale/jobpaths.py), read without following symlinks."""
+        path = job_dir_path(self.store.job_root, tenant, user, src, param="dir")
         have = {r.item_id for r in self.store.catalogue.items(tenant, user)}
         missing = None if items is None else [i for i in items if i not in have]
-        if missing == [] or not src.is_dir():
+        if missing == [] or not path.is_dir():
             return
-        self.store.import_dir(tenant, user, src, missing)
+        self.store.import_dir(tenant, user, path, missing)
 
     def _watch_leases(self) -> None:
         """While leases are out, progress the NIXL agent (peers' READs over transports that need the target to
@@ -132,5 +137,4 @@ class PeerService:
         held = self.leases.pop(lease, None)
         if held is not None:
             held[1].cancel()
-            for e in held[0]:
-                self.store.dram.release(e)
+            self.store.transport.close_lease(held[0])

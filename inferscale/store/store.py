@@ -1,9 +1,10 @@
 """KVStore: the tiered, tenant-scoped store of memory KV blocks on one node.
 
 Tiers, fastest first: G1 device (CUDA, optional), G2 DRAM arena, G3 local disk (safetensors blobs, the source
-of truth), G4 peers (other nodes' DRAM via NIXL UCX). Every call names the tenant and every lookup is keyed by
-(tenant, user, fingerprint, item): there is no path from one tenant's name to another's bytes, and identical
-content in two tenants is stored twice on purpose (no cross-tenant dedup).
+of truth), G4 peers (other nodes' DRAM via NIXL UCX, one lease at a time: pulling.py, serving.py). Every call
+names the tenant and every lookup is keyed by (tenant, user, fingerprint, item): there is no path from one
+tenant's name to another's bytes, and identical content in two tenants is stored twice on purpose (no
+cross-tenant dedup).
 
 With a ``keyring`` (the server always passes one) every blob on disk is sealed for its (tenant, user, item,
 fingerprint) (``inferscale.sealing``) and opened, authenticated, on its way up into DRAM; DRAM and GPU hold plain
@@ -11,7 +12,6 @@ images. Without one the disk holds plain images checked by sha256 only (library 
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import socket
@@ -19,7 +19,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,51 +27,21 @@ import torch
 from inferscale import sealing
 from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError, StorageError,
-    TransferError,
 )
-from inferscale.kvformat import KVBlock, atomic_write, encode_blob, list_blobs
-from inferscale.store import peer as peerproto
+from inferscale.kvformat import KVBlock, atomic_write, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import (
     BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, rewrap_blobs, verify,
 )
 from inferscale.store.catalogue import Catalogue, ItemInfo
+from inferscale.store.diskload import load_from_disk
+from inferscale.store.jobdir import read_job_dir
 from inferscale.store.layout import CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs
+from inferscale.store.results import FetchStats, PullResult
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
 log = logging.getLogger(__name__)
 DEFAULT_MIN_BLOCK = 64 << 10  # budgets below this cannot hold any real block; the server passes its model's size
-
-
-@dataclass
-class FetchStats:
-    """What one get_many cost: which tier served each block, bytes served, wall time."""
-
-    tiers: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "dram": 0, "disk": 0})
-    bytes: int = 0  # kv bytes of the blocks returned
-    bytes_read: int = 0  # blob bytes brought up from disk
-    seconds: float = 0.0
-    served: dict[str, str] = field(default_factory=dict)  # item id -> tier
-
-    def as_attributes(self, prefix: str = "kv.") -> dict[str, int | float]:
-        """Flat attributes for a tracing span."""
-        out: dict[str, int | float] = {f"{prefix}tier.{k}": v for k, v in self.tiers.items()}
-        out.update({f"{prefix}blocks": sum(self.tiers.values()), f"{prefix}bytes": self.bytes,
-                    f"{prefix}bytes_read": self.bytes_read, f"{prefix}seconds": self.seconds})
-        return out
-
-
-@dataclass
-class PullResult:
-    tenant: str
-    user: str
-    blocks: int
-    bytes: int
-    tier: str  # where the blocks now are: "dram" (or "disk" when they did not fit)
-    seconds: float
-    total_blocks: int = 0  # the user's totals on this node after the call (what /internal/v1/pull reports)
-    total_bytes: int = 0
-    total_tokens: int = 0
 
 
 class KVStore:
@@ -87,17 +56,21 @@ class KVStore:
         nixl: bool = True,
         peer_port: int | None = None,
         peer_host: str = "0.0.0.0",
-        peer_token: str | None = None,
+        peer_secret: str | None = None,
         timeout_s: float = 10.0,
         device: str | torch.device | None = None,
         min_block_bytes: int = DEFAULT_MIN_BLOCK,
         keyring: sealing.Keyring | None = None,
+        job_root: str | os.PathLike | None = None,
+        ucx_port_range: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.keyring = keyring
+        # The node's KV host path: the only place a peer may ask this store to import a Job's output from.
+        self.job_root = None if job_root is None else Path(job_root)
         self.node = node or socket.gethostname()
         self.timeout_s = timeout_s
-        self.peer_token = peer_token
+        self.peer_secret = peer_secret  # INFERSCALE_PEER_SECRET: MACs peer requests, never sent
         for name, v in (("dram_budget_bytes", dram_budget_bytes), ("gpu_budget_bytes", gpu_budget_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
@@ -135,7 +108,7 @@ class KVStore:
             from inferscale.store.nixl_transport import NixlTransport
 
             self.transport = NixlTransport(self.arena, name=f"{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                                           timeout_s=timeout_s)
+                                           timeout_s=timeout_s, ucx_port_range=ucx_port_range)
         self._hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
         self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
@@ -144,7 +117,7 @@ class KVStore:
         if peer_port is not None:
             from inferscale.store.serving import PeerService
 
-            self.peer_service = PeerService(self, peer_host, peer_port, token=peer_token, timeout_s=timeout_s)
+            self.peer_service = PeerService(self, peer_host, peer_port, secret=peer_secret, timeout_s=timeout_s)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
@@ -308,26 +281,10 @@ class KVStore:
     def import_dir(self, tenant: str, user: str, directory: str | os.PathLike, items: list[str] | None = None,
                    *, load: bool = True) -> PullResult:
         """Adopt an encoding Job's output (``DIR/<id><SUFFIX>``): open (authenticate) each blob, store it in the
-        disk tier and, with ``load``, in DRAM. Every blob is checked before any is stored."""
+        disk tier and, with ``load``, in DRAM. Every blob is checked before any is stored; nothing is read through a
+        symlink (inferscale/store/jobdir.py)."""
         t0 = time.perf_counter()
-        check_name("tenant", tenant), check_name("user", user)
-        d = Path(directory)
-        if not d.is_dir():
-            raise NotFoundError(f"blob directory {d} does not exist")
-        paths = {p.stem: p for p in list_blobs(d)}
-        if items is not None:
-            missing = [i for i in items if i not in paths]
-            if missing:
-                raise NotFoundError(f"items {missing} not found in {d}")
-            paths = {i: paths[i] for i in items}
-        images = []
-        for item, p in paths.items():
-            check_name("item", item)
-            try:
-                data = p.read_bytes()
-            except OSError as e:
-                raise BlobCorruptError(f"{p}: cannot read ({e.strerror or e})") from None
-            images.append(open_image(data, self.keyring, tenant=tenant, user=user, item=item, source=str(p)))
+        images = read_job_dir(tenant, user, directory, items, self.keyring)
         tier, nbytes = ("dram" if load else "disk"), 0
         for data, info in images:
             self._store_image(tenant, user, data, info, cache=load)
@@ -338,81 +295,18 @@ class KVStore:
 
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
                        fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
-        """Copy a user's blocks from a peer node's DRAM (NIXL UCX READ, one request) into this node's DRAM and
-        disk, verifying every checksum. TransferError when the peer is unreachable or too slow.
+        """Copy a user's blocks from a peer node (NIXL UCX READ of a lease, one request) into this node's DRAM
+        and disk, verifying every checksum (inferscale/store/pulling.py). TransferError when the peer is
+        unreachable or too slow. ``source_dir``: an encoding Job's output directory on the peer's node
+        (``<its kv host path>/<tenant>/<user>``); the peer imports missing items from it before serving them."""
+        from inferscale.store.pulling import pull_from_peer
 
-        ``source_dir``: an encoding Job's output directory on the peer's node (``.../<tenant>/<user>``); the
-        peer imports missing items from it before serving them."""
-        t0 = time.perf_counter()
-        check_name("tenant", tenant), check_name("user", user)
-        for i in item_ids or []:
-            check_name("item", i)
-        if fingerprint is not None:
-            check_fingerprint(fingerprint)
-        blocks, offsets = self._peer_fetch(tenant, user, peer, item_ids, fingerprint, source_dir)
-        good, bad = self._verify_slots(
-            tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
-                      b["fingerprint"]) for o, b in zip(offsets, blocks)])
-        nbytes = 0
-        for n, (off, size, info) in enumerate(good):
-            try:
-                self._store_image(tenant, user, self.arena.view(off, size), info, cache=False)
-            except BaseException:  # e.g. a full disk: give back the slots not committed yet
-                for o, s, _ in good[n:]:
-                    self.dram.abort(tenant, [o], [s])
-                raise
-            key = (tenant, user, info.fingerprint, info.item_id)
-            self.dram.release(self.dram.commit(key, off, size, info))
-            nbytes += size
-        self.catalogue.set_flag([(tenant, user, i.fingerprint, i.item_id) for _, _, i in good], "dram", 1)
-        self._counters["peer_pulls"] += len(good)
-        if bad:
-            self._raise_corrupt(tenant, user, bad, mark=True)
-        return self._result(tenant, user, len(good), nbytes, "dram", t0)
+        return pull_from_peer(self, tenant, user, peer, item_ids, fingerprint, source_dir)
 
     def _result(self, tenant: str, user: str, blocks: int, nbytes: int, tier: str, t0: float) -> PullResult:
         rows = self.catalogue.items(tenant, user)
         return PullResult(tenant, user, blocks, nbytes, tier, time.perf_counter() - t0, len(rows),
                           sum(r.size for r in rows), sum(r.tokens for r in rows))
-
-    def _peer_fetch(self, tenant: str, user: str, peer: str, item_ids: list[str] | None,
-                    fingerprint: str | None, source_dir: str | None = None) -> tuple[list[dict[str, Any]], list[int]]:
-        """Locate the blocks at the peer, READ them all in one NIXL request into reserved arena slots, end the
-        lease. Returns (the peer's block records, slot offsets); the slots are unverified and uncommitted."""
-        if self.transport is None or not self.transport.has_ucx:
-            raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
-        reply = peerproto.request(peer, {"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
-                                         "fingerprint": fingerprint, "dir": source_dir, "token": self.peer_token},
-                                self.timeout_s)
-        if reply.get("error") == "not_found":
-            raise NotFoundError(f"peer {peer}: {reply.get('message')}")
-        if "error" in reply:
-            raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
-        lease, blocks = reply["lease"], reply["blocks"]
-        done = False
-        try:
-            agent = self.transport.add_remote(base64.b64decode(reply["agent"]))
-            sizes = [b["size"] for b in blocks]
-            offsets, evicted = self.dram.reserve(tenant, sizes)
-            try:
-                # The completion notification ends the peer's lease: no extra round trip on success.
-                self.transport.read_remote(agent, [(b["addr"], b["size"]) for b in blocks], offsets,
-                                           notif=f"lease:{lease}".encode())
-                done = True
-            except TransferError as e:
-                self.transport.forget_remote(agent)
-                if not getattr(e, "inflight", False):  # a transfer still in flight may yet write: leak, not reuse
-                    self.dram.abort(tenant, offsets, sizes)
-                raise
-        finally:
-            if not done:
-                try:
-                    peerproto.request(peer, {"op": "release", "lease": lease, "token": self.peer_token},
-                                      self.timeout_s)
-                except TransferError as e:
-                    log.warning("releasing lease at %s: %s", peer, e)
-        self.catalogue.record([], {("dram", 0): evicted})
-        return blocks, offsets
 
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = {"node": self.node, **self.catalogue.totals(), **self.dram.stats(), **self._counters}
@@ -504,59 +398,13 @@ class KVStore:
         if not misses:
             return entries, [], []
         try:
-            loaded, evicted = self._load_from_disk(tenant, misses, protect)
+            loaded, evicted = load_from_disk(self, tenant, misses, protect)
         except BaseException:
             for e in entries.values():
                 self.dram.release(e)
             raise
         entries.update({e.key: e for e in loaded})
         return entries, loaded, evicted
-
-    def _load_from_disk(self, tenant: str, rows: list[ItemInfo], protect: set[Key]
-                        ) -> tuple[list[DramEntry], list[Key]]:
-        fds: list[int] = []
-        missing: list[str] = []
-        opened: list[ItemInfo] = []
-        gens = {r.key: self.dram.generation(r.key) for r in rows}  # before the files are opened
-        try:
-            for r in rows:
-                try:
-                    fds.append(os.open(r.path, os.O_RDONLY))
-                    opened.append(r)
-                except OSError:
-                    missing.append(r.item_id)
-            sizes = [os.fstat(fd).st_size for fd in fds]
-            for r, s in zip(list(opened), sizes):
-                # r.size is the plain image; a sealed file adds its header and tag (checked when opened).
-                if s != r.size if self.keyring is None else s < r.size + sealing.TAG_BYTES:
-                    missing.append(r.item_id)  # truncated or replaced behind our back
-            if missing:
-                self._raise_corrupt(tenant, rows[0].user, missing, mark=True)
-            offsets, evicted = self.dram.reserve(tenant, sizes, protect)
-            try:
-                if self.transport is not None and self.transport.has_posix:
-                    self.transport.read_files(list(zip(fds, sizes)), offsets)
-                else:
-                    for fd, off, size in zip(fds, offsets, sizes):
-                        _pread_into(fd, self.arena.view(off, size))
-            except BaseException:
-                self.dram.abort(tenant, offsets, sizes)
-                raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-        good, bad = self._verify_slots(
-            tenant, [(o, s, r.path, r.sha256, r.item_id, r.fingerprint) for o, s, r in zip(offsets, sizes, opened)],
-            recheck=lambda item, sha: self._changed_since(
-                (tenant, rows[0].user, rows[0].fingerprint, item), sha, gens),
-            sealed_for=rows[0].user if self.keyring is not None else None)
-        loaded = [self.dram.commit(r.key, off, size, info, gens[r.key])
-                  for (off, size, info), r in zip(good, [r for r in opened if r.item_id not in bad])]
-        if bad:
-            for e in loaded:
-                self.dram.release(e)
-            self._raise_corrupt(tenant, rows[0].user, bad, mark=True)
-        return loaded, evicted
 
     def _changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
         """Whether an intact blob that disagrees with the catalogue row read earlier is explained by a put
@@ -643,11 +491,3 @@ class KVStore:
         (self._pins.update if on else self._pins.difference_update)(keys)
         return len(keys)
 
-
-def _pread_into(fd: int, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], got)
-        if n == 0:
-            raise BlobCorruptError(f"file shrank while reading (fd {fd})")
-        got += n

@@ -1,12 +1,28 @@
-"""Stores opened the way the server opens them (``server.app.open_store``: the KEK setting, NIXL on), and
-blocks whose tensors and metadata an attacker would want to forge."""
+"""The attack matrix of the trust boundary (ARCHITECTURE.md, "Trust boundary"). Server-plane attacks run against
+the same live server as tests/server (tenant listener + internal listener on loopback); peer-plane attacks use
+real NIXL agents in a second process; sealing attacks use stores opened the way the server opens them
+(``server.app.open_store``: the KEK setting, NIXL on) and blocks whose tensors and metadata an attacker would want
+to forge."""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from inferscale.kvformat import KVBlock
+
+_spec = importlib.util.spec_from_file_location("server_live_fixtures",
+                                               Path(__file__).resolve().parents[1] / "server" / "conftest.py")
+_server = importlib.util.module_from_spec(_spec)
+sys.modules["server_live_fixtures"] = _server
+_spec.loader.exec_module(_server)
+
+# The live server and what it is built from (session-scoped; see tests/server/conftest.py).
+live, tiny_engine, embedder = _server.live, _server.tiny_engine, _server.embedder
 
 FP = "f" * 64
 LAYERS, HEADS, DIM = 2, 1, 2048  # 4 tokens: 128 KiB of kv, above the store's block floor

@@ -47,8 +47,9 @@ def tiny_engine():
 
 
 class Live:
-    def __init__(self, app, url, spans, metrics, settings):
+    def __init__(self, app, url, spans, metrics, settings, internal_url=None):
         self.app, self.url, self.spans, self.metrics, self.settings = app, url, spans, metrics, settings
+        self.internal_url = internal_url  # the internal listener (INFERSCALE_INTERNAL_PORT): /internal/v1/* only
 
     def client(self, tenant: str = "acme", **kw):
         from openai import OpenAI
@@ -82,17 +83,22 @@ def live(tmp_path_factory, tiny_engine, embedder):
     store = KVStore(settings.store_dir, dram_budget_bytes=64 << 20, node="node-a", nixl=False)
     app = create_app(settings, engine=tiny_engine, embedder=embedder, store=store, span_exporter=spans,
                      metric_reader=metrics)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    port, internal_port = free_port(), free_port()
+    servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")),
+               uvicorn.Server(uvicorn.Config(app.state.internal_app, host="127.0.0.1", port=internal_port,
+                                             log_level="warning", lifespan="off"))]
+    threads = [threading.Thread(target=s.run, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
     deadline = time.time() + 30
-    while not server.started:
+    while not all(s.started for s in servers):
         assert time.time() < deadline, "server did not start"
         time.sleep(0.05)
-    yield Live(app, f"http://127.0.0.1:{port}", spans, metrics, settings)
-    server.should_exit = True
-    thread.join(10)
+    yield Live(app, f"http://127.0.0.1:{port}", spans, metrics, settings, f"http://127.0.0.1:{internal_port}")
+    for s in servers:
+        s.should_exit = True
+    for t in threads:
+        t.join(10)
     store.close()
 
 

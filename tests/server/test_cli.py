@@ -56,3 +56,41 @@ def test_demo_against_live_server(live, capsys):
     out = capsys.readouterr().out
     assert "Loaded 32 memories" in out
     assert "kv    TTFT" in out and "text  TTFT" in out
+
+
+def test_serve_runs_the_tenant_and_internal_listeners_together(tmp_path, monkeypatch, tiny_engine, embedder):
+    """With an internal token, `inferscale serve` answers /v1 on INFERSCALE_PORT and /internal/v1 only on
+    INFERSCALE_INTERNAL_PORT, in one process; stopping one listener stops both."""
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from conftest import free_port
+    from inferscale.server import app as app_mod
+    from inferscale.store import KVStore
+
+    real_create, servers = app_mod.create_app, []
+    monkeypatch.setattr(app_mod, "create_app", lambda settings: real_create(
+        settings, engine=tiny_engine, embedder=embedder,
+        store=KVStore(settings.store_dir, dram_budget_bytes=16 << 20, nixl=False)))
+    real_server = uvicorn.Server
+    monkeypatch.setattr(uvicorn, "Server", lambda config: servers.append(real_server(config)) or servers[-1])
+    port, internal = free_port(), free_port()
+    monkeypatch.setenv("INFERSCALE_INTERNAL_TOKEN", "tok-internal")
+    args = _args(cli, ["--data-dir", str(tmp_path), "--port", str(port), "--internal-port", str(internal)])
+    done = threading.Event()
+    threading.Thread(target=lambda: (cli.run(args), done.set()), daemon=True).start()
+    deadline = time.time() + 60
+    while not (len(servers) == 2 and all(s.started for s in servers)):
+        assert time.time() < deadline and not done.is_set(), "listeners did not start"
+        time.sleep(0.05)
+    auth = {"Authorization": "Bearer tok-internal"}
+    assert httpx.get(f"http://127.0.0.1:{internal}/internal/v1/capacity", headers=auth).status_code == 200
+    assert httpx.get(f"http://127.0.0.1:{port}/internal/v1/capacity", headers=auth).status_code == 404
+    assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+    servers[1].should_exit = True  # the internal listener stops: the tenant one follows
+    assert done.wait(15)
+    assert asyncio.iscoroutinefunction(cli.serve_together)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 
 from inferscale.engine.template import MemoryItem
@@ -12,42 +14,44 @@ INTERNAL = {"Authorization": "Bearer internal-secret"}
 
 def test_internal_needs_token(live):
     for h in ({}, {"Authorization": "Bearer isk-acme-key"}):
-        assert httpx.get(live.url + "/internal/v1/capacity", headers=h).status_code == 401
+        assert httpx.get(live.internal_url + "/internal/v1/capacity", headers=h).status_code == 401
 
 
-def test_pull_purge_capacity(live, tiny_engine, embedder, tmp_path):
+def test_pull_purge_capacity(live, tiny_engine, embedder):
     items = [MemoryItem("p1", "melanie plays with her dog"), MemoryItem("p2", "melanie lives in london")]
+    src = live.settings.kv_host_path / "globex" / "melanie"
     for b in tiny_engine.encode(items, embed=embedder.embed):
-        save_block(b, tmp_path)
-    body = {"tenant": "globex", "user": "melanie", "source": {"node": "node-a", "dir": str(tmp_path), "peer": None},
+        save_block(b, src)
+    body = {"tenant": "globex", "user": "melanie", "source": {"node": "node-a", "dir": str(src), "peer": None},
             "items": None}
     for _ in range(2):  # idempotent
-        r = httpx.post(live.url + "/internal/v1/pull", json=body, headers=INTERNAL)
+        r = httpx.post(live.internal_url + "/internal/v1/pull", json=body, headers=INTERNAL)
         assert r.status_code == 200, r.text
         assert r.json()["blocks"] == 2 and r.json()["bytes"] > 0 and r.json()["tier"] == "dram"
         assert r.json()["tokens"] > 0
     # Pulling one item again still answers the user's totals.
-    r = httpx.post(live.url + "/internal/v1/pull", json={**body, "items": ["p1"]}, headers=INTERNAL)
+    r = httpx.post(live.internal_url + "/internal/v1/pull", json={**body, "items": ["p1"]}, headers=INTERNAL)
     assert r.status_code == 200 and r.json()["blocks"] == 2
     g = live.client("globex").chat.completions.create(model="gemma-3-270m", user="melanie", max_tokens=3,
                                                       messages=[{"role": "user", "content": "where does she live?"}])
     assert g.model_extra["inferscale"]["items"]
-    cap = httpx.get(live.url + "/internal/v1/capacity", headers=INTERNAL).json()
+    cap = httpx.get(live.internal_url + "/internal/v1/capacity", headers=INTERNAL).json()
     assert cap["node"] == "node-a" and cap["pod"] == "pod-a" and cap["users"] >= 1
-    r = httpx.post(live.url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": ["p1"]},
+    r = httpx.post(live.internal_url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": ["p1"]},
                    headers=INTERNAL)
     assert r.json()["removed_blocks"] == 1
-    r = httpx.post(live.url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None},
+    r = httpx.post(live.internal_url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None},
                    headers=INTERNAL)
     assert r.json()["removed_blocks"] == 1
-    r = httpx.post(live.url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None},
+    r = httpx.post(live.internal_url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None},
                    headers=INTERNAL)
     assert r.json() == {"removed_blocks": 0, "removed_bytes": 0}
     assert httpx.get(live.url + "/v1/memories/melanie", headers=live.headers("globex")).status_code == 404
+    shutil.rmtree(src)
 
 
 def _purge(live, **body):
-    return httpx.post(live.url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None,
+    return httpx.post(live.internal_url + "/internal/v1/purge", json={"tenant": "globex", "user": "melanie", "items": None,
                                                              **body}, headers=INTERNAL)
 
 
@@ -59,7 +63,7 @@ def test_purge_deletes_the_jobs_output_dir(live, tiny_engine, embedder):
         save_block(b, src)
     body = {"tenant": "globex", "user": "melanie", "source": {"node": "node-a", "dir": str(src), "peer": None},
             "items": None}
-    assert httpx.post(live.url + "/internal/v1/pull", json=body, headers=INTERNAL).status_code == 200
+    assert httpx.post(live.internal_url + "/internal/v1/pull", json=body, headers=INTERNAL).status_code == 200
     (src / "stray.tmp").write_text("half-written")
     r = _purge(live, source_dir=str(src) + "/")
     assert r.status_code == 200, r.text

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from inferscale.errors import BlobCorruptError, NotFoundError, TransferError
+from inferscale.errors import BlobCorruptError, NotFoundError, TransferError, UnsafePathError
 from inferscale.store import KVStore
 from inferscale.store.node import child_process, serve_node
 
@@ -90,7 +90,7 @@ def test_bad_peer_address_and_token(open_store, tmp_path):
     s = open_store()
     with pytest.raises(TransferError):
         s.pull_from_peer("acme", "alice", "no-port-here")
-    a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1", peer_token="secret")
+    a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1", peer_secret="secret")
     a.put("acme", "alice", make_block("m0"))
     with pytest.raises(TransferError, match="unauthorized"):
         s.pull_from_peer("acme", "alice", a.peer_address)
@@ -137,9 +137,10 @@ def test_peer_imports_job_dir_and_full_disk_keeps_slots(open_store, tmp_path, mo
     job = tmp_path / "hostpath" / "acme" / "alice"  # an encoding Job's output on the peer's node
     for it in ("m0", "m1"):
         save_block(make_block(it), job)
-    a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1")
+    a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1",
+                   job_root=tmp_path / "hostpath")
     b = open_store(tmp_path / "b")
-    with pytest.raises(NotFoundError):  # a directory of another tenant/user is refused
+    with pytest.raises(UnsafePathError):  # a directory of another tenant/user is refused
         b.pull_from_peer("acme", "bob", a.peer_address, ["m0"], source_dir=str(job))
     r = b.pull_from_peer("acme", "alice", a.peer_address, ["m0"], source_dir=str(job))  # the peer imports m0
     assert (r.blocks, r.total_blocks) == (1, 1) and [i.item_id for i in a.list("acme", "alice")] == ["m0"]
