@@ -43,6 +43,9 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
     @kopf.on.startup(registry=registry, backoff=1)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
+        # The namespaces to serve are the explicit tenant list: never list or watch namespaces cluster-wide (the chart
+        # grants no such right), nor re-scan CRDs.
+        settings.scanning.disabled = True
         # Progress and the diff base in annotations: the status schema is ours and has no `kopf` field.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="inferscale.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="inferscale.io")
