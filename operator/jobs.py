@@ -40,14 +40,19 @@ _CLEAN_PY = ("import os, shutil, sys\n"
              "for n in os.listdir(d):\n"
              "    p = os.path.join(d, n)\n"
              "    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)\n")
-# Run by the encode Job's init container: kubelet creates a missing hostPath directory as root, and the encoder runs
-# as the fleet user. Only this one directory is mounted and only CAP_CHOWN is kept, so the root step can do nothing
-# but hand this user's directory to the fleet user (non-recursive: its contents were written by that user anyway).
+# Where the init container sees the tenant's directory (`<kv>/<tenant>`).
+TENANT_MOUNT = "/var/run/inferscale/tenant"
+# Run by the encode Job's init container: kubelet creates missing hostPath directories (`<kv>/<tenant>` and
+# `<kv>/<tenant>/<user>`) as root, and the encoder runs as the fleet user, who must write the user's directory and
+# (for a serving pod's purge) remove it from the tenant's. Only the tenant's directory is mounted, only CAP_CHOWN is
+# kept, and the code is ours (the tenant supplies only item text): the root step can do nothing but hand these two
+# directories to the fleet user. Non-recursive, never through a symlink.
 _CHOWN_PY = ("import os, sys\n"
-             "p, uid = sys.argv[1], int(sys.argv[2])\n"
-             "st = os.lstat(p)\n"
-             "if (st.st_uid, st.st_gid) != (uid, uid):\n"
-             "    os.chown(p, uid, uid, follow_symlinks=False)\n")
+             "tenant_dir, user, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
+             "for p in (tenant_dir, os.path.join(tenant_dir, user)):\n"
+             "    st = os.lstat(p)\n"
+             "    if (st.st_uid, st.st_gid) != (uid, uid):\n"
+             "        os.chown(p, uid, uid, follow_symlinks=False)\n")
 
 
 def _digest(*parts: Any) -> str:
@@ -138,6 +143,10 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
                "--only", ",".join(sorted(ids)), "--embed"]
     volumes: list[dict[str, Any]] = [{"name": "memories", "configMap": {"name": name}},
                                      _user_volume(settings, tenant, user_id),
+                                     # The init container's only: the tenant's directory (see _CHOWN_PY).
+                                     {"name": "kv-tenant", "hostPath": {"path": posixpath.join(settings.kv_host_path,
+                                                                                               tenant),
+                                                                        "type": "DirectoryOrCreate"}},
                                      {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
     mounts: list[dict[str, Any]] = [{"name": "memories", "mountPath": ITEMS_MOUNT, "readOnly": True},
                                     {"name": "kv", "mountPath": OUT_MOUNT},
@@ -164,13 +173,13 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
     owner_init: dict[str, Any] = {
         "name": "kv-owner",
         "image": settings.encoder_image,
-        "command": ["python", "-c", _CHOWN_PY, OUT_MOUNT, str(settings.run_as_user)],
+        "command": ["python", "-c", _CHOWN_PY, TENANT_MOUNT, user_id, str(settings.run_as_user)],
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}},
-        # The one root step, in the platform namespace only: CAP_CHOWN on the single mounted directory.
+        # The one root step, in the platform namespace only: CAP_CHOWN on the tenant's and the user's directory.
         "securityContext": {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
                             "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"},
                             "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
-        "volumeMounts": [{"name": "kv", "mountPath": OUT_MOUNT}],
+        "volumeMounts": [{"name": "kv-tenant", "mountPath": TENANT_MOUNT}],
     }
     return _job(name, tenant, cr_name, cr_uid, "encode", settings, {
         # A bad item exits 2 and would fail again: retrying only burns GPU time.

@@ -285,7 +285,8 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
 
 
 # Failures the cluster can fix without a spec change (the ConfigMap/Secret or key is created later): the timer retries.
-RETRIED_REASONS = frozenset({"ReferenceNotFound"})
+# DuplicateUserId too: once the object holding the userId is deleted, the next tick lets this one claim it.
+RETRIED_REASONS = frozenset({"ReferenceNotFound", "DuplicateUserId"})
 
 
 def waits_for_reference(body: Body) -> bool:

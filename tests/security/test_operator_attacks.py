@@ -66,12 +66,14 @@ def test_encode_job_runs_in_the_platform_namespace_and_mounts_only_its_user_dir(
     job = wait_for(lambda: all_jobs(cluster), what="an encode Job")[0]
     assert job["metadata"]["namespace"] == JOB_NS and cluster.jobs(TENANT) == []
     pod = job["spec"]["template"]["spec"]
-    host_paths = [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v]
-    assert host_paths == [f"{KV}/acme/caroline"], "exactly the user's directory, never the whole KV root"
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    (encode,) = pod["containers"]
+    assert [host[m["name"]] for m in encode["volumeMounts"] if m["name"] in host] == [f"{KV}/acme/caroline"], \
+        "the encoder sees exactly the user's directory, never the whole KV root"
+    assert all(p.startswith(f"{KV}/acme") for p in host.values()), "no pod volume reaches beyond the tenant's dir"
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod.get("automountServiceAccountToken") is False and not pod.get("hostNetwork")
-    (encode,) = pod["containers"]
     sc = encode["securityContext"]
     assert sc["runAsNonRoot"] and sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["readOnlyRootFilesystem"] is True and not sc.get("privileged")
@@ -80,7 +82,7 @@ def test_encode_job_runs_in_the_platform_namespace_and_mounts_only_its_user_dir(
     for init in pod.get("initContainers") or []:  # the one root step may only chown that same directory
         isc = init["securityContext"]
         assert isc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]} and isc["allowPrivilegeEscalation"] is False
-        assert [m["name"] for m in init["volumeMounts"]] == ["kv"] and not isc.get("privileged")
+        assert [host[m["name"]] for m in init["volumeMounts"]] == [f"{KV}/acme"] and not isc.get("privileged")
     assert cluster.list(f"/api/v1/namespaces/{TENANT}/configmaps") == [], "nothing is created in the tenant namespace"
 
 
@@ -208,6 +210,16 @@ def test_a_second_usermemory_cannot_take_a_users_id(cluster: Cluster, standins: 
     assert sum(len(s.calls_of("purge")) for s in standins) == purges_before, "the first one's data is untouched"
     assert any(s.held(TENANT, "caroline") == {"m1", "m2"} for s in standins)
     assert cluster.status("caroline")["phase"] == "Ready"
+
+
+def test_a_duplicate_takes_the_user_id_over_once_its_holder_is_gone(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                                    operator: Any) -> None:
+    ready_caroline(cluster, standins)
+    cluster.apply_um(user_memory("caroline-next", "caroline"))
+    wait_for(reason_is(cluster, "caroline-next", "DuplicateUserId"), what="Failed DuplicateUserId")
+    cluster.delete(cluster.um_path("caroline"))
+    wait_for(lambda: cluster.um("caroline") is None, what="the holder to be gone")
+    wait_for(lambda: jobs_for(cluster, "caroline-next"), what="the successor's encode Job (the recheck timer)")
 
 
 def test_an_id_with_dotdot_never_blocks_deletion(cluster: Cluster, standins: list[ServingPodStandIn],
