@@ -68,7 +68,7 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
 
     hashes = desired.item_hashes()
     chash = desired.content_hash()
-    encoded: dict[str, dict[str, str]] = {k: dict(v) for k, v in (status.get("encoded") or {}).items()}
+    encoded = trusted_encoded(status.get("encoded") or {}, record)
     changed = sorted(i for i, h in hashes.items() if (encoded.get(i) or {}).get("hash") != h)
     removed = sorted(set(encoded) - set(hashes))
     job_ref: Mapping[str, Any] | None = status.get("job")
@@ -131,6 +131,18 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         **placed_fields(placed, len(encoded), counts),
         conditions=_placed_conditions(conds, placed, gen),
     )
+
+
+def trusted_encoded(encoded: Mapping[str, Any], record: records.UserRecord) -> dict[str, dict[str, str]]:
+    """`status.encoded` with each item's node kept only when the operator's record has it (the status is writable by
+    the tenant: a forged node must not pick where a pull is sourced from)."""
+    out: dict[str, dict[str, str]] = {}
+    for item, entry in encoded.items():
+        entry = dict(entry or {})
+        if entry.get("node") not in record.nodes:
+            entry["node"] = ""
+        out[item] = entry
+    return out
 
 
 def tenant_allowed(cfg: Settings, namespace: str) -> bool:
@@ -335,7 +347,10 @@ async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logg
                                 {"phase": "Degraded", "message": msg, "conditions": conds,
                                  "placements": kept, "nodes": ",".join(sorted({str(e.get("node")) for e in kept}))})
         kopf.warn(body, reason="PodLost", message=msg)
-    encoded = dict(status.get("encoded") or {})
+    record = await asyncio.to_thread(records.find_own, kube, cfg, tenant, str(meta.get("uid") or ""))
+    if record is None or record.user_id != spec.get("userId"):
+        return  # not this object's user (never claimed, or a changed id the next reconcile refuses)
+    encoded = trusted_encoded(status.get("encoded") or {}, record)
     placed = await place(cfg, kube, body, str(spec.get("userId")), replicas, selector, encoded, set(), [], kept, logger)
     patch.status.update(phase=placed.phase, message=placed.message,
                         **placed_fields(placed, len(encoded), status.get("counts") or {}),
