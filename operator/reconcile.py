@@ -140,7 +140,8 @@ def trusted_encoded(encoded: Mapping[str, Any], record: records.UserRecord) -> d
     for item, entry in encoded.items():
         entry = dict(entry or {})
         if entry.get("node") not in record.nodes:
-            entry["node"] = ""
+            # The only node the user's Jobs ran on is where this item is; with several, unknown.
+            entry["node"] = record.nodes[0] if len(record.nodes) == 1 else ""
         out[item] = entry
     return out
 

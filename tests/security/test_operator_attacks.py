@@ -128,6 +128,20 @@ def test_a_forged_node_in_status_picks_no_cleanup_node(cluster: Cluster, standin
     assert standins[1].removed_dirs == {f"{KV}/acme/caroline"}
 
 
+def test_a_forged_node_in_status_does_not_pick_the_pull_source(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                              operator: Any) -> None:
+    ready_caroline(cluster, standins, node="node-1")
+    placed = cluster.status("caroline")["placements"][0]["pod"]
+    cluster.patch(cluster.um_path("caroline") + "/status",
+                  {"status": {"encoded": {"m1": {"node": "evil-node"}, "m2": {"node": "evil-node"}}}})
+    # The serving pod holding the user goes: the recheck timer re-places on the other one, which must pull from
+    # where the Job really ran.
+    cluster.delete(f"/api/v1/namespaces/{JOB_NS}/pods/{placed}")
+    other = next(s for s in standins if s.pod != placed)
+    pull = wait_for(lambda: other.calls_of("pull"), what="the re-placement's pull")[-1]
+    assert pull["source"]["node"] == "node-1", pull
+
+
 def _old_style_job_name(cr_name: str) -> str:
     """The encode Job name the starting code derived from public data only (the spec)."""
     from inferscale.operator.spec import parse
