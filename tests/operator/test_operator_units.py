@@ -189,3 +189,16 @@ def test_operator_and_engine_agree_on_the_context():
     from inferscale.operator.spec import CONTEXT_ITEMS
 
     assert CONTEXT_ITEMS == DEFAULT_CONTEXT_ITEMS
+
+
+def test_main_watches_only_the_tenant_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kopf
+
+    runs: list[dict[str, object]] = []
+    monkeypatch.setattr(kopf, "run", lambda **kw: runs.append(kw))
+    monkeypatch.setenv("INFERSCALE_TENANTS", "acme,globex")
+    assert main([]) == 0
+    monkeypatch.setenv("INFERSCALE_TENANTS", "")
+    monkeypatch.setenv("INFERSCALE_JOB_NAMESPACE", "platform")
+    assert main([]) == 0
+    assert [(r["clusterwide"], r["namespaces"]) for r in runs] == [(False, ["acme", "globex"]), (False, ["platform"])]
