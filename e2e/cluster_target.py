@@ -4,7 +4,8 @@ then the same scenario against the real operator, encode Job, serving pod and AP
 Knobs (environment): INFERSCALE_E2E_RELEASE / INFERSCALE_E2E_NAMESPACE (release and its namespace, default
 inferscale-e2e), INFERSCALE_E2E_HELM_ARGS (extra helm args, e.g. `--set image.repository=... --set image.tag=...`),
 INFERSCALE_E2E_KEEP=1 (leave the release and tenant namespace installed), INFERSCALE_E2E_READY_TIMEOUT (s, 900).
-The tenant is a fresh namespace `e2e-<random>`; its API key goes into the release's tenants file. Spans are read
+The tenants are two fresh namespaces `e2e-<random>` and `e2e-<random>-b` (the chart's `tenants` allow-list); their API
+keys go into the release's tenants file. Encode Jobs run in the release namespace. Spans are read
 from the serving pod's log: the servers get INFERSCALE_CONSOLE_TRACES=true and OTEL_SDK_DISABLED=false (env wins
 over the chart's envFrom ConfigMap).
 """
@@ -34,7 +35,10 @@ class ClusterTarget:
         self.release = os.environ.get("INFERSCALE_E2E_RELEASE", "inferscale-e2e")
         self.namespace = os.environ.get("INFERSCALE_E2E_NAMESPACE", "inferscale-e2e")
         self.tenant = "e2e-" + secrets.token_hex(3)
+        self.tenant_b = self.tenant + "-b"
         self.api_key = "isk-e2e-" + secrets.token_urlsafe(16)
+        self.api_key_b = "isk-e2e-" + secrets.token_urlsafe(16)
+        self.kv_host_path = "/var/lib/inferscale/kv"  # the chart's kv.hostPath
         self.internal_token = "e2e-" + secrets.token_hex(16)
         self.ready_timeout = float(os.environ.get("INFERSCALE_E2E_READY_TIMEOUT", "900"))
         self.gone_timeout = 180.0
@@ -46,14 +50,19 @@ class ClusterTarget:
         from inferscale.server.auth import hash_key
 
         self.kubectl_bin, self.helm_bin = tool("kubectl"), tool("helm")
-        self.kubectl("create", "namespace", self.tenant)
+        for tenant in (self.tenant, self.tenant_b):
+            self.kubectl("create", "namespace", tenant)
+            # Tenant namespaces stay at Pod Security restricted: nothing of InferScale runs there.
+            self.kubectl("label", "namespace", tenant, "pod-security.kubernetes.io/enforce=restricted")
         extra_env = [{"name": "OTEL_SDK_DISABLED", "value": "false"},
                      {"name": "INFERSCALE_CONSOLE_TRACES", "value": "true"}]
         self._installed = True
         self._run([self.helm_bin, "upgrade", "--install", self.release, str(ROOT / "charts" / "inferscale"),
                    "-n", self.namespace, "--create-namespace", "-f", str(ROOT / "charts/inferscale/values-cpu.yaml"),
                    "--set", f"internalToken.value={self.internal_token}",
-                   "--set-json", "apiKeys.tenants=" + json.dumps({self.tenant: [hash_key(self.api_key)]}),
+                   "--set-json", "apiKeys.tenants=" + json.dumps({self.tenant: [hash_key(self.api_key)],
+                                                                  self.tenant_b: [hash_key(self.api_key_b)]}),
+                   "--set-json", "tenants=" + json.dumps([self.tenant, self.tenant_b]),
                    "--set-json", "server.extraEnv=" + json.dumps(extra_env),
                    "--set", "operator.jobPollSeconds=2",
                    "--wait", "--timeout", "20m", *shlex.split(os.environ.get("INFERSCALE_E2E_HELM_ARGS", ""))],
@@ -65,8 +74,9 @@ class ClusterTarget:
             stop_process(proc)
         if self.keep:
             return
-        self._run([self.kubectl_bin, "delete", "namespace", self.tenant, "--wait=false", "--ignore-not-found"],
-                  check=False)
+        for tenant in (self.tenant, self.tenant_b):
+            self._run([self.kubectl_bin, "delete", "namespace", tenant, "--wait=false", "--ignore-not-found"],
+                      check=False)
         if self._installed:
             self._run([self.helm_bin, "uninstall", self.release, "-n", self.namespace, "--wait", "--timeout", "5m"],
                       check=False, timeout=400)
@@ -89,23 +99,38 @@ class ClusterTarget:
             raise AssertionError(f"kubectl {' '.join(args)}: {proc.stderr}")
         return json.loads(proc.stdout)
 
-    def get_um(self, name: str) -> dict[str, Any] | None:
-        return self._json("get", "usermemories.inferscale.io", name, "-n", self.tenant)
+    def get_um(self, name: str, tenant: str | None = None) -> dict[str, Any] | None:
+        return self._json("get", "usermemories.inferscale.io", name, "-n", tenant or self.tenant)
 
-    def events(self) -> list[dict[str, Any]]:
-        return list((self._json("get", "events", "-n", self.tenant) or {}).get("items") or [])
+    def events(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        return list((self._json("get", "events", "-n", tenant or self.tenant) or {}).get("items") or [])
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return list((self._json("get", "jobs", "-n", self.tenant) or {}).get("items") or [])
+    def jobs(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Jobs in a namespace; by default the release namespace, where the operator runs them."""
+        return list((self._json("get", "jobs", "-n", namespace or self.namespace) or {}).get("items") or [])
+
+    def job_host_paths(self, job: dict[str, Any]) -> list[str]:
+        """The node paths kubelet mounts into the Job's pod: its hostPath volumes (init containers included)."""
+        return [v["hostPath"]["path"] for v in job["spec"]["template"]["spec"].get("volumes") or [] if "hostPath" in v]
+
+    def kv_dir(self, tenant: str, user: str) -> str:
+        return f"{self.kv_host_path}/{tenant}/{user}"
 
     def endpoint(self, placement: dict[str, Any]) -> str:
-        """http://127.0.0.1:<port> forwarded to the pod that holds the blocks."""
-        key = f"{placement['namespace']}/{placement['pod']}"
+        """http://127.0.0.1:<port> forwarded to the tenant port of the pod that holds the blocks."""
+        return self._forward(placement, 8000)
+
+    def internal_endpoint(self, placement: dict[str, Any]) -> str:
+        """Forwarded to the pod's internal port (a port-forward is not subject to the NetworkPolicy)."""
+        return self._forward(placement, 8001)
+
+    def _forward(self, placement: dict[str, Any], pod_port: int) -> str:
+        key = f"{placement['namespace']}/{placement['pod']}:{pod_port}"
         if key not in self._forwards:
-            log = self.workdir / f"port-forward-{placement['pod']}.log"
+            log = self.workdir / f"port-forward-{placement['pod']}-{pod_port}.log"
             out = open(log, "w")
             proc = subprocess.Popen([self.kubectl_bin, "port-forward", "-n", placement["namespace"],
-                                     f"pod/{placement['pod']}", ":8000"], stdout=out, stderr=subprocess.STDOUT,
+                                     f"pod/{placement['pod']}", f":{pod_port}"], stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
             self._forwards[key] = (proc, "")
 
@@ -145,7 +170,8 @@ class ClusterTarget:
 
     def diag(self) -> str:
         parts = []
-        for args in (["get", "usermemories.inferscale.io,jobs,pods", "-n", self.tenant, "-o", "wide"],
+        for args in (["get", "usermemories.inferscale.io", "-n", self.tenant, "-o", "wide"],
+                     ["get", "jobs,pods", "-n", self.namespace, "-o", "wide"],
                      ["get", "events", "-n", self.tenant, "--sort-by=.lastTimestamp"],
                      ["get", "pods", "-n", self.namespace, "-o", "wide"],
                      ["logs", "-n", self.namespace, "-l", "app.kubernetes.io/component=operator", "--tail=60"]):

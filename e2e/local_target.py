@@ -5,7 +5,9 @@
 - operator: the real one, as a subprocess (`python -m inferscale.operator`, KUBECONFIG -> the emulator);
 - serving pod: the real server as a subprocess (`python -m inferscale.cli serve`), registered in the emulator as
   a Pod object (labels, `inferscale.io/endpoint` annotation, nodeName, Running/Ready) -- nothing starts it for you;
-- kubelet: NodeAgentStandIn (node_agent.py) runs the encode Jobs the operator creates;
+- kubelet: NodeAgentStandIn (node_agent.py) runs the encode Jobs the operator creates (in the platform namespace,
+  SERVER_NS), mounting only the host paths each Job names;
+- tenants: two namespaces, "acme" and "globex", each with its own API key;
 - model: a tiny random-weight gemma3 saved as the directory `tiny-e2e` inside a dir that plays the image, which
   is the working dir of both the server and the encode Jobs, so `--model tiny-e2e` is the same model (same
   fingerprint) in both.
@@ -35,6 +37,7 @@ SELECTOR = {"app.kubernetes.io/name": "inferscale", "app.kubernetes.io/component
 class LocalTarget:
     name = "local"
     tenant = "acme"
+    tenant_b = "globex"
     model = "tiny-e2e"
     apply_flags = ["--validate=false"]  # the emulator serves no OpenAPI document to validate against
     ready_timeout, gone_timeout = 120.0, 60.0
@@ -45,12 +48,14 @@ class LocalTarget:
         self.kv_host_path = self.workdir / "node" / "kv"  # the node's hostPath (INFERSCALE_KV_HOST_PATH)
         self.data_dir = self.workdir / "server-data"
         self.api_key = "isk-e2e-" + secrets.token_urlsafe(16)
+        self.api_key_b = "isk-e2e-" + secrets.token_urlsafe(16)
         self.internal_token = "e2e-" + secrets.token_hex(16)
         self.emu: Any = None
         self.server: subprocess.Popen | None = None
         self.operator: subprocess.Popen | None = None
         self.agent: Any = None
         self.server_url = ""
+        self.internal_url = ""  # the server's internal listener when it has one, else its only port
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> LocalTarget:
@@ -102,8 +107,9 @@ class LocalTarget:
 
         self.data_dir.mkdir(parents=True)
         tenants = self.data_dir / "tenants.json"
-        tenants.write_text(json.dumps({self.tenant: [hash_key(self.api_key)]}))  # tenant = namespace
-        port = free_port()
+        tenants.write_text(json.dumps({self.tenant: [hash_key(self.api_key)],  # tenant = namespace
+                                       self.tenant_b: [hash_key(self.api_key_b)]}))
+        port, internal_port = free_port(), free_port()
         self.server_url = f"http://127.0.0.1:{port}"
         self.server_log, self.server_out = self.workdir / "server.err", self.workdir / "server.out"
         env = self._env(INFERSCALE_DATA_DIR=str(self.data_dir), INFERSCALE_TENANTS_FILE=str(tenants),
@@ -111,6 +117,7 @@ class LocalTarget:
                         INFERSCALE_DEVICE="cpu", INFERSCALE_INTERNAL_TOKEN=self.internal_token,
                         INFERSCALE_NODE_NAME=NODE, INFERSCALE_POD_NAME=SERVER_POD,
                         INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),  # the node's hostPath, as the chart mounts it
+                        INFERSCALE_INTERNAL_PORT=str(internal_port),
                         INFERSCALE_NIXL_PORT=str(free_port()), INFERSCALE_CONSOLE_TRACES="true",
                         INFERSCALE_DRAM_BUDGET_BYTES=str(256 << 20))
         with open(self.server_out, "wb") as out, open(self.server_log, "wb") as err:
@@ -126,13 +133,24 @@ class LocalTarget:
                 return False
 
         wait_for(ready, 90, "the server's /readyz", self.diag)
+        self.internal_url = self._internal_listener(internal_port)
+
+    def _internal_listener(self, port: int) -> str:
+        """The internal API's base URL: the separate listener on `port` when this server opens one, else the tenant
+        port (a server from before the split serves /internal/v1/* there)."""
+        url = f"http://127.0.0.1:{port}"
+        try:
+            httpx.get(url + "/internal/v1/capacity", timeout=2)
+            return url
+        except httpx.HTTPError:
+            return self.server_url
 
     def _register_serving_pod(self) -> None:
         self._ok(self.http.post("/api/v1/nodes", json={"metadata": {"name": NODE, "labels": {
             "kubernetes.io/hostname": NODE}}}))
         self._ok(self.http.post(f"/api/v1/namespaces/{SERVER_NS}/pods", json={
             "metadata": {"name": SERVER_POD, "namespace": SERVER_NS, "labels": SELECTOR,
-                         "annotations": {"inferscale.io/endpoint": self.server_url}},
+                         "annotations": {"inferscale.io/endpoint": self.internal_url}},
             "spec": {"nodeName": NODE, "containers": [{"name": "server", "image": "inferscale"}]},
             "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}))
 
@@ -143,6 +161,7 @@ class LocalTarget:
                         INFERSCALE_INTERNAL_TOKEN=self.internal_token, INFERSCALE_ENCODER_IMAGE="inferscale:e2e",
                         INFERSCALE_ENCODER_GPUS="0", INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),
                         INFERSCALE_MODELS=self.model, INFERSCALE_JOB_POLL_SECONDS="0.5",
+                        INFERSCALE_TENANTS=f"{self.tenant},{self.tenant_b}", INFERSCALE_JOB_NAMESPACE=SERVER_NS,
                         INFERSCALE_RECHECK_SECONDS="30", INFERSCALE_HTTP_TIMEOUT_SECONDS="30")
         with open(self.operator_log, "wb") as out:
             self.operator = subprocess.Popen([sys.executable, "-m", "inferscale.operator", "--verbose"], cwd=ROOT,
@@ -155,20 +174,33 @@ class LocalTarget:
         assert proc.returncode == 0, f"kubectl {' '.join(args)}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         return proc
 
-    def get_um(self, name: str) -> dict[str, Any] | None:
+    def get_um(self, name: str, tenant: str | None = None) -> dict[str, Any] | None:
         self._alive()
-        resp = self.http.get(f"/apis/inferscale.io/v1alpha1/namespaces/{self.tenant}/usermemories/{name}")
+        resp = self.http.get(f"/apis/inferscale.io/v1alpha1/namespaces/{tenant or self.tenant}/usermemories/{name}")
         return None if resp.status_code == 404 else self._ok(resp)
 
-    def events(self) -> list[dict[str, Any]]:
-        return list(self._ok(self.http.get(f"/api/v1/namespaces/{self.tenant}/events")).get("items") or [])
+    def events(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        return list(self._ok(self.http.get(f"/api/v1/namespaces/{tenant or self.tenant}/events")).get("items") or [])
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return list(self._ok(self.http.get(f"/apis/batch/v1/namespaces/{self.tenant}/jobs")).get("items") or [])
+    def jobs(self, namespace: str = SERVER_NS) -> list[dict[str, Any]]:
+        """Jobs in a namespace; by default the platform namespace, where the operator runs them."""
+        return list(self._ok(self.http.get(f"/apis/batch/v1/namespaces/{namespace}/jobs")).get("items") or [])
+
+    def job_host_paths(self, job: dict[str, Any]) -> list[str]:
+        """The node paths the stand-in kubelet mounted into the Job's pod (what it could see of the node's disk)."""
+        (info,) = [i for i in self.agent.handled.values() if i["name"] == job["metadata"]["name"]]
+        return list(info["host_paths"])
+
+    def kv_dir(self, tenant: str, user: str) -> str:
+        return str(self.kv_host_path / tenant / user)
 
     def endpoint(self, placement: dict[str, Any]) -> str:
         assert (placement["namespace"], placement["pod"], placement["node"]) == (SERVER_NS, SERVER_POD, NODE)
         return self.server_url
+
+    def internal_endpoint(self, placement: dict[str, Any]) -> str:
+        assert (placement["namespace"], placement["pod"]) == (SERVER_NS, SERVER_POD)
+        return self.internal_url
 
     def spans(self, placement: dict[str, Any]) -> list[dict[str, Any]]:
         return parse_console_spans(self.server_out.read_text(errors="replace"))

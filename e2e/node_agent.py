@@ -8,8 +8,11 @@ It watches (polls) batch/v1 Jobs in the API server it is given, and for each new
   there), with the container's env (`fieldRef: spec.nodeName` resolved) and mount paths rewritten in its argv;
 - writes the outcome back: Pod phase Succeeded/Failed, and Job status `succeeded` + `Complete`, or `failed` +
   `Failed` (with the last line of the command's stderr), as the Job controller would.
+It records, per Job, the host paths it mounted (`handled[uid]["host_paths"]`): exactly the hostPath volumes the
+manifest names, as a kubelet would, so a test can show what a Job's pod could see of the node's disk.
 What it does not do: scheduling (every Job runs here, node selectors and GPU limits are ignored), image
-pulls, isolation, restarts/backoff, resource limits, TTL cleanup.
+pulls, init containers, isolation (the process could read more than its mounts), restarts/backoff, resource
+limits, TTL cleanup.
 """
 
 from __future__ import annotations
@@ -85,15 +88,22 @@ class NodeAgentStandIn:
             elif (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
                 env[var["name"]] = self.node
         pod = f"{name}-{uuid.uuid4().hex[:5]}"
-        labels = {**(job["spec"]["template"].get("metadata") or {}).get("labels", {}), "job-name": name}
+        labels = {**(job["spec"]["template"].get("metadata") or {}).get("labels", {}), "job-name": name,
+                  "batch.kubernetes.io/controller-uid": job["metadata"].get("uid", "")}
+        # As the Job controller does: the pod's controller is the Job (the operator trusts no bare job-name label).
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"].get("uid", ""),
+                 "controller": True, "blockOwnerDeletion": True}
+        host_mounts = {m["mountPath"].rstrip("/") for m in container.get("volumeMounts") or []
+                       if "hostPath" in {v["name"]: v for v in spec.get("volumes") or []}[m["name"]]}
         self._ok(self.http.post(f"/api/v1/namespaces/{ns}/pods", json={
-            "metadata": {"name": pod, "namespace": ns, "labels": labels},
+            "metadata": {"name": pod, "namespace": ns, "labels": labels, "ownerReferences": [owner]},
             "spec": {**spec, "nodeName": self.node},
             "status": {"phase": "Running", "startTime": _now()}}))
         self._ok(self.http.patch(f"/apis/batch/v1/namespaces/{ns}/jobs/{name}/status", headers=MERGE,
                                  json={"status": {"active": 1, "startTime": _now()}}))
         log = pod_dir / "container.log"
-        self.handled[uid] = {"name": name, "rc": None, "log": log, "argv": argv}
+        self.handled[uid] = {"name": name, "namespace": ns, "rc": None, "log": log, "argv": argv,
+                             "host_paths": sorted(str(p) for mp, p in mounts.items() if mp in host_mounts)}
         with open(log, "wb") as out:
             try:
                 rc = subprocess.run(argv, cwd=self.image_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -133,8 +143,13 @@ class NodeAgentStandIn:
             elif "hostPath" in vol:
                 local = Path(vol["hostPath"]["path"])  # this machine's filesystem is the node's
                 local.mkdir(parents=True, exist_ok=True)
+            elif "emptyDir" in vol:
+                local = pod_dir / "volumes" / m["name"]
+                local.mkdir(parents=True, exist_ok=True)
+            elif "secret" in vol:
+                continue  # not emulated (the KEK): the local target runs without one
             else:
-                raise ValueError(f"volume {m['name']}: only configMap and hostPath are emulated")
+                raise ValueError(f"volume {m['name']}: only configMap, hostPath and emptyDir are emulated")
             out[m["mountPath"].rstrip("/")] = local
         pod_dir.mkdir(parents=True, exist_ok=True)
         return out

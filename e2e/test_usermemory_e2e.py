@@ -1,6 +1,8 @@
 """Issue 6, end to end: `kubectl apply` of a UserMemory -> operator -> encoding Job -> blocks on a serving pod ->
 an `openai`-client chat request for that user in `kv` mode whose trace shows the injected blocks -> delete ->
-blocks gone from every tier of the serving pod.
+blocks gone from every tier of the serving pod. With two tenants: a second tenant's UserMemory for a user of the same
+id is encoded by its own Job, whose pod gets only its own `<kv>/<tenant>/<user>` directory of the node (nothing of the
+first tenant's), each tenant's key sees only its own user, and deleting one leaves the other serving.
 
 One test, two targets:
 - local (always; CI): KMock emulator as API server, the real operator and server as local processes, and a node
@@ -21,6 +23,15 @@ import yaml
 from e2e_common import ROOT, kv_fetch_of_chat, wait_for
 
 EXAMPLE = ROOT / "crds" / "examples" / "usermemory-inline.yaml"
+# Tenant B's user has the same id as tenant A's, and other memories.
+MEMORIES_B = [{"id": "g1", "text": "Caroline from Globex sells industrial widgets."},
+              {"id": "g2", "text": "Caroline from Globex plays chess on Sundays."}]
+
+
+def _within(path: str, directory: str) -> bool:
+    """`path` is `directory`, inside it, or a parent of it (a parent's mount would expose it too)."""
+    p, d = path.rstrip("/"), directory.rstrip("/")
+    return p == d or p.startswith(d + "/") or d.startswith(p + "/")
 
 
 @pytest.fixture(params=["local", "cluster"])
@@ -105,18 +116,51 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     assert attrs["inferscale.kv.bytes"] > 0 and attrs["inferscale.kv.tier"] != "none", attrs
     assert found["chat"]["attributes"]["inferscale.retrieved"] == len(ids)
 
+    # 5b. tenant B: its own UserMemory for a user of the same id, in its own namespace
+    doc_b = {**doc, "metadata": {**doc["metadata"], "namespace": target.tenant_b},
+             "spec": {**doc["spec"], "memories": MEMORIES_B}}
+    manifest_b = tmp_path / "usermemory-b.yaml"
+    manifest_b.write_text(yaml.safe_dump(doc_b, sort_keys=False))
+    target.kubectl("apply", *target.apply_flags, "-f", str(manifest_b))
+    um_b = wait_for(lambda: _ready(target.get_um(name, target.tenant_b)), target.ready_timeout,
+                    f"UserMemory {target.tenant_b}/{name} Ready", target.diag, interval=0.5)
+    ids_b = sorted(m["id"] for m in MEMORIES_B)
+    # Every encode Job ran in the platform namespace (none in a tenant namespace), and each one's pod got exactly its
+    # own <kv>/<tenant>/<user> directory of the node: B's Job could see nothing of A's directory, nor A's of B's.
+    assert target.jobs(target.tenant) == [] and target.jobs(target.tenant_b) == []
+    platform_jobs = {j["metadata"]["name"]: j for j in target.jobs()}
+    paths_a = target.job_host_paths(platform_jobs[status["job"]["name"]])
+    paths_b = target.job_host_paths(platform_jobs[um_b["status"]["job"]["name"]])
+    dir_a, dir_b = target.kv_dir(target.tenant, user), target.kv_dir(target.tenant_b, user)
+    assert paths_a == [dir_a] and paths_b == [dir_b], (paths_a, paths_b)
+    assert not any(_within(p, dir_a) for p in paths_b) and not any(_within(p, dir_b) for p in paths_a)
+    # Each tenant's key sees only its own user of that id.
+    url_b = target.endpoint(um_b["status"]["placements"][0])
+    b_headers = {"Authorization": f"Bearer {target.api_key_b}"}
+    listed_b = httpx.get(f"{url_b}/v1/memories/{user}", headers=b_headers, timeout=30)
+    assert listed_b.status_code == 200 and sorted(i["id"] for i in listed_b.json()["items"]) == ids_b, listed_b.text
+    listed_a = httpx.get(f"{url}/v1/memories/{user}", headers=tenant_headers, timeout=30)
+    assert sorted(i["id"] for i in listed_a.json()["items"]) == ids
+
     # 6. delete: the finalizer purges every serving pod before the object goes
     target.kubectl("delete", "usermemories.inferscale.io", name, "-n", target.tenant, "--wait=false")
     wait_for(lambda: target.get_um(name) is None, target.gone_timeout, f"UserMemory {name} gone", target.diag,
              interval=0.5)
 
-    # 7. blocks gone from every tier of the serving pod: API, DRAM/GPU accounting, disk tier files
+    # 7. blocks gone from every tier of the serving pod: API, DRAM/GPU accounting, disk tier files; tenant B untouched
     gone = httpx.get(f"{url}/v1/memories/{user}", headers=tenant_headers, timeout=30)
     assert gone.status_code == 404, gone.text
-    cap = httpx.get(f"{url}/internal/v1/capacity", headers={"Authorization": f"Bearer {target.internal_token}"},
+    assert target.store_blobs(placement, user) == []
+    still_b = httpx.get(f"{url_b}/v1/memories/{user}", headers=b_headers, timeout=30)
+    assert still_b.status_code == 200 and sorted(i["id"] for i in still_b.json()["items"]) == ids_b, still_b.text
+    assert _ready(target.get_um(name, target.tenant_b))
+    target.kubectl("delete", "usermemories.inferscale.io", name, "-n", target.tenant_b, "--wait=false")
+    wait_for(lambda: target.get_um(name, target.tenant_b) is None, target.gone_timeout,
+             f"UserMemory {target.tenant_b}/{name} gone", target.diag, interval=0.5)
+    internal = {"Authorization": f"Bearer {target.internal_token}"}
+    cap = httpx.get(f"{target.internal_endpoint(placement)}/internal/v1/capacity", headers=internal,
                     timeout=30).json()
     assert cap["users"] == 0 and cap["bytes_used"] == 0, cap
-    assert target.store_blobs(placement, user) == []
     purged = [e for e in target.events() if e.get("reason") == "Purged"]
     assert purged and f"removed {len(ids)} block(s)" in purged[-1]["message"], purged
     # ... and the encode Job's output dir on the node it ran on (<kv hostPath>/<tenant>/<user>) is gone too

@@ -32,6 +32,10 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
     # A failed call (API hiccup, serving pod down) is retried soon, not after Kopf's default minute.
     backoff = max(cfg.job_poll_seconds, 1.0)
 
+    def is_tenant(namespace: str | None, **_: Any) -> bool:
+        # Tenants are an explicit allow-list: a UserMemory anywhere else gets no finalizer, no Job, no status write.
+        return namespace is not None and reconcile.tenant_allowed(cfg, namespace)
+
     @kopf.on.login(registry=registry, retries=3, backoff=1)
     def login(**_: Any) -> kopf.ConnectionInfo:
         return connection_info(api_client())
@@ -39,6 +43,9 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
     @kopf.on.startup(registry=registry, backoff=1)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
+        # The namespaces to serve are the explicit tenant list: never list or watch namespaces cluster-wide (the chart
+        # grants no such right), nor re-scan CRDs.
+        settings.scanning.disabled = True
         # Progress and the diff base in annotations: the status schema is ours and has no `kopf` field.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="inferscale.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="inferscale.io")
@@ -49,24 +56,26 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
         memo.cfg = cfg
         memo.kube = Kube(await asyncio.to_thread(api_client))
         memo.locks = {}
-        logger.info(f"inferscale operator: models={','.join(cfg.models)} image={cfg.encoder_image}")
+        logger.info(f"inferscale operator: models={','.join(cfg.models)} image={cfg.encoder_image} "
+                    f"tenants={','.join(cfg.tenants) or '(none)'} jobs in {cfg.job_namespace}")
 
-    @kopf.on.resume(*RESOURCE, registry=registry, id="reconcile", backoff=backoff)
-    @kopf.on.create(*RESOURCE, registry=registry, id="reconcile", backoff=backoff)
-    @kopf.on.update(*RESOURCE, registry=registry, id="reconcile", backoff=backoff, field="spec")
+    @kopf.on.resume(*RESOURCE, registry=registry, id="reconcile", backoff=backoff, when=is_tenant)
+    @kopf.on.create(*RESOURCE, registry=registry, id="reconcile", backoff=backoff, when=is_tenant)
+    @kopf.on.update(*RESOURCE, registry=registry, id="reconcile", backoff=backoff, field="spec",
+                    when=is_tenant)
     async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
                         **_: Any) -> None:
         async with _lock(memo, body):
             await reconcile.reconcile(memo.cfg, memo.kube, body, patch, logger)
 
-    @kopf.on.delete(*RESOURCE, registry=registry, id="purge", backoff=backoff)
+    @kopf.on.delete(*RESOURCE, registry=registry, id="purge", backoff=backoff, when=is_tenant)
     async def on_delete(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
                         **_: Any) -> None:
         async with _lock(memo, body):
             await reconcile.purge(memo.cfg, memo.kube, body, patch, logger)
 
     @kopf.timer(*RESOURCE, registry=registry, id="recheck", interval=cfg.recheck_seconds,
-                initial_delay=cfg.recheck_seconds)
+                initial_delay=cfg.recheck_seconds, when=is_tenant)
     async def on_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, retry: int,
                        **_: Any) -> None:
         if body["metadata"].get("deletionTimestamp"):

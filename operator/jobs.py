@@ -1,8 +1,13 @@
-"""Encoding Jobs: the manifests (pure functions) and how to read a Job's outcome.
+"""Encoding and cleanup Jobs: the manifests (pure functions), how to read a Job's outcome, and whose Job it is.
 
-A Job is named after the content hash and the ids it encodes, so a restarted operator derives the same
-name and a create answered 409 means "already there": no duplicate Job, whatever the crash point. The
-Job is self-describing (command, volumes) so a local harness can play kubelet from the API alone.
+Trust boundary (ARCHITECTURE.md, "Trust boundary"): every Job, its items ConfigMap and the per-user record live in
+the platform namespace (`Settings.job_namespace`), which tenants cannot write to. A Job mounts exactly one
+`<kv>/<tenant>/<user>` directory of the node, runs as the image's non-root user under a restricted securityContext,
+and is bounded in time and resources. The operator trusts a Job only when it carries the labels it set for that
+UserMemory's uid, and a pod only when the Job is its controller (ownerReferences), never by a `job-name` label.
+
+A Job's name derives from the tenant, the UserMemory's uid, the content hash and the ids it encodes, so a restarted
+operator derives the same name and a create answered 409 means "already there".
 """
 
 from __future__ import annotations
@@ -13,63 +18,173 @@ import posixpath
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from .settings import LABEL_MANAGED_BY, LABEL_TENANT, LABEL_USERMEMORY, MANAGED_BY, Settings
+from .settings import LABEL_MANAGED_BY, LABEL_OWNER_UID, LABEL_ROLE, LABEL_TENANT, LABEL_USERMEMORY, MANAGED_BY, \
+    Settings
 from .spec import Item
 
 ITEMS_MOUNT = "/memories"
 ITEMS_KEY = "items.jsonl"
+# Where a Job sees its one user directory of the node's KV hostPath.
+OUT_MOUNT = "/var/run/inferscale/out"
+KEK_MOUNT = "/var/run/inferscale/kek"
+KEK_KEY = "kek"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 JobPhase = Literal["Running", "Succeeded", "Failed"]
+Role = Literal["encode", "cleanup", "items", "user-record"]
+
+# Run by the cleanup Job as the non-root fleet user: empty the mounted user directory (symlinks are removed, never
+# followed). The directory itself stays (an empty dir holds no data); removing it would need its parent mounted.
+_CLEAN_PY = ("import os, shutil, sys\n"
+             "d = sys.argv[1]\n"
+             "for n in os.listdir(d):\n"
+             "    p = os.path.join(d, n)\n"
+             "    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)\n")
+# Where the init container sees the tenant's directory (`<kv>/<tenant>`).
+TENANT_MOUNT = "/var/run/inferscale/tenant"
+# Run by the encode Job's init container: kubelet creates missing hostPath directories (`<kv>/<tenant>` and
+# `<kv>/<tenant>/<user>`) as root, and the encoder runs as the fleet user, who must write the user's directory and
+# (for a serving pod's purge) remove it from the tenant's. Only the tenant's directory is mounted, only CAP_CHOWN is
+# kept, and the code is ours (the tenant supplies only item text): the root step can do nothing but hand these two
+# directories to the fleet user. Non-recursive, never through a symlink.
+_CHOWN_PY = ("import os, sys\n"
+             "tenant_dir, user, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
+             "for p in (tenant_dir, os.path.join(tenant_dir, user)):\n"
+             "    st = os.lstat(p)\n"
+             "    if (st.st_uid, st.st_gid) != (uid, uid):\n"
+             "        os.chown(p, uid, uid, follow_symlinks=False)\n")
 
 
-def job_name(cr_name: str, content_hash: str, ids: Iterable[str]) -> str:
-    digest = hashlib.sha256(json.dumps([content_hash, sorted(ids)]).encode()).hexdigest()[:10]
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:10]
+
+
+def _prefix(tenant: str, cr_name: str) -> str:
     # Job names end up in the `job-name` label of its pods: 63 characters at most.
-    prefix = cr_name[:40].rstrip("-.")
-    return f"{prefix}-enc-{digest}"
+    return f"{tenant}-{cr_name}"[:40].rstrip("-.")
+
+
+def job_name(tenant: str, cr_name: str, cr_uid: str, content_hash: str, ids: Iterable[str]) -> str:
+    # Tenant and uid in the hash: Jobs of every tenant share one namespace, and a later namesake UserMemory must
+    # not find this one's Job.
+    return f"{_prefix(tenant, cr_name)}-enc-{_digest(tenant, cr_uid, content_hash, sorted(ids))}"
+
+
+def cleanup_job_name(tenant: str, cr_name: str, cr_uid: str, node: str) -> str:
+    return f"{_prefix(tenant, cr_name)}-clean-{_digest(tenant, cr_uid, node)}"
 
 
 def kv_dir(settings: Settings, tenant: str, user_id: str) -> str:
     return posixpath.join(settings.kv_host_path, tenant, user_id)
 
 
-def labels(tenant: str, cr_name: str) -> dict[str, str]:
-    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_TENANT: tenant, LABEL_USERMEMORY: cr_name[:63]}
+def labels(tenant: str, cr_name: str, cr_uid: str, role: Role) -> dict[str, str]:
+    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_TENANT: tenant, LABEL_USERMEMORY: cr_name[:63],
+            LABEL_OWNER_UID: cr_uid, LABEL_ROLE: role}
 
 
-def configmap_manifest(name: str, tenant: str, cr_name: str, items: Iterable[Item]) -> dict[str, Any]:
+def made_by_us(obj: Mapping[str, Any] | None, settings: Settings, tenant: str, cr_uid: str, role: Role) -> bool:
+    """Whether `obj` is one the operator created for this UserMemory: in the platform namespace, with its labels."""
+    if not obj:
+        return False
+    meta = obj.get("metadata") or {}
+    lab = meta.get("labels") or {}
+    return (meta.get("namespace") == settings.job_namespace and lab.get(LABEL_MANAGED_BY) == MANAGED_BY
+            and lab.get(LABEL_TENANT) == tenant and lab.get(LABEL_OWNER_UID) == cr_uid and lab.get(LABEL_ROLE) == role)
+
+
+def pods_of(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The pods whose controller is this Job (by uid), in the Job's namespace: a `job-name` label proves nothing."""
+    meta = job.get("metadata") or {}
+    uid, ns = meta.get("uid"), meta.get("namespace")
+    if not uid:
+        return []
+    return [p for p in pods if (p.get("metadata") or {}).get("namespace") == ns
+            and any(o.get("controller") and o.get("kind") == "Job" and o.get("uid") == uid
+                    for o in (p.get("metadata") or {}).get("ownerReferences") or [])]
+
+
+def configmap_manifest(name: str, settings: Settings, tenant: str, cr_name: str, cr_uid: str, items: Iterable[Item],
+                       owner_job: Mapping[str, Any]) -> dict[str, Any]:
+    """The Job's items file, owned by the Job (garbage-collected with it; a UserMemory cannot own across namespaces)."""
     jsonl = "".join(json.dumps(item.as_json(), ensure_ascii=False) + "\n" for item in items)
+    jmeta = owner_job.get("metadata") or {}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": name, "namespace": tenant, "labels": labels(tenant, cr_name)},
+        "metadata": {"name": name, "namespace": settings.job_namespace,
+                     "labels": labels(tenant, cr_name, cr_uid, "items"),
+                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": jmeta.get("name", name),
+                                          "uid": jmeta.get("uid", ""), "blockOwnerDeletion": False}]},
         "data": {ITEMS_KEY: jsonl},
     }
 
 
-def job_manifest(name: str, tenant: str, cr_name: str, user_id: str, model: str,
+def restricted_container_context() -> dict[str, Any]:
+    """Pod Security Standard `restricted`, per container."""
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _pod_context(settings: Settings) -> dict[str, Any]:
+    uid = settings.run_as_user
+    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _user_volume(settings: Settings, tenant: str, user_id: str) -> dict[str, Any]:
+    # Exactly this user's directory of the node: nothing of another user or tenant is visible in the pod.
+    return {"name": "kv", "hostPath": {"path": kv_dir(settings, tenant, user_id), "type": "DirectoryOrCreate"}}
+
+
+def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str, model: str,
                  ids: Iterable[str], settings: Settings) -> dict[str, Any]:
-    out = kv_dir(settings, tenant, user_id)
-    command = ["inferscale", "encode", f"{ITEMS_MOUNT}/{ITEMS_KEY}", "--out", out, "--model", model,
+    command = ["inferscale", "encode", f"{ITEMS_MOUNT}/{ITEMS_KEY}", "--out", OUT_MOUNT, "--model", model,
                "--only", ",".join(sorted(ids)), "--embed"]
-    resources: dict[str, Any] = {}
+    volumes: list[dict[str, Any]] = [{"name": "memories", "configMap": {"name": name}},
+                                     _user_volume(settings, tenant, user_id),
+                                     # The init container's only: the tenant's directory (see _CHOWN_PY).
+                                     {"name": "kv-tenant", "hostPath": {"path": posixpath.join(settings.kv_host_path,
+                                                                                               tenant),
+                                                                        "type": "DirectoryOrCreate"}},
+                                     {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
+    mounts: list[dict[str, Any]] = [{"name": "memories", "mountPath": ITEMS_MOUNT, "readOnly": True},
+                                    {"name": "kv", "mountPath": OUT_MOUNT},
+                                    {"name": "tmp", "mountPath": "/tmp"}]
+    if settings.kek_secret:
+        # Blobs are sealed with a data key wrapped by the KEK and bound to this tenant and user.
+        command += ["--kek-file", f"{KEK_MOUNT}/{KEK_KEY}", "--tenant", tenant, "--user", user_id]
+        volumes.append({"name": "kek", "secret": {"secretName": settings.kek_secret, "defaultMode": 0o440,
+                                                  "items": [{"key": KEK_KEY, "path": KEK_KEY}]}})
+        mounts.append({"name": "kek", "mountPath": KEK_MOUNT, "readOnly": True})
+    resources = json.loads(json.dumps(dict(settings.encoder_resources)))
     if settings.encoder_gpus > 0:
-        resources = {"limits": {"nvidia.com/gpu": str(settings.encoder_gpus)}}  # a quantity: a string
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = str(settings.encoder_gpus)  # a quantity: a string
     container: dict[str, Any] = {
         "name": "encode",
         "image": settings.encoder_image,
         "command": command,
-        "env": [{"name": "INFERSCALE_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "env": [{"name": "INFERSCALE_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                {"name": "HOME", "value": "/tmp"}],
         "resources": resources,
-        "volumeMounts": [
-            {"name": "memories", "mountPath": ITEMS_MOUNT, "readOnly": True},
-            {"name": "kv", "mountPath": settings.kv_host_path},
-        ],
+        "securityContext": restricted_container_context(),
+        "volumeMounts": mounts,
     }
-    return _job(name, tenant, cr_name, {
+    owner_init: dict[str, Any] = {
+        "name": "kv-owner",
+        "image": settings.encoder_image,
+        "command": ["python", "-c", _CHOWN_PY, TENANT_MOUNT, user_id, str(settings.run_as_user)],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}},
+        # The one root step, in the platform namespace only: CAP_CHOWN on the tenant's and the user's directory.
+        "securityContext": {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"},
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+        "volumeMounts": [{"name": "kv-tenant", "mountPath": TENANT_MOUNT}],
+    }
+    return _job(name, tenant, cr_name, cr_uid, "encode", settings, {
         # A bad item exits 2 and would fail again: retrying only burns GPU time.
         "backoffLimit": 1,
+        "activeDeadlineSeconds": int(settings.encode_deadline_seconds),
         "podFailurePolicy": {"rules": [
             {"action": "FailJob", "onExitCodes": {"containerName": "encode", "operator": "In", "values": [2]}},
         ]},
@@ -77,8 +192,9 @@ def job_manifest(name: str, tenant: str, cr_name: str, user_id: str, model: str,
     }, {
         "nodeSelector": dict(settings.encoder_node_selector),
         "tolerations": [dict(t) for t in settings.encoder_tolerations],
+        "initContainers": [owner_init],
         "containers": [container],
-        "volumes": [{"name": "memories", "configMap": {"name": name}}, _kv_volume(settings)],
+        "volumes": volumes,
     })
 
 
@@ -98,8 +214,8 @@ def job_phase(job: Mapping[str, Any]) -> tuple[JobPhase, str]:
 
 
 def job_node(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> str:
-    """The node the Job ran on: its pod's nodeName if known, else its node selector's hostname."""
-    for pod in pods:
+    """The node the Job ran on: the nodeName of a pod it controls, else its node selector's hostname."""
+    for pod in pods_of(job, pods):
         node = (pod.get("spec") or {}).get("nodeName")
         if node:
             return str(node)
@@ -107,53 +223,42 @@ def job_node(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> str:
     return str(selector.get(HOSTNAME_LABEL, ""))
 
 
-def cleanup_job_name(cr_name: str, cr_uid: str, node: str) -> str:
-    # The uid is in the hash: a later namesake UserMemory must not find this one's finished Job.
-    digest = hashlib.sha256(json.dumps([cr_uid, node]).encode()).hexdigest()[:10]
-    prefix = cr_name[:40].rstrip("-.")
-    return f"{prefix}-clean-{digest}"
-
-
-def cleanup_job_manifest(name: str, tenant: str, cr_name: str, node: str, directory: str,
+def cleanup_job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, node: str, user_id: str,
                          settings: Settings) -> dict[str, Any]:
-    """A Job that deletes exactly `directory` (an encode Job's output) on `node`, for a node with no serving pod.
+    """A Job that empties exactly `<kv>/<tenant>/<user>` on `node`, for a node with no serving pod.
 
-    Not owned by the UserMemory (it runs while that is being deleted; a foreground deletion would take it along):
-    it removes itself after `ttlSecondsAfterFinished`. Bound to the node by `nodeName` (no scheduling: it also runs
-    on a cordoned node), tolerating every taint for the second it takes.
+    `node` comes from the operator's own record (never from the tenant-writable status). Bound to the node by
+    `nodeName`; it tolerates only the encoder's tolerations. It removes itself after `ttlSecondsAfterFinished`.
     """
     container: dict[str, Any] = {
         "name": "cleanup",
         "image": settings.encoder_image,
-        "command": ["rm", "-rf", "--", directory],
-        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [{"name": "kv", "mountPath": settings.kv_host_path}],
+        "command": ["python", "-c", _CLEAN_PY, OUT_MOUNT],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}},
+        "securityContext": restricted_container_context(),
+        "volumeMounts": [{"name": "kv", "mountPath": OUT_MOUNT}],
     }
-    return _job(name, tenant, cr_name, {
+    return _job(name, tenant, cr_name, cr_uid, "cleanup", settings, {
         "backoffLimit": 2,
         "activeDeadlineSeconds": max(int(settings.cleanup_timeout_seconds), 1),
         "ttlSecondsAfterFinished": 600,
     }, {
         "nodeName": node,
-        "tolerations": [{"operator": "Exists"}],
+        "tolerations": [dict(t) for t in settings.encoder_tolerations],
         "containers": [container],
-        "volumes": [_kv_volume(settings)],
+        "volumes": [_user_volume(settings, tenant, user_id)],
     })
 
 
-def _kv_volume(settings: Settings) -> dict[str, Any]:
-    return {"name": "kv", "hostPath": {"path": settings.kv_host_path, "type": "DirectoryOrCreate"}}
-
-
-def _job(name: str, tenant: str, cr_name: str, job_spec: dict[str, Any], pod_spec: dict[str, Any]) -> dict[str, Any]:
-    """A batch/v1 Job labelled for its UserMemory; its pods never restart in place (the Job retries)."""
-    pod_labels = labels(tenant, cr_name)
+def _job(name: str, tenant: str, cr_name: str, cr_uid: str, role: Role, settings: Settings,
+         job_spec: dict[str, Any], pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """A batch/v1 Job in the platform namespace, labelled for its UserMemory; its pods never restart in place."""
+    pod_labels = labels(tenant, cr_name, cr_uid, role)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": tenant, "labels": pod_labels},
-        "spec": {**job_spec, "template": {"metadata": {"labels": pod_labels},
-                                          "spec": {"restartPolicy": "Never", **pod_spec}}},
+        "metadata": {"name": name, "namespace": settings.job_namespace, "labels": pod_labels},
+        "spec": {**job_spec, "template": {"metadata": {"labels": pod_labels}, "spec": {
+            "restartPolicy": "Never", "automountServiceAccountToken": False, "enableServiceLinks": False,
+            "securityContext": _pod_context(settings), **pod_spec}}},
     }

@@ -65,16 +65,29 @@ class Kube:
     def create_configmap(self, body: dict[str, Any]) -> bool:
         return _create(self.core.create_namespaced_config_map, body)
 
+    def read_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return _read(lambda: self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
+
+    def list_configmaps(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        resp = self.core.list_namespaced_config_map(namespace, label_selector=label_selector, _preload_content=False)
+        return list(_json(resp).get("items") or [])
+
+    def patch_configmap(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        self.core.patch_namespaced_config_map(name, namespace, body, _preload_content=False,
+                                              _content_type="application/merge-patch+json")
+
+    def delete_configmap(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_config_map(name, namespace, _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
     def create_job(self, body: dict[str, Any]) -> bool:
         return _create(self.batch.create_namespaced_job, body)
 
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return _json(self.batch.read_namespaced_job(name, namespace, _preload_content=False))
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return _read(lambda: self.batch.read_namespaced_job(name, namespace, _preload_content=False))
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         if namespace:
@@ -113,6 +126,16 @@ def connection_info(api: client.ApiClient) -> kopf.ConnectionInfo:
         username=cfg.username or None, password=cfg.password or None, scheme=scheme, token=token,
         certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
     )
+
+
+def _read(call) -> dict[str, Any] | None:
+    """The object, or None on 404."""
+    try:
+        return _json(call())
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
 
 
 def _create(create, body: dict[str, Any]) -> bool:

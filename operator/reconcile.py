@@ -20,12 +20,12 @@ from typing import Any
 
 import kopf
 
-from . import jobs, placement
+from . import jobs, placement, records
 from .kube import Kube
 from .servers import ServerCallError, ServerClient, ServingPod, serving_pods
 from .settings import Settings
 from .spec import SpecError, parse
-from .status import ENCODED, PLACED, READY, VALID, condition, set_condition
+from .status import ENCODED, PLACED, PURGED, READY, VALID, condition, set_condition
 
 Body = Mapping[str, Any]
 
@@ -45,9 +45,14 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
     status: Mapping[str, Any] = body.get("status") or {}
     conds: list[dict[str, Any]] = list(status.get("conditions") or [])
 
+    uid = str(meta.get("uid") or "")
+    if not tenant_allowed(cfg, tenant):
+        return  # not a tenant: never encoded, never written to (the handlers' filter already skips it)
+
     try:
         desired = await asyncio.to_thread(parse, body.get("spec") or {}, cfg.models,
-                                          functools.partial(kube.read_key, tenant))
+                                          functools.partial(_read_ref, cfg, kube, tenant))
+        record = await asyncio.to_thread(records.claim, kube, cfg, tenant, desired.user_id, name, uid)
     except SpecError as e:
         # Only the verdict changes: encoded items and placements stay, so the last good
         # version keeps serving until the user fixes the spec.
@@ -63,27 +68,34 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
 
     hashes = desired.item_hashes()
     chash = desired.content_hash()
-    encoded: dict[str, dict[str, str]] = {k: dict(v) for k, v in (status.get("encoded") or {}).items()}
+    encoded = trusted_encoded(status.get("encoded") or {}, record)
     changed = sorted(i for i, h in hashes.items() if (encoded.get(i) or {}).get("hash") != h)
     removed = sorted(set(encoded) - set(hashes))
     job_ref: Mapping[str, Any] | None = status.get("job")
 
     if changed:
-        jname = jobs.job_name(name, chash, changed)
-        # Every item, in spec order: the changed ones are encoded behind the items before them.
-        cm = jobs.configmap_manifest(jname, tenant, name, list(desired.items.values()))
-        job = jobs.job_manifest(jname, tenant, name, desired.user_id, desired.model, changed, cfg)
-        kopf.adopt([cm, job], owner=dict(body))  # garbage-collected with the UserMemory
-        live = await asyncio.to_thread(kube.read_job, tenant, jname)
+        jns = cfg.job_namespace
+        jname = jobs.job_name(tenant, name, uid, chash, changed)
+        job = jobs.job_manifest(jname, tenant, name, uid, desired.user_id, desired.model, changed, cfg)
+        live = await asyncio.to_thread(kube.read_job, jns, jname)
         if live is None:
-            # ConfigMap first: a Job whose volume is missing would sit in ContainerCreating.
-            # Both names are content-derived: a 409 (we crashed after creating) is success.
-            await asyncio.to_thread(kube.create_configmap, cm)
+            # The name is content-derived: a 409 (we crashed after creating) is success.
             if await asyncio.to_thread(kube.create_job, job):
                 kopf.info(body, reason="EncodeStarted", message=f"Job {jname} encodes {len(changed)} item(s)")
-            live = await asyncio.to_thread(kube.read_job, tenant, jname)
+            live = await asyncio.to_thread(kube.read_job, jns, jname)
         if live is None:  # deleted right behind our back: the next try re-creates it
             raise kopf.TemporaryError(f"Job {jname} vanished", delay=cfg.job_poll_seconds)
+        if not jobs.made_by_us(live, cfg, tenant, uid, "encode"):
+            msg = f"Job {jns}/{jname} exists but was not created by the operator for this UserMemory; not trusted"
+            patch.status.update(phase="Failed", message=msg, observedGeneration=gen,
+                                conditions=set_condition(conds, ENCODED, False, "ForeignJob", msg, gen))
+            kopf.warn(body, reason="ForeignJob", message=msg)
+            return
+        # The items file, owned by the Job (a UserMemory cannot own objects in another namespace). Created after the
+        # Job so it can name the Job's uid; the pod waits for its volume meanwhile. Every item, in spec order: the
+        # changed ones are encoded behind the items before them.
+        await asyncio.to_thread(kube.create_configmap, jobs.configmap_manifest(
+            jname, cfg, tenant, name, uid, list(desired.items.values()), live))
         phase, why = jobs.job_phase(live)
         job_ref = {"name": jname, "items": len(changed), "phase": phase}
         if phase == "Running":
@@ -97,8 +109,9 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
                                 conditions=set_condition(conds, ENCODED, False, "EncodeJobFailed", msg, gen))
             kopf.warn(body, reason="EncodeJobFailed", message=msg)
             return
-        job_pods = await asyncio.to_thread(kube.list_pods, tenant, f"job-name={jname}")
-        node = jobs.job_node(live, job_pods)
+        job_pods = await asyncio.to_thread(kube.list_pods, jns, f"job-name={jname}")
+        node = jobs.job_node(live, job_pods)  # only pods this Job controls count
+        record = await asyncio.to_thread(records.add_node, kube, cfg, record, node)
         job_ref = {**job_ref, "node": node}
         for i in changed:
             encoded[i] = {"hash": hashes[i], "node": node}
@@ -118,6 +131,32 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         **placed_fields(placed, len(encoded), counts),
         conditions=_placed_conditions(conds, placed, gen),
     )
+
+
+def trusted_encoded(encoded: Mapping[str, Any], record: records.UserRecord) -> dict[str, dict[str, str]]:
+    """`status.encoded` with each item's node kept only when the operator's record has it (the status is writable by
+    the tenant: a forged node must not pick where a pull is sourced from)."""
+    out: dict[str, dict[str, str]] = {}
+    for item, entry in encoded.items():
+        entry = dict(entry or {})
+        if entry.get("node") not in record.nodes:
+            # The only node the user's Jobs ran on is where this item is; with several, unknown.
+            entry["node"] = record.nodes[0] if len(record.nodes) == 1 else ""
+        out[item] = entry
+    return out
+
+
+def tenant_allowed(cfg: Settings, namespace: str) -> bool:
+    """Tenants are an explicit allow-list (INFERSCALE_TENANTS); the platform namespace is never one."""
+    return namespace in cfg.tenants and namespace != cfg.job_namespace
+
+
+def _read_ref(cfg: Settings, kube: Kube, tenant: str, kind: str, name: str, key: str) -> str:
+    if kind == "Secret" and not cfg.read_tenant_secrets:
+        # The operator reads no Secret on a tenant's behalf unless the platform team enabled it (and granted it).
+        raise SpecError("SecretsNotEnabled", f"spec.memoriesFrom.secretKeyRef ({name}) is disabled on this platform "
+                                             "(INFERSCALE_READ_TENANT_SECRETS); use configMapKeyRef or memories")
+    return kube.read_key(tenant, kind, name, key)
 
 
 def update_changed(patch: kopf.Patch, status: Mapping[str, Any], **fields: Any) -> None:
@@ -146,7 +185,7 @@ def _placed_conditions(conds: list[dict[str, Any]], placed: Placed, gen: int | N
 async def _serving(cfg: Settings, kube: Kube, node_selector: Mapping[str, str]) -> tuple[list[ServingPod], list[ServingPod]]:
     """(all serving pods, those on nodes matching the user's node selector)."""
     raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
-    pods = serving_pods(raw, cfg.server_port)
+    pods = serving_pods(raw, cfg.internal_port)
     if not node_selector:
         return pods, pods
     labels: dict[str, dict[str, str] | None] = {}
@@ -259,7 +298,8 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
 
 
 # Failures the cluster can fix without a spec change (the ConfigMap/Secret or key is created later): the timer retries.
-RETRIED_REASONS = frozenset({"ReferenceNotFound"})
+# DuplicateUserId too: once the object holding the userId is deleted, the next tick lets this one claim it.
+RETRIED_REASONS = frozenset({"ReferenceNotFound", "DuplicateUserId"})
 
 
 def waits_for_reference(body: Body) -> bool:
@@ -308,71 +348,96 @@ async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logg
                                 {"phase": "Degraded", "message": msg, "conditions": conds,
                                  "placements": kept, "nodes": ",".join(sorted({str(e.get("node")) for e in kept}))})
         kopf.warn(body, reason="PodLost", message=msg)
-    encoded = dict(status.get("encoded") or {})
+    record = await asyncio.to_thread(records.find_own, kube, cfg, tenant, str(meta.get("uid") or ""))
+    if record is None or record.user_id != spec.get("userId"):
+        return  # not this object's user (never claimed, or a changed id the next reconcile refuses)
+    encoded = trusted_encoded(status.get("encoded") or {}, record)
     placed = await place(cfg, kube, body, str(spec.get("userId")), replicas, selector, encoded, set(), [], kept, logger)
     patch.status.update(phase=placed.phase, message=placed.message,
                         **placed_fields(placed, len(encoded), status.get("counts") or {}),
                         conditions=_placed_conditions(conds, placed, gen))
 
 
-def source_nodes(status: Mapping[str, Any]) -> list[str]:
-    """The nodes that hold the user's encode-Job output: those recorded per item, and the last Job's."""
-    nodes = {str((e or {}).get("node") or "") for e in (status.get("encoded") or {}).values()}
-    nodes.add(str((status.get("job") or {}).get("node") or ""))
-    return sorted(n for n in nodes if n)
-
-
 async def purge(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger) -> None:
     """The finalizer: purge the user from every serving pod, and delete the encode Jobs' output dir on the nodes they
     ran on (the serving pod there does it; a node without one gets a cleanup Job). Raise (retry) until all of the
-    serving pods answered and the cleanup Jobs finished or ran past INFERSCALE_CLEANUP_TIMEOUT_SECONDS."""
-    meta, spec = body["metadata"], body.get("spec") or {}
-    tenant, user = meta["namespace"], spec.get("userId")
-    if not isinstance(user, str) or not user:
-        return  # the schema requires userId: nothing can have been placed without one
+    serving pods answered and the cleanup Jobs finished or ran past INFERSCALE_CLEANUP_TIMEOUT_SECONDS.
+
+    The user and the nodes come from the operator's record (records.py), never from the tenant-writable spec/status:
+    an object that never claimed a userId (invalid, duplicate, not a tenant) placed nothing and is released at once.
+    Past INFERSCALE_PURGE_TIMEOUT_SECONDS after the deletion began, it gives up with a Warning and releases the
+    finalizer: a purge that cannot succeed must not block the namespace's deletion forever."""
+    meta = body["metadata"]
+    tenant, uid = meta["namespace"], str(meta.get("uid") or "")
+    record = await asyncio.to_thread(records.find_own, kube, cfg, tenant, uid) if tenant_allowed(cfg, tenant) else None
+    if record is None:
+        return
+    user, nodes = record.user_id, list(record.nodes)
     kv_dir = jobs.kv_dir(cfg, tenant, user)
-    nodes = source_nodes(body.get("status") or {})
+    try:
+        waiting = await _purge_once(cfg, kube, body, user, kv_dir, nodes)
+    except ServerCallError as e:
+        waiting = str(e)
+    if waiting:
+        started = _parse_time(meta.get("deletionTimestamp"))
+        if started is not None and time.time() - started > cfg.purge_timeout_seconds:
+            msg = (f"purge gave up after {cfg.purge_timeout_seconds:.0f}s ({waiting}); {kv_dir} may be left on "
+                   f"node(s) {', '.join(nodes) or 'none'} or serving pods")
+            conds = set_condition(list((body.get("status") or {}).get("conditions") or []), PURGED, False,
+                                  "PurgeTimedOut", msg, meta.get("generation"))
+            patch.status.update(phase="Deleting", message=msg, conditions=conds)
+            kopf.warn(body, reason="PurgeTimedOut", message=msg)
+            await asyncio.to_thread(records.release, kube, cfg, record)
+            return
+        patch.status.update(phase="Deleting", message=f"waiting for {waiting}")
+        raise kopf.TemporaryError(waiting, delay=cfg.job_poll_seconds)
+    await asyncio.to_thread(records.release, kube, cfg, record)
+
+
+async def _purge_once(cfg: Settings, kube: Kube, body: Body, user: str, kv_dir: str, nodes: list[str]) -> str:
+    """One purge round: "" when done, else what it still waits for."""
+    meta = body["metadata"]
+    tenant = meta["namespace"]
     raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
-    pods = serving_pods(raw, cfg.server_port, require_ready=False)
+    pods = serving_pods(raw, cfg.internal_port, require_ready=False)
     async with ServerClient(cfg) as client:
         results = await asyncio.gather(*(client.purge(p, tenant, user, None, kv_dir if p.node in nodes else None)
                                          for p in pods), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
-        msg = f"purge failed on {len(failed)}/{len(pods)} serving pod(s): {failed[0]}"
-        patch.status.update(phase="Deleting", message=msg)
-        raise kopf.TemporaryError(msg, delay=cfg.job_poll_seconds)
+        return f"purge failed on {len(failed)}/{len(pods)} serving pod(s): {failed[0]}"
     removed = sum(int(r.get("removed_blocks") or 0) for r in results if isinstance(r, dict))
     # A node counts as cleaned when a serving pod there handled source_dir (one that predates it omits the answer).
     cleaned = {p.node for p, r in zip(pods, results) if isinstance(r, dict) and "source_dir_removed" in r}
     waiting: list[str] = []
     for node in (n for n in nodes if n not in cleaned):
-        why = await _clean_node(cfg, kube, body, node, kv_dir, logger)
+        why = await _clean_node(cfg, kube, body, node, user, kv_dir)
         if why:
             waiting.append(why)
     if waiting:
-        msg = f"waiting for {'; '.join(waiting)}"
-        patch.status.update(phase="Deleting", message=msg)
-        raise kopf.TemporaryError(msg, delay=cfg.job_poll_seconds)
+        return "; ".join(waiting)
     where = f"; deleted {kv_dir} on node(s) {', '.join(nodes)}" if nodes else ""
     kopf.info(body, reason="Purged", message=f"removed {removed} block(s) from {len(pods)} serving pod(s){where}")
+    return ""
 
 
-async def _clean_node(cfg: Settings, kube: Kube, body: Body, node: str, kv_dir: str, logger: logging.Logger) -> str:
-    """Run (or look at) the cleanup Job that deletes `kv_dir` on `node`: "" when done or given up, else what runs."""
+async def _clean_node(cfg: Settings, kube: Kube, body: Body, node: str, user: str, kv_dir: str) -> str:
+    """Run (or look at) the cleanup Job that empties `kv_dir` on `node`: "" when done or given up, else what runs."""
     meta = body["metadata"]
-    tenant, name = meta["namespace"], meta["name"]
+    tenant, name, uid = meta["namespace"], meta["name"], str(meta.get("uid") or "")
     if await asyncio.to_thread(kube.node_labels, node) is None:
-        logger.info(f"node {node} is gone, and {kv_dir} on it")
-        return ""
-    jname = jobs.cleanup_job_name(name, str(meta.get("uid") or ""), node)
-    live = await asyncio.to_thread(kube.read_job, tenant, jname)
+        return ""  # the node is gone, and the directory with it
+    jname = jobs.cleanup_job_name(tenant, name, uid, node)
+    live = await asyncio.to_thread(kube.read_job, cfg.job_namespace, jname)
     if live is None:
-        await asyncio.to_thread(kube.create_job, jobs.cleanup_job_manifest(jname, tenant, name, node, kv_dir, cfg))
+        await asyncio.to_thread(kube.create_job, jobs.cleanup_job_manifest(jname, tenant, name, uid, node, user, cfg))
         kopf.info(body, reason="NodeCleanupStarted", message=f"Job {jname} deletes {kv_dir} on node {node}")
-        live = await asyncio.to_thread(kube.read_job, tenant, jname)
+        live = await asyncio.to_thread(kube.read_job, cfg.job_namespace, jname)
         if live is None:
             return f"cleanup Job {jname} on node {node} (not found after create)"
+    if not jobs.made_by_us(live, cfg, tenant, uid, "cleanup"):
+        kopf.warn(body, reason="ForeignJob", message=f"Job {jname} was not created by the operator; not trusted")
+        return ""
     phase, why = jobs.job_phase(live)
     if phase == "Succeeded":
         return ""

@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from inferscale.contract import is_valid_tenant
 from inferscale.errors import ConfigError
 
 GROUP = "inferscale.io"
@@ -18,6 +19,10 @@ PLURAL = "usermemories"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_TENANT = "inferscale.io/tenant"
 LABEL_USERMEMORY = "inferscale.io/usermemory"
+# The UserMemory's uid: a Job or record carries it so the operator only ever trusts what it made for that object.
+LABEL_OWNER_UID = "inferscale.io/owner-uid"
+# What an object in the platform namespace is to the operator: "encode", "cleanup", "items", "user-record".
+LABEL_ROLE = "inferscale.io/role"
 MANAGED_BY = "inferscale-operator"
 ANNOTATION_ENDPOINT = "inferscale.io/endpoint"
 ANNOTATION_NIXL_PEER = "inferscale.io/nixl-peer"
@@ -28,8 +33,25 @@ FINALIZER = "inferscale.io/purge"
 class Settings:
     server_selector: str = "app.kubernetes.io/name=inferscale,app.kubernetes.io/component=server"
     server_namespace: str = ""  # empty: serving pods in all namespaces
-    server_port: int = 8000
+    # The servers' internal listener (/internal/v1/*), separate from the tenant API port.
+    internal_port: int = 8001
     internal_token: str = ""
+    # The tenant namespaces the operator serves. Empty: none (a UserMemory anywhere else is never touched).
+    tenants: tuple[str, ...] = ()
+    # Where encode/cleanup Jobs, their items ConfigMaps and the per-user records live: the platform's namespace,
+    # which tenants cannot write to. Never a tenant namespace.
+    job_namespace: str = "inferscale-system"
+    # memoriesFrom.secretKeyRef is honoured only when the platform team opts in (the operator then reads tenant
+    # Secrets on the tenant's behalf, and the chart grants it `get` on secrets in the tenant namespaces).
+    read_tenant_secrets: bool = False
+    # Job bounds (the chart's encoder.* values): wall-clock limit and resources of one encode Job.
+    encode_deadline_seconds: int = 3600
+    encoder_resources: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {
+        "requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "16Gi"}})
+    # The chart's KEK Secret (key `kek`), mounted into encode Jobs; empty: blobs are not sealed (development only).
+    kek_secret: str = ""
+    # The uid/gid the image runs as; Jobs run as this (non-root) user.
+    run_as_user: int = 10001
     encoder_image: str = "inferscale/inferscale:latest"
     encoder_node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     encoder_tolerations: Sequence[Mapping[str, Any]] = ()
@@ -43,6 +65,9 @@ class Settings:
     http_timeout_seconds: float = 30.0
     # How long deleting a UserMemory waits for a node-cleanup Job (a node with the Job's output but no serving pod).
     cleanup_timeout_seconds: float = 300.0
+    # How long a deletion may keep retrying before it gives up with a Warning and releases the finalizer: a purge
+    # that can never succeed must not block the tenant's namespace deletion forever.
+    purge_timeout_seconds: float = 900.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -57,8 +82,16 @@ class Settings:
             return cls(
                 server_selector=get("INFERSCALE_SERVER_SELECTOR") or d.server_selector,
                 server_namespace=env.get("INFERSCALE_SERVER_NAMESPACE", d.server_namespace),
-                server_port=int(get("INFERSCALE_SERVER_PORT") or d.server_port),
+                internal_port=int(get("INFERSCALE_INTERNAL_PORT") or d.internal_port),
                 internal_token=env.get("INFERSCALE_INTERNAL_TOKEN", d.internal_token),
+                tenants=_csv(get("INFERSCALE_TENANTS")),
+                job_namespace=get("INFERSCALE_JOB_NAMESPACE") or d.job_namespace,
+                read_tenant_secrets=_bool(get("INFERSCALE_READ_TENANT_SECRETS"), "INFERSCALE_READ_TENANT_SECRETS"),
+                encode_deadline_seconds=int(get("INFERSCALE_ENCODE_DEADLINE_SECONDS") or d.encode_deadline_seconds),
+                encoder_resources=(_json_obj(get("INFERSCALE_ENCODER_RESOURCES"), "INFERSCALE_ENCODER_RESOURCES")
+                                   or d.encoder_resources),
+                kek_secret=env.get("INFERSCALE_KEK_SECRET", d.kek_secret),
+                run_as_user=int(get("INFERSCALE_RUN_AS_USER") or d.run_as_user),
                 encoder_image=get("INFERSCALE_ENCODER_IMAGE") or d.encoder_image,
                 encoder_node_selector=_json_dict(get("INFERSCALE_ENCODER_NODE_SELECTOR"), "INFERSCALE_ENCODER_NODE_SELECTOR"),
                 encoder_tolerations=_json_list(get("INFERSCALE_ENCODER_TOLERATIONS"), "INFERSCALE_ENCODER_TOLERATIONS"),
@@ -69,6 +102,7 @@ class Settings:
                 job_poll_seconds=float(get("INFERSCALE_JOB_POLL_SECONDS") or d.job_poll_seconds),
                 http_timeout_seconds=float(get("INFERSCALE_HTTP_TIMEOUT_SECONDS") or d.http_timeout_seconds),
                 cleanup_timeout_seconds=float(get("INFERSCALE_CLEANUP_TIMEOUT_SECONDS") or d.cleanup_timeout_seconds),
+                purge_timeout_seconds=float(get("INFERSCALE_PURGE_TIMEOUT_SECONDS") or d.purge_timeout_seconds),
             ).checked()
         except ValueError as e:
             raise ConfigError(f"operator settings: {e}") from e
@@ -79,6 +113,18 @@ class Settings:
         if self.recheck_seconds <= 0 or self.job_poll_seconds <= 0 or self.cleanup_timeout_seconds <= 0:
             raise ConfigError("INFERSCALE_RECHECK_SECONDS, INFERSCALE_JOB_POLL_SECONDS and "
                               "INFERSCALE_CLEANUP_TIMEOUT_SECONDS must be > 0")
+        if self.purge_timeout_seconds <= 0 or self.encode_deadline_seconds <= 0:
+            raise ConfigError("INFERSCALE_PURGE_TIMEOUT_SECONDS and INFERSCALE_ENCODE_DEADLINE_SECONDS must be > 0")
+        if self.run_as_user <= 0:
+            raise ConfigError(f"INFERSCALE_RUN_AS_USER must be a non-root uid, not {self.run_as_user}")
+        bad = [t for t in self.tenants if not is_valid_tenant(t)]
+        if bad:
+            raise ConfigError(f"INFERSCALE_TENANTS: not namespace names: {', '.join(map(repr, bad))}")
+        if not is_valid_tenant(self.job_namespace):
+            raise ConfigError(f"INFERSCALE_JOB_NAMESPACE is not a namespace name: {self.job_namespace!r}")
+        if self.job_namespace in self.tenants:
+            raise ConfigError(f"INFERSCALE_JOB_NAMESPACE {self.job_namespace!r} must not be a tenant: tenants must "
+                              "not be able to write where Jobs and records live")
         if not self.kv_host_path.startswith("/"):
             raise ConfigError(f"INFERSCALE_KV_HOST_PATH must be absolute: {self.kv_host_path!r}")
         if not self.models:
@@ -88,6 +134,25 @@ class Settings:
 
 def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _bool(value: str | None, name: str) -> bool:
+    if value is None:
+        return False
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"{name} must be true or false, not {value!r}")
+
+
+def _json_obj(value: str | None, name: str) -> dict[str, Any]:
+    if not value:
+        return {}
+    parsed = json.loads(value)
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    return parsed
 
 
 def _json_dict(value: str | None, name: str) -> dict[str, str]:
@@ -112,7 +177,14 @@ def _json_list(value: str | None, name: str) -> list[dict[str, Any]]:
 _FLAGS: dict[str, str] = {
     "--server-selector": "INFERSCALE_SERVER_SELECTOR",
     "--server-namespace": "INFERSCALE_SERVER_NAMESPACE",
-    "--server-port": "INFERSCALE_SERVER_PORT",
+    "--internal-port": "INFERSCALE_INTERNAL_PORT",
+    "--tenants": "INFERSCALE_TENANTS",
+    "--job-namespace": "INFERSCALE_JOB_NAMESPACE",
+    "--read-tenant-secrets": "INFERSCALE_READ_TENANT_SECRETS",
+    "--encode-deadline-seconds": "INFERSCALE_ENCODE_DEADLINE_SECONDS",
+    "--encoder-resources": "INFERSCALE_ENCODER_RESOURCES",
+    "--kek-secret": "INFERSCALE_KEK_SECRET",
+    "--purge-timeout-seconds": "INFERSCALE_PURGE_TIMEOUT_SECONDS",
     "--encoder-image": "INFERSCALE_ENCODER_IMAGE",
     "--encoder-node-selector": "INFERSCALE_ENCODER_NODE_SELECTOR",
     "--encoder-tolerations": "INFERSCALE_ENCODER_TOLERATIONS",

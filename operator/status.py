@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 # Condition types, in the order they are listed.
-VALID, ENCODED, PLACED, READY = "Valid", "Encoded", "Placed", "Ready"
-_ORDER = {VALID: 0, ENCODED: 1, PLACED: 2, READY: 3}
+VALID, ENCODED, PLACED, READY, PURGED = "Valid", "Encoded", "Placed", "Ready", "Purged"
+_ORDER = {VALID: 0, ENCODED: 1, PLACED: 2, READY: 3, PURGED: 4}
 
 
 def now() -> str:

@@ -292,7 +292,9 @@ def test_env_contract_from_interfaces_md(values):
     assert op_env["OTEL_SERVICE_NAME"] != srv_env["OTEL_SERVICE_NAME"]
     assert srv_env["INFERSCALE_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert srv_env["INFERSCALE_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    assert srv_env["INFERSCALE_PORT"] == op_env["INFERSCALE_SERVER_PORT"] == "8000"
+    assert srv_env["INFERSCALE_PORT"] == "8000"
+    assert srv_env["INFERSCALE_INTERNAL_PORT"] == op_env["INFERSCALE_INTERNAL_PORT"] == "8001"
+    assert op_env["INFERSCALE_JOB_NAMESPACE"] == "inferscale"  # Jobs run in the release namespace
     assert op_env["INFERSCALE_SERVER_NAMESPACE"] == "inferscale"
     assert op_env["INFERSCALE_MODELS"] == srv_env["INFERSCALE_MODEL"] == "gemma-3-270m"
     json.loads(op_env["INFERSCALE_ENCODER_NODE_SELECTOR"])
@@ -414,11 +416,11 @@ def test_operator_runs_single_standalone_replica():
     assert o["spec"]["strategy"]["type"] == "Recreate"
     c = container(o)
     assert c["command"] == ["python", "-m", "inferscale.operator"]  # operator/__main__.py; standalone w/o --peering
-    assert c["args"] == ["--liveness=http://0.0.0.0:8080/healthz"]  # no -n: all namespaces
+    assert c["args"] == ["--liveness=http://0.0.0.0:8080/healthz"]  # no tenants: nothing watched but its own ns
     assert not any(a.startswith("--peering") for a in c["args"])
     probe_port = c["livenessProbe"]["httpGet"]["port"]
     assert [p["containerPort"] for p in c["ports"] if p["name"] == probe_port] == [8080]
-    c2 = container(workload(docs("values.yaml", sets=("operator.watchNamespaces={acme,globex}",
+    c2 = container(workload(docs("values.yaml", sets=("tenants={acme,globex}",
                                                         "operator.verbose=true", "operator.healthPort=9090")),
                             "operator"))
     assert c2["args"] == ["--liveness=http://0.0.0.0:9090/healthz", "--namespace=acme", "--namespace=globex",
@@ -427,33 +429,51 @@ def test_operator_runs_single_standalone_replica():
     assert o["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
 
 
+def rules_of(role: dict) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
 def test_rbac_is_least_privilege():
-    m = docs("values.yaml", namespace="tenantops")
+    m = docs("values.yaml", namespace="tenantops", sets=("tenants={acme,globex}",))
     role, binding = one(m, "ClusterRole"), one(m, "ClusterRoleBinding")
-    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}
-    assert not any("*" in t for t in granted), "no wildcards"
-    need = {
-        ("inferscale.io", "usermemories", v) for v in ("get", "list", "watch", "patch")
-    } | {("inferscale.io", "usermemories/status", "patch"), ("inferscale.io", "usermemories/finalizers", "update")} | {
-        ("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")
-    } | {("", "configmaps", v) for v in ("create", "get", "list", "watch")} | {
-        ("", "pods", v) for v in ("get", "list", "watch")
-    } | {("", "secrets", "get"), ("", "events", "create"), ("", "events", "patch"), ("", "namespaces", "list"),
-         ("", "namespaces", "watch")} | {("apiextensions.k8s.io", "customresourcedefinitions", v)
-                                           for v in ("get", "list", "watch")}
-    assert need <= granted, need - granted
-    assert {v for g, r, v in granted if r == "secrets"} == {"get"}
-    assert {v for g, r, v in granted if r == "nodes"} == {"get"}  # placement reads node labels (operator/kube.py)
-    assert not {v for g, r, v in granted if r in ("pods", "customresourcedefinitions", "namespaces")} - {
-        "get", "list", "watch"}
-    assert not {v for g, r, v in granted if r.startswith("usermemories")} - {"get", "list", "watch", "patch", "update"}
-    assert not any(r in ("clusterroles", "roles", "rolebindings", "clusterrolebindings", "serviceaccounts",
-                         "pods/exec") for _, r, _ in granted)
+    granted = rules_of(role)
+    # Cluster-wide: node labels (placement) and CRD discovery only; nothing about Secrets, Jobs or pods.
+    assert granted == {("", "nodes", "get")} | {("apiextensions.k8s.io", "customresourcedefinitions", v)
+                                                for v in ("get", "list", "watch")}
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     sa = one(m, "ServiceAccount")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                     "namespace": "tenantops"}]
+    roles = {(r["metadata"]["namespace"]): r for r in m if r["kind"] == "Role"}
+    bindings = {(b["metadata"]["namespace"]): b for b in m if b["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"tenantops", "acme", "globex"}
+    platform = rules_of(roles["tenantops"])
+    assert {("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")} <= platform
+    assert {("", "configmaps", v) for v in ("create", "get", "patch", "delete")} <= platform
+    assert not any(r == "secrets" for _, r, _ in platform)
+    for tenant in ("acme", "globex"):
+        t = rules_of(roles[tenant])
+        need = {("inferscale.io", "usermemories", v) for v in ("get", "list", "watch", "patch")} | {
+            ("inferscale.io", "usermemories/status", "patch"), ("inferscale.io", "usermemories/finalizers", "update"),
+            ("", "configmaps", "get"), ("", "events", "create")}
+        assert need <= t, need - t
+        # Tenant namespaces: no Jobs, no pods, no writes to ConfigMaps, no Secrets unless opted in.
+        assert not {r for _, r, _ in t} & {"jobs", "pods", "secrets"}
+        assert {v for _, r, v in t if r == "configmaps"} == {"get"}
+        assert bindings[tenant]["subjects"][0]["namespace"] == "tenantops"
+    for r in (role, *roles.values()):
+        assert not any("*" in x for x in rules_of(r)), "no wildcards"
+        assert not any(res in ("clusterroles", "roles", "rolebindings", "clusterrolebindings", "serviceaccounts",
+                               "pods/exec") for _, res, _ in rules_of(r))
+    opted = docs("values.yaml", namespace="tenantops", sets=("tenants={acme}", "operator.readTenantSecrets=true"))
+    acme = next(r for r in opted if r["kind"] == "Role" and r["metadata"]["namespace"] == "acme")
+    assert {v for _, r, v in rules_of(acme) if r == "secrets"} == {"get"}
+    assert not any(r == "secrets" for _, r, _ in rules_of(one(opted, "ClusterRole")))
+    env = effective_env(opted, workload(opted, "operator"))
+    assert env["INFERSCALE_READ_TENANT_SECRETS"] == "true" and env["INFERSCALE_TENANTS"] == "acme"
+    proc = helm(*template_args("values.yaml", namespace="tenantops", sets=("tenants={tenantops}",)), check=False)
+    assert proc.returncode != 0 and "release namespace" in proc.stderr
 
 
 def test_no_hard_coded_namespace():
@@ -462,7 +482,7 @@ def test_no_hard_coded_namespace():
     for x in m:
         if x["kind"] in cluster_scoped:
             assert "namespace" not in x["metadata"]
-        else:
+        elif x["kind"] not in ("Role", "RoleBinding"):  # those also go to the tenant namespaces (none here)
             assert x["metadata"]["namespace"] == "ns-under-test", x["kind"]
     text = helm(*template_args("values-gpu.yaml", namespace="ns-under-test", release="rel")).stdout
     # (`namespace: {type: string}` in the CRD schema is a field, not a namespace)
@@ -473,19 +493,39 @@ def test_internal_token_shared_by_operator_and_servers():
     m = docs("values.yaml")
     refs = [effective_env(m, workload(m, c))["INFERSCALE_INTERNAL_TOKEN"]["secretKeyRef"]
             for c in ("operator", "server")]
-    assert refs[0] == refs[1]
+    assert refs[0] == refs[1] == {"name": "inferscale-internal", "key": "internal-token"}
     secret = one(m, "Secret", refs[0]["name"])
-    token = base64.b64decode(secret["data"][refs[0]["key"]]).decode()
-    assert len(token) >= 32
+    token = base64.b64decode(secret["data"]["internal-token"]).decode()
+    peer = base64.b64decode(secret["data"]["peer-secret"]).decode()
+    assert len(token) >= 32 and len(peer) >= 32 and token != peer
+    # The peer secret is the servers' only; the operator never holds it.
+    srv = effective_env(m, workload(m, "server"))
+    assert srv["INFERSCALE_PEER_SECRET"]["secretKeyRef"] == {"name": "inferscale-internal", "key": "peer-secret"}
+    assert "INFERSCALE_PEER_SECRET" not in effective_env(m, workload(m, "operator"))
     assert "INFERSCALE_INTERNAL_TOKEN" not in json.dumps([x for x in m if x["kind"] == "ConfigMap"])
-    m2 = docs("values.yaml", sets=("internalToken.existingSecret=my-token", "internalToken.existingSecretKey=t"))
+    m2 = docs("values.yaml", sets=("internalToken.existingSecret=my-token",))
     refs2 = {json.dumps(effective_env(m2, workload(m2, c))["INFERSCALE_INTERNAL_TOKEN"]["secretKeyRef"])
              for c in ("operator", "server")}
-    assert refs2 == {json.dumps({"name": "my-token", "key": "t"})}
+    assert refs2 == {json.dumps({"name": "my-token", "key": "internal-token"})}
     assert not [x for x in m2 if x["kind"] == "Secret" and "internal" in x["metadata"]["name"]]
     m3 = docs("values.yaml", sets=("internalToken.value=fixed-token-value",))
     s3 = [x for x in m3 if x["kind"] == "Secret" and "internal" in x["metadata"]["name"]][0]
-    assert base64.b64decode(s3["data"]["token"]).decode() == "fixed-token-value"
+    assert base64.b64decode(s3["data"]["internal-token"]).decode() == "fixed-token-value"
+
+
+def test_kek_secret_is_mounted_on_servers_and_named_to_the_operator():
+    m = docs("values.yaml")
+    kek = one(m, "Secret", "-kek")
+    key_id, b64 = base64.b64decode(kek["data"]["kek"]).decode().strip().split(":", 1)
+    assert key_id and len(base64.b64decode(b64)) == 32
+    s = workload(m, "server")
+    srv = effective_env(m, s)
+    assert srv["INFERSCALE_KEK_FILE"] == "/var/run/inferscale/kek/kek"
+    mount = next(v for v in container(s)["volumeMounts"] if v["name"] == "kek")
+    assert mount == {"name": "kek", "mountPath": "/var/run/inferscale/kek", "readOnly": True}
+    vol = next(v for v in s["spec"]["template"]["spec"]["volumes"] if v["name"] == "kek")
+    assert vol["secret"]["secretName"] == kek["metadata"]["name"]
+    assert effective_env(m, workload(m, "operator"))["INFERSCALE_KEK_SECRET"] == kek["metadata"]["name"]
 
 
 def test_api_keys_secret_is_mounted_as_the_tenants_file(tmp_path):

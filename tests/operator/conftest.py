@@ -19,6 +19,7 @@ from operator_fakes import EmulatorThread, ServingPodStandIn, serving_pods
 T = TypeVar("T")
 TENANT = "acme"
 SERVER_NS = "inferscale-system"
+JOB_NS = SERVER_NS  # the platform namespace: Jobs, their items ConfigMaps and the per-user records
 TOKEN = "test-internal-token"
 UM = "apis/inferscale.io/v1alpha1"
 
@@ -80,7 +81,7 @@ class Cluster:
         key = ("inferscale.io/v1alpha1/usermemories", ns, name)
         return self.emu.call(lambda: [dict(v.raw) for v in self.emu.emulator.objects[key].history if v is not None])
 
-    def jobs(self, ns: str = TENANT) -> list[dict[str, Any]]:
+    def jobs(self, ns: str = JOB_NS) -> list[dict[str, Any]]:
         return self.list(f"/apis/batch/v1/namespaces/{ns}/jobs")
 
     def job_requests(self, method: str) -> int:
@@ -90,10 +91,13 @@ class Cluster:
                                          and r.resource.plural == "jobs"))
 
     def finish_job(self, job: dict[str, Any], node: str = "gpu-node-0", ok: bool = True) -> None:
-        """Play kubelet + job controller: a pod on `node`, then a Complete (or Failed) Job status."""
-        ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        """Play kubelet + job controller: a pod on `node` (controlled by the Job), then a Complete (or Failed) status."""
+        ns, name, uid = job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"]["uid"]
         self.create(f"/api/v1/namespaces/{ns}/pods", {
-            "metadata": {"name": f"{name}-x1", "namespace": ns, "labels": {"job-name": name}},
+            "metadata": {"name": f"{name}-x1", "namespace": ns,
+                         "labels": {"job-name": name, "batch.kubernetes.io/controller-uid": uid},
+                         "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid,
+                                              "controller": True}]},
             "spec": {"nodeName": node, "containers": job["spec"]["template"]["spec"]["containers"]},
             "status": {"phase": "Succeeded" if ok else "Failed"},
         })
@@ -134,6 +138,8 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     for var, value in {
         "INFERSCALE_SERVER_NAMESPACE": "",
+        "INFERSCALE_TENANTS": f"{TENANT},globex",
+        "INFERSCALE_JOB_NAMESPACE": JOB_NS,
         "INFERSCALE_INTERNAL_TOKEN": TOKEN,
         "INFERSCALE_ENCODER_IMAGE": "inferscale:test",
         "INFERSCALE_ENCODER_NODE_SELECTOR": json.dumps({"nvidia.com/gpu.present": "true"}),

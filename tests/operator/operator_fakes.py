@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jsonpatch
+from inferscale.contract import is_valid_id
 import kmock
 from kmock._internal import rendering
 
@@ -253,6 +254,9 @@ class ServingPodStandIn:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 with standin._lock:
                     standin.auth.append(self.headers.get("Authorization"))
+                    if not is_valid_id(body.get("user")):  # as the real server: the store refuses such an id
+                        standin.calls.append(("refused", body))
+                        return self._reply(400, {"detail": f"invalid user id {body.get('user')!r}"})
                     if self.path == "/internal/v1/pull":
                         standin.calls.append(("pull", body))
                         if standin.fail_pulls > 0:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import TENANT, TOKEN, Cluster, running_operator, wait_for
+from conftest import JOB_NS, TENANT, TOKEN, Cluster, running_operator, wait_for
 from operator_fakes import ServingPodStandIn
 
 KV_DIR = "/var/lib/inferscale/kv/acme/caroline"
@@ -58,18 +58,19 @@ def test_apply_encodes_then_places(cluster: Cluster, standins: list[ServingPodSt
     pod_spec = job["spec"]["template"]["spec"]
     container = pod_spec["containers"][0]
     assert container["command"][:3] == ["inferscale", "encode", "/memories/items.jsonl"]
-    assert container["command"][container["command"].index("--out") + 1] == KV_DIR
+    assert container["command"][container["command"].index("--out") + 1] == "/var/run/inferscale/out"
     assert "--embed" in container["command"] and only_ids(job) == ["m1", "m2", "m3"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod_spec["tolerations"][0]["key"] == "nvidia.com/gpu"
     volumes = {v["name"]: v for v in pod_spec["volumes"]}
-    assert volumes["kv"]["hostPath"]["path"] == "/var/lib/inferscale/kv"
+    assert volumes["kv"]["hostPath"]["path"] == KV_DIR  # this user's directory only
     assert volumes["memories"]["configMap"]["name"] == job["metadata"]["name"]
-    owner = job["metadata"]["ownerReferences"][0]
-    assert (owner["kind"], owner["uid"]) == ("UserMemory", um["metadata"]["uid"])
-    cm = cluster.get(f"/api/v1/namespaces/{TENANT}/configmaps/{job['metadata']['name']}")
-    assert cm is not None and cm["metadata"]["ownerReferences"][0]["uid"] == um["metadata"]["uid"]
+    assert job["metadata"]["namespace"] == JOB_NS
+    assert job["metadata"]["labels"]["inferscale.io/owner-uid"] == um["metadata"]["uid"]
+    cm = wait_for(lambda: cluster.get(f"/api/v1/namespaces/{JOB_NS}/configmaps/{job['metadata']['name']}"),
+                  what="the items ConfigMap")
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]  # collected with its Job
     assert [json.loads(line)["id"] for line in cm["data"]["items.jsonl"].splitlines()] == ["m1", "m2", "m3"]
     wait_for(phase_is(cluster, "Encoding"), what="phase Encoding")
     assert not any(s.calls_of("pull") for s in standins), "nothing is pulled before the Job succeeded"
@@ -103,7 +104,8 @@ def test_edit_one_memory_encodes_only_that_item(cluster: Cluster, standins: list
     jobs = wait_for(lambda: len(j := cluster.jobs()) == 2 and j, what="a second Job")
     new_job = next(j for j in jobs if only_ids(j) != ["m1", "m2", "m3"])
     assert only_ids(new_job) == ["m2"]  # m1 (before it) is unchanged; m3, which sat behind it, is gone
-    cm = cluster.get(f"/api/v1/namespaces/{TENANT}/configmaps/{new_job['metadata']['name']}")
+    cm = wait_for(lambda: cluster.get(f"/api/v1/namespaces/{JOB_NS}/configmaps/{new_job['metadata']['name']}"),
+                  what="the items ConfigMap")
     # every item, in spec order: m2 is encoded behind m1
     assert cm is not None and [json.loads(line) for line in cm["data"]["items.jsonl"].splitlines()] == edited
     cluster.finish_job(new_job, node="gpu-node-1")
@@ -182,12 +184,12 @@ def test_delete_runs_a_cleanup_job_where_no_serving_pod_deletes_the_output(
     pod = job["spec"]["template"]["spec"]
     assert pod["nodeName"] == node and pod["restartPolicy"] == "Never"
     (container,) = pod["containers"]
-    assert container["image"] == "inferscale:test" and container["command"] == ["rm", "-rf", "--", KV_DIR]
+    assert container["image"] == "inferscale:test" and container["command"][-1] == "/var/run/inferscale/out"
     assert "nvidia.com/gpu" not in str(container.get("resources"))
-    assert container["volumeMounts"] == [{"name": "kv", "mountPath": "/var/lib/inferscale/kv"}]
-    assert pod["volumes"][0]["hostPath"]["path"] == "/var/lib/inferscale/kv"
+    assert container["volumeMounts"] == [{"name": "kv", "mountPath": "/var/run/inferscale/out"}]
+    assert pod["volumes"][0]["hostPath"]["path"] == KV_DIR
     assert not job["metadata"].get("ownerReferences"), "not garbage-collected along with the UserMemory"
-    assert job["metadata"]["name"].startswith("caroline-clean-")
+    assert job["metadata"]["name"].startswith("acme-caroline-clean-") and job["metadata"]["namespace"] == JOB_NS
     st = wait_for(phase_is(cluster, "Deleting"), what="phase Deleting")
     assert job["metadata"]["name"] in st["message"]
     held = cluster.um("caroline")
@@ -344,7 +346,13 @@ def test_lost_serving_pod_is_replaced(cluster: Cluster, operator: Any) -> None:
 
 
 def test_secret_reference_and_inline_items_merge(cluster: Cluster, standins: list[ServingPodStandIn],
-                                                 operator: Any) -> None:
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERSCALE_READ_TENANT_SECRETS", "true")  # the platform team opted in
+    with running_operator():
+        _secret_reference_and_inline_items_merge(cluster, standins)
+
+
+def _secret_reference_and_inline_items_merge(cluster: Cluster, standins: list[ServingPodStandIn]) -> None:
     for s in standins:
         cluster.add_serving_pod(s)
     jsonl = '{"id": "s1", "text": "from the secret"}\n{"id": "m1", "text": "overridden inline"}\n'
@@ -356,8 +364,8 @@ def test_secret_reference_and_inline_items_merge(cluster: Cluster, standins: lis
     cluster.apply_um(um)
     job = wait_for(cluster.jobs, what="an encode Job")[0]
     assert only_ids(job) == ["m1", "m2", "m3", "s1"]
-    cm = cluster.get(f"/api/v1/namespaces/{TENANT}/configmaps/{job['metadata']['name']}")
-    assert cm is not None
+    cm = wait_for(lambda: cluster.get(f"/api/v1/namespaces/{JOB_NS}/configmaps/{job['metadata']['name']}"),
+                  what="the items ConfigMap")
     texts = {json.loads(line)["id"]: json.loads(line)["text"] for line in cm["data"]["items.jsonl"].splitlines()}
     assert texts["m1"] == MEMORIES[0]["text"] and texts["s1"] == "from the secret"
 

@@ -72,9 +72,12 @@ def test_hashes_change_with_text_and_model_only() -> None:
 
 
 def test_job_name_is_deterministic_and_short() -> None:
-    n1 = jobs.job_name("x" * 253, "h1", ["b", "a"])
-    assert n1 == jobs.job_name("x" * 253, "h1", ["a", "b"]) and len(n1) <= 63
-    assert n1 != jobs.job_name("x" * 253, "h1", ["a"]) != jobs.job_name("x" * 253, "h2", ["a"])
+    n1 = jobs.job_name("acme", "x" * 253, "uid", "h1", ["b", "a"])
+    assert n1 == jobs.job_name("acme", "x" * 253, "uid", "h1", ["a", "b"]) and len(n1) <= 63
+    assert n1 != jobs.job_name("acme", "x" * 253, "uid", "h1", ["a"]) != jobs.job_name("acme", "x" * 253, "uid", "h2", ["a"])
+    # Jobs of every tenant share the platform namespace: same object name, another tenant or uid, another Job.
+    assert n1 != jobs.job_name("globex", "x" * 253, "uid", "h1", ["a", "b"])
+    assert n1 != jobs.job_name("acme", "x" * 253, "uid2", "h1", ["a", "b"])
 
 
 def test_job_phase_and_node() -> None:
@@ -82,14 +85,20 @@ def test_job_phase_and_node() -> None:
     assert jobs.job_phase({"status": {"conditions": [{"type": "Complete", "status": "True"}]}})[0] == "Succeeded"
     failed = {"status": {"conditions": [{"type": "Failed", "status": "True", "message": "exit 2"}]}}
     assert jobs.job_phase(failed) == ("Failed", "exit 2")
-    job = {"spec": {"template": {"spec": {"nodeSelector": {"kubernetes.io/hostname": "gpu-7"}}}}}
+    job = {"metadata": {"uid": "j1", "namespace": "sys"},
+           "spec": {"template": {"spec": {"nodeSelector": {"kubernetes.io/hostname": "gpu-7"}}}}}
     assert jobs.job_node(job, []) == "gpu-7"
-    assert jobs.job_node(job, [{"spec": {"nodeName": "gpu-3"}}]) == "gpu-3"
+    owned = {"metadata": {"namespace": "sys", "ownerReferences": [{"kind": "Job", "uid": "j1", "controller": True}]},
+             "spec": {"nodeName": "gpu-3"}}
+    assert jobs.job_node(job, [owned]) == "gpu-3"
+    # A pod only labelled job-name (no controller reference to this Job's uid) is not the Job's pod.
+    assert jobs.job_node(job, [{"metadata": {"namespace": "sys", "labels": {"job-name": "x"}},
+                                "spec": {"nodeName": "evil"}}]) == "gpu-7"
 
 
 def test_cpu_cluster_job_requests_no_gpu() -> None:
-    m = jobs.job_manifest("j", "t", "u", "u", "gemma-3-270m", ["a"], Settings(encoder_gpus=0))
-    assert m["spec"]["template"]["spec"]["containers"][0]["resources"] == {}
+    m = jobs.job_manifest("j", "t", "u", "uid", "u", "gemma-3-270m", ["a"], Settings(encoder_gpus=0))
+    assert "nvidia.com/gpu" not in str(m["spec"]["template"]["spec"]["containers"][0]["resources"])
 
 
 def pod(name: str, node: str) -> ServingPod:
@@ -118,9 +127,15 @@ def test_serving_pods_skip_unready_and_find_endpoints() -> None:
 
 def test_settings_from_env() -> None:
     s = Settings.from_env({"INFERSCALE_MODELS": "a, b", "INFERSCALE_ENCODER_NODE_SELECTOR": '{"gpu": "yes"}',
-                           "INFERSCALE_ENCODER_GPUS": "0", "INFERSCALE_SERVER_PORT": "9000"})
+                           "INFERSCALE_ENCODER_GPUS": "0", "INFERSCALE_INTERNAL_PORT": "9001",
+                           "INFERSCALE_TENANTS": "acme, globex"})
     assert s.models == ("a", "b") and s.encoder_node_selector == {"gpu": "yes"}
-    assert (s.encoder_gpus, s.server_port, s.kv_host_path) == (0, 9000, "/var/lib/inferscale/kv")
+    assert (s.encoder_gpus, s.internal_port, s.kv_host_path) == (0, 9001, "/var/lib/inferscale/kv")
+    assert s.tenants == ("acme", "globex") and not s.read_tenant_secrets
+    with pytest.raises(ConfigError, match="INFERSCALE_TENANTS"):
+        Settings.from_env({"INFERSCALE_TENANTS": "acme,../x"})
+    with pytest.raises(ConfigError, match="INFERSCALE_JOB_NAMESPACE"):
+        Settings.from_env({"INFERSCALE_TENANTS": "acme", "INFERSCALE_JOB_NAMESPACE": "acme"})
     with pytest.raises(ConfigError, match="INFERSCALE_ENCODER_TOLERATIONS"):
         Settings.from_env({"INFERSCALE_ENCODER_TOLERATIONS": '{"not": "a list"}'})
     with pytest.raises(ConfigError):
@@ -142,22 +157,14 @@ def test_operator_imports_no_model_code() -> None:
 
 def test_cleanup_job_deletes_exactly_the_users_dir_on_the_node() -> None:
     cfg = Settings(kv_host_path="/mnt/kv", encoder_image="img:1")
-    name = jobs.cleanup_job_name("caroline", "uid-1", "gpu-7")
-    assert name.startswith("caroline-clean-") and len(name) <= 63
-    assert name != jobs.cleanup_job_name("caroline", "uid-2", "gpu-7"), "a namesake UserMemory gets its own Job"
-    job = jobs.cleanup_job_manifest(name, "acme", "caroline", "gpu-7", jobs.kv_dir(cfg, "acme", "caroline"), cfg)
+    name = jobs.cleanup_job_name("acme", "caroline", "uid-1", "gpu-7")
+    assert name.startswith("acme-caroline-clean-") and len(name) <= 63
+    assert name != jobs.cleanup_job_name("acme", "caroline", "uid-2", "gpu-7"), "a namesake gets its own Job"
+    job = jobs.cleanup_job_manifest(name, "acme", "caroline", "uid-1", "gpu-7", "caroline", cfg)
     spec = job["spec"]["template"]["spec"]
-    assert spec["nodeName"] == "gpu-7" and spec["containers"][0]["command"] == ["rm", "-rf", "--", "/mnt/kv/acme/caroline"]
-    assert spec["volumes"][0]["hostPath"]["path"] == "/mnt/kv" and spec["containers"][0]["image"] == "img:1"
+    assert spec["nodeName"] == "gpu-7" and spec["containers"][0]["command"][-1] == jobs.OUT_MOUNT
+    assert spec["volumes"][0]["hostPath"]["path"] == "/mnt/kv/acme/caroline" and spec["containers"][0]["image"] == "img:1"
     assert job["spec"]["activeDeadlineSeconds"] == 300 and job["spec"]["ttlSecondsAfterFinished"] > 0
-
-
-def test_source_nodes_come_from_the_items_and_the_last_job() -> None:
-    from inferscale.operator.reconcile import source_nodes
-
-    status = {"encoded": {"a": {"hash": "h", "node": "n2"}, "b": {"hash": "h", "node": "n1"}, "c": {"hash": "h"}},
-              "job": {"name": "j", "node": "n3"}}
-    assert source_nodes(status) == ["n1", "n2", "n3"] and source_nodes({}) == []
 
 
 def test_an_items_hash_covers_the_items_encoded_before_it():
@@ -182,3 +189,16 @@ def test_operator_and_engine_agree_on_the_context():
     from inferscale.operator.spec import CONTEXT_ITEMS
 
     assert CONTEXT_ITEMS == DEFAULT_CONTEXT_ITEMS
+
+
+def test_main_watches_only_the_tenant_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kopf
+
+    runs: list[dict[str, object]] = []
+    monkeypatch.setattr(kopf, "run", lambda **kw: runs.append(kw))
+    monkeypatch.setenv("INFERSCALE_TENANTS", "acme,globex")
+    assert main([]) == 0
+    monkeypatch.setenv("INFERSCALE_TENANTS", "")
+    monkeypatch.setenv("INFERSCALE_JOB_NAMESPACE", "platform")
+    assert main([]) == 0
+    assert [(r["clusterwide"], r["namespaces"]) for r in runs] == [(False, ["acme", "globex"]), (False, ["platform"])]

@@ -73,8 +73,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{- define "inferscale.internalTokenSecretName" -}}
-{{- default (include "inferscale.componentName" (dict "ctx" . "suffix" "internal-token")) .Values.internalToken.existingSecret }}
+{{- default (include "inferscale.componentName" (dict "ctx" . "suffix" "internal")) .Values.internalToken.existingSecret }}
 {{- end }}
+
+{{- define "inferscale.kekSecretName" -}}
+{{- default (include "inferscale.componentName" (dict "ctx" . "suffix" "kek")) .Values.kek.existingSecret }}
+{{- end }}
+
+{{/* Where servers and encode Jobs see the KEK file (docs/interfaces.md). */}}
+{{- define "inferscale.kekMount" -}}/var/run/inferscale/kek{{- end }}
 
 {{- define "inferscale.apiKeysSecretName" -}}
 {{- default (include "inferscale.componentName" (dict "ctx" . "suffix" "api-keys")) .Values.apiKeys.existingSecret }}
@@ -133,7 +140,24 @@ OTEL_SDK_DISABLED: "true"
   valueFrom:
     secretKeyRef:
       name: {{ include "inferscale.internalTokenSecretName" . }}
-      key: {{ .Values.internalToken.existingSecretKey }}
+      key: internal-token
+{{- end }}
+
+{{- define "inferscale.peerSecretEnv" -}}
+- name: INFERSCALE_PEER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "inferscale.internalTokenSecretName" . }}
+      key: peer-secret
+{{- end }}
+
+{{/* The UCX data port range "lo-hi" as a list of two ints. */}}
+{{- define "inferscale.ucxRange" -}}
+{{- $parts := splitList "-" .Values.server.ucxPortRange }}
+{{- if or (ne (len $parts) 2) (gt (int (index $parts 0)) (int (index $parts 1))) }}
+{{- fail (printf "server.ucxPortRange must be \"lo-hi\" with lo <= hi, not %q" .Values.server.ucxPortRange) }}
+{{- end }}
+{{- toJson (list (int (index $parts 0)) (int (index $parts 1))) }}
 {{- end }}
 
 {{/* "<fullname>-<suffix>", short enough for any object name (a StatefulSet's must leave room for the

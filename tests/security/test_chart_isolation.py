@@ -1,0 +1,108 @@
+"""Chart side of tenant isolation (issue 11): what `helm template` of every values file must and must not render."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
+import test_chart as chart  # noqa: E402  (its helpers: helm, render, one, workload, container, _validate_all)
+
+RELEASE_NS = "inferscale"
+TENANTS = ("acme", "globex")
+VARIANTS = [(v, ("tenants={acme,globex}",)) for v in chart.VALUES_FILES] + [
+    ("values.yaml", ("tenants={acme,globex}", "operator.readTenantSecrets=true", "server.kind=DaemonSet"))]
+
+
+def rendered(values: str, sets: tuple[str, ...]) -> list[dict[str, Any]]:
+    return chart.docs(values, sets=sets, namespace=RELEASE_NS)
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
+    tmpl = (obj.get("spec") or {}).get("template")
+    return (tmpl or {}).get("spec") if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job") else None
+
+
+@pytest.mark.parametrize("values,sets", VARIANTS)
+def test_no_host_path_in_a_tenant_namespace_and_validates(values: str, sets: tuple[str, ...]) -> None:
+    m = rendered(values, sets)
+    chart._validate_all(tuple(m))  # kubernetes-validate --strict
+    for obj in m:
+        ns = obj["metadata"].get("namespace")
+        if ns in TENANTS:
+            assert obj["kind"] in ("Role", "RoleBinding"), f"only the operator's RBAC goes to a tenant: {obj['kind']}"
+        spec = pod_spec(obj)
+        if spec is not None:
+            assert ns == RELEASE_NS
+    in_tenants = [o for o in m if o["metadata"].get("namespace") in TENANTS]
+    assert "hostPath" not in json.dumps(in_tenants)
+
+
+@pytest.mark.parametrize("values,sets", VARIANTS)
+def test_network_policy_guards_the_internal_and_peer_ports(values: str, sets: tuple[str, ...]) -> None:
+    m = rendered(values, sets)
+    server = chart.workload(m, "server")
+    ports = {p["name"]: p["containerPort"] for p in chart.container(server)["ports"]}
+    assert (ports["http"], ports["internal"], ports["nixl"]) == (8000, 8001, 5555)
+    assert {p for n, p in ports.items() if n.startswith("ucx-")} == set(range(5556, 5600))
+    svc = chart.one(m, "Service", "inferscale")
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"], "the tenant Service exposes only 8000"
+    pol = next(p for p in m if p["kind"] == "NetworkPolicy"
+               and p["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "server")
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    by_port = {r["ports"][0]["port"]: r for r in pol["spec"]["ingress"]}
+    assert set(by_port) == {8000, 8001, 5555}
+    assert "from" not in by_port[8000]  # tenant API: open by default (networkPolicy.tenantApiFrom restricts it)
+    (op_peer,) = by_port[8001]["from"]
+    assert op_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert len(by_port[8001]["ports"]) == 1
+    (srv_peer,) = by_port[5555]["from"]
+    assert srv_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "server"
+    assert {"port": 5556, "endPort": 5599, "protocol": "TCP"} in by_port[5555]["ports"]
+    env = chart.effective_env(m, server)
+    assert (env["INFERSCALE_INTERNAL_PORT"], env["INFERSCALE_UCX_PORT_RANGE"]) == ("8001", "5556-5599")
+    assert env["INFERSCALE_PEER_SECRET"]["secretKeyRef"]["key"] == "peer-secret"
+
+
+def test_tenant_api_can_be_restricted() -> None:
+    m = chart.docs("values.yaml", sets=("networkPolicy.tenantApiFrom[0].namespaceSelector.matchLabels.team=ai",))
+    pol = chart.one(m, "NetworkPolicy", "-server")
+    tenant_rule = next(r for r in pol["spec"]["ingress"] if r["ports"][0]["port"] == 8000)
+    assert tenant_rule["from"] == [{"namespaceSelector": {"matchLabels": {"team": "ai"}}}]
+
+
+@pytest.mark.parametrize("values,sets", VARIANTS)
+def test_pdb_and_namespaced_rbac_and_no_cluster_rule_on_secrets(values: str, sets: tuple[str, ...]) -> None:
+    m = rendered(values, sets)
+    pdb = chart.one(m, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "server"
+    assert pdb["spec"]["maxUnavailable"] == 1
+    for cr in (o for o in m if o["kind"] == "ClusterRole"):
+        assert not any("secrets" in r["resources"] or "*" in r["resources"] for r in cr["rules"])
+    roles = {o["metadata"]["namespace"] for o in m if o["kind"] == "Role"}
+    assert roles == {RELEASE_NS, *TENANTS}
+    op_env = chart.effective_env(m, chart.workload(m, "operator"))
+    assert op_env["INFERSCALE_TENANTS"] == "acme,globex" and op_env["INFERSCALE_JOB_NAMESPACE"] == RELEASE_NS
+    args = chart.container(chart.workload(m, "operator"))["args"]
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=acme", "--namespace=globex"]
+
+
+@pytest.mark.parametrize("values,sets", VARIANTS)
+def test_nothing_asks_for_privileged(values: str, sets: tuple[str, ...]) -> None:
+    text = chart.helm(*chart.template_args(values, sets=sets, namespace=RELEASE_NS)).stdout
+    assert "privileged" not in text.lower()
+    for obj in rendered(values, sets):
+        spec = pod_spec(obj)
+        for c in [*(spec or {}).get("containers", []), *(spec or {}).get("initContainers", [])]:
+            assert not (c.get("securityContext") or {}).get("privileged")
+            assert (c.get("securityContext") or {}).get("allowPrivilegeEscalation") is False
+
+
+def test_chart_readme_does_not_ask_tenants_for_privileged() -> None:
+    readme = (chart.CHART / "README.md").read_text()
+    assert "privileged" not in readme.lower(), "tenant namespaces stay at Pod Security `restricted`"
+    assert "restricted" in readme
