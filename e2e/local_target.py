@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import subprocess
@@ -30,6 +31,7 @@ from e2e_common import ROOT, free_port, stop_process, tail, tool, wait_for, pars
 
 NODE = "e2e-node-0"
 SERVER_NS = "inferscale-system"
+KEK_SECRET = "inferscale-kek"  # the chart's <fullname>-kek
 SERVER_POD = "inferscale-server-0"
 SELECTOR = {"app.kubernetes.io/name": "inferscale", "app.kubernetes.io/component": "server"}
 
@@ -73,6 +75,7 @@ class LocalTarget:
             "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
         self.kubectl_bin = tool("kubectl")
         self.http = httpx.Client(base_url=self.emu.url, timeout=10)
+        self._write_kek()
         self._start_server()
         self._register_serving_pod()
         self.agent = NodeAgentStandIn(self.emu.url, NODE, self.image_dir, self.workdir / "pods").start()
@@ -117,7 +120,7 @@ class LocalTarget:
                         INFERSCALE_DEVICE="cpu", INFERSCALE_INTERNAL_TOKEN=self.internal_token,
                         INFERSCALE_NODE_NAME=NODE, INFERSCALE_POD_NAME=SERVER_POD,
                         INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),  # the node's hostPath, as the chart mounts it
-                        INFERSCALE_INTERNAL_PORT=str(internal_port),
+                        INFERSCALE_INTERNAL_PORT=str(internal_port), INFERSCALE_KEK_FILE=str(self.kek_file),
                         INFERSCALE_NIXL_PORT=str(free_port()), INFERSCALE_CONSOLE_TRACES="true",
                         INFERSCALE_DRAM_BUDGET_BYTES=str(256 << 20))
         with open(self.server_out, "wb") as out, open(self.server_log, "wb") as err:
@@ -145,6 +148,16 @@ class LocalTarget:
         except httpx.HTTPError:
             return self.server_url
 
+    def _write_kek(self) -> None:
+        """The chart's KEK Secret: the server reads it as INFERSCALE_KEK_FILE, encode Jobs get it mounted."""
+        from inferscale.sealing import ensure_kek_file
+
+        self.kek_file = self.workdir / "kek"
+        ensure_kek_file(self.kek_file)
+        self._ok(self.http.post(f"/api/v1/namespaces/{SERVER_NS}/secrets", json={
+            "metadata": {"name": KEK_SECRET, "namespace": SERVER_NS},
+            "data": {"kek": base64.b64encode(self.kek_file.read_bytes()).decode()}}))
+
     def _register_serving_pod(self) -> None:
         self._ok(self.http.post("/api/v1/nodes", json={"metadata": {"name": NODE, "labels": {
             "kubernetes.io/hostname": NODE}}}))
@@ -162,6 +175,7 @@ class LocalTarget:
                         INFERSCALE_ENCODER_GPUS="0", INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),
                         INFERSCALE_MODELS=self.model, INFERSCALE_JOB_POLL_SECONDS="0.5",
                         INFERSCALE_TENANTS=f"{self.tenant},{self.tenant_b}", INFERSCALE_JOB_NAMESPACE=SERVER_NS,
+                        INFERSCALE_KEK_SECRET=KEK_SECRET,
                         INFERSCALE_RECHECK_SECONDS="30", INFERSCALE_HTTP_TIMEOUT_SECONDS="30")
         with open(self.operator_log, "wb") as out:
             self.operator = subprocess.Popen([sys.executable, "-m", "inferscale.operator", "--verbose"], cwd=ROOT,

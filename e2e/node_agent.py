@@ -17,6 +17,8 @@ limits, TTL cleanup.
 
 from __future__ import annotations
 
+import base64
+
 import datetime
 import os
 import subprocess
@@ -146,10 +148,18 @@ class NodeAgentStandIn:
             elif "emptyDir" in vol:
                 local = pod_dir / "volumes" / m["name"]
                 local.mkdir(parents=True, exist_ok=True)
-            elif "secret" in vol:
-                continue  # not emulated (the KEK): the local target runs without one
+            elif "secret" in vol:  # the KEK: a kubelet writes each key as a file, base64-decoded
+                resp = self.http.get(f"/api/v1/namespaces/{ns}/secrets/{vol['secret']['secretName']}")
+                if resp.status_code == 404:
+                    return None
+                data = self._ok(resp).get("data") or {}
+                local = pod_dir / "volumes" / m["name"]
+                local.mkdir(parents=True, exist_ok=True)
+                for key, b64 in data.items():
+                    (local / key).write_bytes(base64.b64decode(b64))
+                    (local / key).chmod(0o400)
             else:
-                raise ValueError(f"volume {m['name']}: only configMap, hostPath and emptyDir are emulated")
+                raise ValueError(f"volume {m['name']}: only configMap, secret, hostPath and emptyDir are emulated")
             out[m["mountPath"].rstrip("/")] = local
         pod_dir.mkdir(parents=True, exist_ok=True)
         return out

@@ -134,7 +134,7 @@ def parse_selector(s: str) -> dict[str, str]:
 def interface_env_names() -> dict[str, set[str]]:
     """The env var names docs/interfaces.md promises for the operator and the server."""
     text = (ROOT / "docs" / "interfaces.md").read_text()
-    section = text.split("## Environment", 1)[1]
+    section = text.split("## Environment", 1)[1].split("\n## ", 1)[0]  # up to the next section
     op_part, server_part = section.split("Server:", 1)
     names = lambda t: set(re.findall(r"`(INFERSCALE_[A-Z_]+)`", t))  # noqa: E731
     return {"operator": names(op_part), "server": names(server_part)}

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from operator_harness import JOB_NS, TENANT, Cluster, cluster, operator, running_operator, standins, wait_for  # noqa: F401
+from security.operator_harness import JOB_NS, TENANT, Cluster, cluster, operator, running_operator, standins, wait_for  # noqa: F401
 from operator_fakes import ServingPodStandIn
 
 KV = "/var/lib/inferscale/kv"
