@@ -47,3 +47,11 @@ class PromptTooLongError(InferScaleError):
 
 class StorageError(InferScaleError):
     """The node's disk tier cannot be written (full disk, permissions); no partial file is left behind."""
+
+
+class EngineBusyError(InferScaleError):
+    """The engine cannot take the request now (its tenant's queue is full, or it waited past the queue timeout)."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
