@@ -14,7 +14,8 @@ from inferscale.contract import MODES
 from inferscale.server import chat, httperrors, internal, memories
 from inferscale.server.auth import TenantRegistry, require_tenant
 from inferscale.server.httperrors import response as error_response
-from inferscale.server.scheduler import EngineWorker
+from inferscale.engine.scheduler import SchedulerConfig
+from inferscale.engine.worker import EngineWorker
 from inferscale.server.schemas import ModelCard, ModelList
 from inferscale.server.settings import Settings
 from inferscale.server.tracing import setup as setup_telemetry
@@ -81,7 +82,9 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
                                         max_in_flight=settings.max_in_flight)
     telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
                                 metric_reader=metric_reader)
-    worker = EngineWorker(engine, max_active=settings.max_active, max_prefills_per_round=settings.max_prefills_per_round)
+    worker = EngineWorker(engine, SchedulerConfig(
+        max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
+        max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
