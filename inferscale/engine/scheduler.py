@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +70,11 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.clock = clock
         self._lock = threading.Lock()
-        self._waiting: OrderedDict[str, deque[ScheduledRequest]] = OrderedDict()  # tenant -> FIFO; order = turn
+        self._waiting: dict[str, deque[ScheduledRequest]] = {}  # tenant -> its FIFO queue
         self._prefilling: dict[str, ScheduledRequest] = {}  # tenant -> its request being prefilled
         self._decoding: list[ScheduledRequest] = []
-        self._cancelled: list[ScheduledRequest] = []
+        self._served_at: dict[str, int] = {}  # tenant -> the step it last computed a prompt chunk
+        self._steps = 0
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
@@ -116,7 +117,10 @@ class Scheduler:
             prefill: list[tuple[ScheduledRequest, int]] = []
             # Round-robin over tenants with prompt work: one chunk per tenant per turn until the budget is spent.
             served: set[str] = set()
-            for tenant in list(self._waiting):  # a tenant stays listed while it has a prefill in progress
+            # The tenant served longest ago goes first (a newcomer first of all). A tenant stays listed in
+            # _waiting while it has a prefill in progress.
+            self._steps += 1
+            for tenant in sorted(self._waiting, key=lambda t: self._served_at.get(t, -1)):
                 if budget <= 0:
                     break
                 req = self._prefilling.get(tenant)
@@ -132,11 +136,11 @@ class Scheduler:
                     prefill.append((req, n))
                     budget -= n
                 served.add(tenant)
-            # The tenants served go to the back of the line: the next step starts with the others.
-            for tenant in [t for t in self._waiting if t in served]:
-                self._waiting.move_to_end(tenant)
+            for tenant in served:
+                self._served_at[tenant] = self._steps
             for tenant in [t for t, q in self._waiting.items() if not q and t not in self._prefilling]:
                 del self._waiting[tenant]
+                self._served_at.pop(tenant, None)
             return SchedulerOutput(decode=decode, prefill=prefill, admitted=admitted, expired=expired,
                                    cancelled=cancelled)
 
