@@ -3,8 +3,8 @@ worker thread are all clients of ``ServingLoop``.
 
 ``step()`` has three beats (nano-vllm's shape):
   schedule     the Scheduler picks the running sequences to decode and the prompt chunks to compute
-  forward      one batched pass advances every running sequence by a token (rows of the SlotCache, each with its
-               own injected prefix and blocks); each prompt chunk (at most ``chunk_tokens``) runs over its slot
+  forward      each prompt chunk (at most ``chunk_tokens``) runs over its slot; then one batched pass advances
+               every running sequence by a token (rows of the SlotCache, each with its own prefix and blocks)
   postprocess  sample, detokenize, emit events, stop, free slots
 A long ``text`` prompt is prefilled chunk by chunk, so running streams wait at most one chunk per step.
 
@@ -146,12 +146,15 @@ class ServingLoop:
         decode = [s.payload for s in out.decode]
         for s in out.admitted:
             self._admit(s.payload)
-        if decode:
-            self._decode(decode)
+        # Prompt chunks first, in the scheduler's turn order (a newcomer's first): a short question that fits in
+        # one chunk gets its first token before this step's decode pass, not after it.
         for s, n in out.prefill:
             req = s.payload
             if req.slot >= 0 and req.pending:
                 self._prefill_chunk(req, n)
+        decode = [r for r in decode if r.slot >= 0]
+        if decode:
+            self._decode(decode)
         self.steps += 1
 
     def run_until_done(self) -> None:
