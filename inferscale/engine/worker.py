@@ -144,7 +144,8 @@ class EngineWorker:
             req.emit(ErrorEvent(err))
             self.loop.scheduler.finish(req.sched)
         while self.loop.scheduler.num_waiting:
-            for s in self.loop.scheduler.schedule().admitted:
+            out = self.loop.scheduler.schedule()
+            for s in [*out.admitted, *out.expired]:
                 s.payload.emit(ErrorEvent(err))
                 self.loop.scheduler.finish(s)
         for job in self._calls:
