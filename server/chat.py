@@ -53,7 +53,7 @@ def _limits(req: ChatCompletionRequest, tenant: Tenant, settings) -> tuple[Memor
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion,
-             responses={s: {"model": ErrorBody} for s in (400, 401, 404, 413, 429)})
+             responses={s: {"model": ErrorBody} for s in (400, 401, 404, 413, 429, 503)})
 async def chat_completions(req: ChatCompletionRequest, request: Request,
                            tenant: Annotated[Tenant, Depends(require_tenant)]):
     t0 = time.perf_counter()
