@@ -281,6 +281,7 @@ class ServingLoop:
         text = self.engine.tokenizer.decode(req.output, skip_special_tokens=True)
         if text != req.text and text.startswith(req.text):
             req.emit(TokenEvent(None, text[len(req.text):], time.perf_counter()))
+        self._end_span(req)  # before the client hears of it: its trace is complete when the answer is
         req.emit(DoneEvent(reason, req.sched.prompt_tokens, sum(b.num_tokens for b in req.blocks), len(req.output),
                            req.first_token))
         self._free(req)
@@ -288,17 +289,21 @@ class ServingLoop:
     def _fail(self, req: GenRequest, e: BaseException) -> None:
         if req.span is not None:
             req.span.record_exception(e)
+        self._end_span(req)
         req.emit(ErrorEvent(e))
         self._free(req)
+
+    def _end_span(self, req: GenRequest) -> None:
+        if req.span is not None:
+            req.span.set_attribute("inferscale.completion_tokens", len(req.output))
+            req.span.end()
+            req.span = None
 
     # ---- slots ------------------------------------------------------------------------------------------------
     def _free(self, req: GenRequest) -> None:
         """Release ``req``'s slot, keeping rows compact: [0, decoding) decoding, then prefilling."""
         self.scheduler.finish(req.sched)
-        if req.span is not None:
-            req.span.set_attribute("inferscale.completion_tokens", len(req.output))
-            req.span.end()
-            req.span = None
+        self._end_span(req)
         if req.slot < 0:
             return
         if req.slot < self.decoding:

@@ -6,8 +6,10 @@ token per running decode, and what is left goes to prompt chunks. Fairness betwe
   - each tenant has its own bounded FIFO queue; a request that waits longer than ``queue_timeout_s`` for a slot
     expires (the server answers 503 + Retry-After);
   - prompt chunks are handed out round-robin over tenants, one chunk of at most ``chunk_tokens`` per turn, so a
-    tenant flooding long ``text`` prompts gets one turn per round like everyone else, at every step;
-  - a tenant prefills one request at a time (its oldest), which bounds half-computed slots to one per tenant.
+    tenant flooding long ``text`` prompts gets one turn per round like everyone else, at every step; the tenant
+    served longest ago (a newcomer) takes the first turn;
+  - a tenant continues its started prompts (oldest first) before it starts another, which keeps half-computed
+    slots to what one step's budget can hold.
 Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish`` from the engine thread.
 """
 
@@ -71,7 +73,7 @@ class Scheduler:
         self.clock = clock
         self._lock = threading.Lock()
         self._waiting: dict[str, deque[ScheduledRequest]] = {}  # tenant -> its FIFO queue
-        self._prefilling: dict[str, ScheduledRequest] = {}  # tenant -> its request being prefilled
+        self._prefilling: dict[str, list[ScheduledRequest]] = {}  # tenant -> its started prefills, oldest first
         self._decoding: list[ScheduledRequest] = []
         self._served_at: dict[str, int] = {}  # tenant -> the step it last computed a prompt chunk
         self._steps = 0
@@ -101,7 +103,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self._decoding) + len(self._prefilling)
+        return len(self._decoding) + sum(len(started) for started in self._prefilling.values())
 
     def has_work(self) -> bool:
         return bool(self.num_waiting or self._prefilling or self._decoding)
@@ -115,27 +117,34 @@ class Scheduler:
             budget = max(0, self.config.step_tokens - len(decode))
             admitted: list[ScheduledRequest] = []
             prefill: list[tuple[ScheduledRequest, int]] = []
-            # Round-robin over tenants with prompt work: one chunk per tenant per turn until the budget is spent.
-            served: set[str] = set()
-            # The tenant served longest ago goes first (a newcomer first of all). A tenant stays listed in
-            # _waiting while it has a prefill in progress.
+            # Rounds of turns until the budget is spent: in each round every tenant with prompt work computes one
+            # chunk of one request (its oldest started one, else its next queued one); a request gets one chunk per
+            # step. The tenant served longest ago goes first (a newcomer first of all).
             self._steps += 1
-            for tenant in sorted(self._waiting, key=lambda t: self._served_at.get(t, -1)):
-                if budget <= 0:
-                    break
-                req = self._prefilling.get(tenant)
-                if req is None:
-                    queue = self._waiting.get(tenant)
-                    if not queue or self.num_running >= self.config.max_running:
-                        continue
-                    req = queue.popleft()
-                    self._prefilling[tenant] = req
-                    admitted.append(req)
-                n = min(req.remaining_prompt, self.config.chunk_tokens, budget)
-                if n > 0:
-                    prefill.append((req, n))
-                    budget -= n
-                served.add(tenant)
+            order = sorted(self._waiting, key=lambda t: self._served_at.get(t, -1))
+            chunked: set[int] = set()
+            served: set[str] = set()
+            progress = True
+            while budget > 0 and progress:
+                progress = False
+                for tenant in order:
+                    if budget <= 0:
+                        break
+                    req = next((r for r in self._prefilling.get(tenant, ()) if r.id not in chunked), None)
+                    if req is None:
+                        queue = self._waiting.get(tenant)
+                        if not queue or self.num_running >= self.config.max_running:
+                            continue
+                        req = queue.popleft()
+                        self._prefilling.setdefault(tenant, []).append(req)
+                        admitted.append(req)
+                    chunked.add(req.id)
+                    n = min(req.remaining_prompt, self.config.chunk_tokens, budget)
+                    if n > 0:
+                        prefill.append((req, n))
+                        budget -= n
+                        progress = True
+                    served.add(tenant)
             for tenant in served:
                 self._served_at[tenant] = self._steps
             for tenant in [t for t, q in self._waiting.items() if not q and t not in self._prefilling]:
@@ -148,8 +157,11 @@ class Scheduler:
         """The engine computed ``tokens`` more prompt tokens of ``req``; once all are, it decodes."""
         with self._lock:
             req.computed_tokens += tokens
-            if req.remaining_prompt <= 0 and self._prefilling.get(req.tenant) is req:
-                del self._prefilling[req.tenant]
+            started = self._prefilling.get(req.tenant, [])
+            if req.remaining_prompt <= 0 and req in started:
+                started.remove(req)
+                if not started:
+                    del self._prefilling[req.tenant]
                 self._decoding.append(req)
 
     def finish(self, req: ScheduledRequest) -> None:
@@ -161,15 +173,18 @@ class Scheduler:
     def _remove(self, req: ScheduledRequest) -> None:
         if req in self._decoding:
             self._decoding.remove(req)
-        if self._prefilling.get(req.tenant) is req:
-            del self._prefilling[req.tenant]
+        started = self._prefilling.get(req.tenant, [])
+        if req in started:
+            started.remove(req)
+            if not started:
+                del self._prefilling[req.tenant]
         queue = self._waiting.get(req.tenant)
         if queue and req in queue:
             queue.remove(req)
 
     def _drop_cancelled(self) -> list[ScheduledRequest]:
-        gone = [r for r in itertools.chain(self._decoding, self._prefilling.values(),
-                                           *self._waiting.values()) if r.cancelled]
+        gone = [r for r in itertools.chain(self._decoding, *self._prefilling.values(), *self._waiting.values())
+                if r.cancelled]
         for r in gone:
             self._remove(r)
         return gone

@@ -71,12 +71,27 @@ def test_tenants_take_turns_for_prompt_chunks():
     assert sum(r.computed_tokens for r in flood) < 2000  # A is still on its first request
 
 
-def test_one_prefill_in_progress_per_tenant():
-    s = Scheduler(SchedulerConfig(step_tokens=512, chunk_tokens=64))
-    for _ in range(5):
-        s.add(ScheduledRequest("a", prompt_tokens=100))
+def test_a_burst_starts_within_the_budget_one_chunk_per_request():
+    s = Scheduler(SchedulerConfig(step_tokens=200, chunk_tokens=64))
+    burst = [ScheduledRequest("a", prompt_tokens=100) for _ in range(5)]
+    for r in burst:
+        s.add(r)
     out = s.schedule()
-    assert len(out.admitted) == 1 and len(out.prefill) == 1
+    assert out.admitted == burst[:4] and [n for _, n in out.prefill] == [64, 64, 64, 8]
+    run_prefill(s, out)
+    out = s.schedule()  # started prompts continue before the fifth starts
+    assert [r for r, _ in out.prefill][:4] == burst[:4] and out.admitted == [burst[4]]
+
+
+def test_short_questions_of_a_burst_all_start_in_one_step():
+    s = Scheduler(SchedulerConfig(step_tokens=256, chunk_tokens=128))
+    burst = [ScheduledRequest("a", prompt_tokens=1000, computed_tokens=985) for _ in range(16)]  # kv: 15 to compute
+    for r in burst:
+        s.add(r)
+    out = s.schedule()
+    assert len(out.prefill) == 16
+    run_prefill(s, out)
+    assert s.schedule().decode == burst
 
 
 def test_queue_is_bounded_per_tenant():
