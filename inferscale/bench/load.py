@@ -95,12 +95,14 @@ class LiveServer:
 
 
 async def _stream(client, model: str, mode: str, k: int, tokens: int, question: str = QUESTION,
-                  user: str = "maya") -> Stream:
+                  user: str = "maya", first: asyncio.Event | None = None) -> Stream:
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
         model=model, user=user, stream=True, max_tokens=tokens, messages=[{"role": "user", "content": question}],
         stream_options={"include_usage": True}, extra_body={"inferscale": {"k": k, "mode": mode}, "ignore_eos": True})
     ttft = time.perf_counter() - t0  # the server answers once the first token exists
+    if first is not None:
+        first.set()
     times, used = [], 0
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -122,8 +124,10 @@ async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: i
     # One more request arriving while n-1 streams decode (longer ones, so they are still decoding when it lands).
     arrival = None
     if n > 1:
-        background = [asyncio.create_task(_stream(client, model, mode, k, tokens * 4)) for _ in range(n - 1)]
-        await _wait_for(url, lambda r: r["active"] >= n - 1 and r["queued"] == 0)
+        firsts = [asyncio.Event() for _ in range(n - 1)]
+        background = [asyncio.create_task(_stream(client, model, mode, k, tokens * 4, first=f)) for f in firsts]
+        for f in firsts:  # every one of them is decoding
+            await f.wait()
         arrival = (await _stream(client, model, mode, k, tokens)).ttft_s
         await asyncio.gather(*background)
     await client.close()
