@@ -54,7 +54,9 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64  # slots: sequences in prefill or decode at once
-    step_tokens: int = 256  # token budget per step (decode tokens + prompt chunk tokens)
+    # Token budget per step (decode tokens + prompt chunk tokens). It bounds how long a step runs, which is what a
+    # newly arrived request waits before its own prompt runs (at most one step).
+    step_tokens: int = 128
     chunk_tokens: int = 128  # the most prompt tokens one request computes per turn
     max_queued_per_tenant: int = 64
     queue_timeout_s: float = 30.0
@@ -114,7 +116,8 @@ class Scheduler:
             cancelled = self._drop_cancelled()
             expired = self._expire()
             decode = list(self._decoding)
-            budget = max(0, self.config.step_tokens - len(decode))
+            # Prompts always keep a quarter of the budget, so a full decode batch cannot starve them.
+            budget = max(self.config.step_tokens - len(decode), self.config.step_tokens // 4, 1)
             admitted: list[ScheduledRequest] = []
             prefill: list[tuple[ScheduledRequest, int]] = []
             # Rounds of turns until the budget is spent: in each round every tenant with prompt work computes one

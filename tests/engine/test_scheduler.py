@@ -147,3 +147,16 @@ def test_bad_config_is_a_config_error():
         SchedulerConfig(step_tokens=0)
     with pytest.raises(ConfigError):
         SchedulerConfig(queue_timeout_s=0)
+
+
+def test_a_full_decode_batch_does_not_starve_prompts():
+    s = Scheduler(SchedulerConfig(step_tokens=32, chunk_tokens=32, max_running=100))
+    running = [ScheduledRequest("a", 2, 1) for _ in range(40)]  # more decodes than the step budget
+    for r in running:
+        s.add(r)
+    while s.num_waiting or any(r.remaining_prompt for r in running):
+        run_prefill(s, s.schedule())
+    new = ScheduledRequest("b", 20)
+    s.add(new)
+    out = s.schedule()
+    assert len(out.decode) == 40 and out.prefill == [(new, 8)]  # a quarter of the budget
