@@ -60,3 +60,11 @@ class UnsafePathError(InferScaleError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class EngineBusyError(InferScaleError):
+    """The engine cannot take the request now (its tenant's queue is full, or it waited past the queue timeout)."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

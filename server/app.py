@@ -15,7 +15,8 @@ from inferscale.contract import MODES
 from inferscale.server import chat, httperrors, internal, memories
 from inferscale.server.auth import TenantRegistry, require_tenant
 from inferscale.server.httperrors import response as error_response
-from inferscale.server.scheduler import EngineWorker
+from inferscale.engine.scheduler import SchedulerConfig
+from inferscale.engine.worker import EngineWorker
 from inferscale.server.schemas import ModelCard, ModelList
 from inferscale.server.settings import Settings
 from inferscale.server.logs import inject_trace_ids_into_logs
@@ -104,7 +105,9 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
                                         max_in_flight=settings.max_in_flight)
     # A tenant API key must never be a plane credential: refuse to start if one is (and any later file with one).
     tenants.forbid(plane_credentials(settings))
-    worker = EngineWorker(engine, max_active=settings.max_active, max_prefills_per_round=settings.max_prefills_per_round)
+    worker = EngineWorker(engine, SchedulerConfig(
+        max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
+        max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
     telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
                                 metric_reader=metric_reader, load=lambda: (worker.active, worker.queued))
     inject_trace_ids_into_logs()

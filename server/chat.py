@@ -3,7 +3,6 @@ chat, and return or stream the answer. Span tree: ``chat <model>`` > retrieval, 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -12,11 +11,12 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from inferscale.engine.engine import Sampling
+from inferscale.engine.loop import DoneEvent, ErrorEvent, Event, GenRequest, TokenEvent
+from inferscale.engine.sampling import Sampling
 from inferscale.server.auth import Tenant, require_tenant
 from inferscale.server.genai_metrics import ChatTelemetry
 from inferscale.server.httperrors import ApiError, body as error_body, from_typed
-from inferscale.server.scheduler import GenJob
+from inferscale.server.scheduler import EventStream
 from inferscale.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionRequest, Choice, ErrorBody,
                                        MemoryOptions, MemoryUsage, Usage)
 from inferscale.errors import InferScaleError
@@ -34,10 +34,8 @@ def _prompt(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
     return users[-1], [(r, t) for r, t in turns if t.strip()]
 
 
-def _ids_builder(turns: list[tuple[str, str]]):
-    if len(turns) == 1:  # one question: the engine's question template, same as `inferscale ask`
-        return lambda eng: eng.question_ids(turns[0][1])
-    return lambda eng: eng.chat_ids(turns)
+def _raise(err: BaseException):
+    raise from_typed(err) if isinstance(err, InferScaleError) else err
 
 
 def _limits(req: ChatCompletionRequest, tenant: Tenant, settings) -> tuple[MemoryOptions, int, str, int]:
@@ -55,7 +53,7 @@ def _limits(req: ChatCompletionRequest, tenant: Tenant, settings) -> tuple[Memor
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion,
-             responses={s: {"model": ErrorBody} for s in (400, 401, 404, 413, 429)})
+             responses={s: {"model": ErrorBody} for s in (400, 401, 404, 413, 429, 503)})
 async def chat_completions(req: ChatCompletionRequest, request: Request,
                            tenant: Annotated[Tenant, Depends(require_tenant)]):
     t0 = time.perf_counter()
@@ -69,6 +67,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         raise ApiError(400, f"inferscale.mode {mode!r} is not available in this build (have: {', '.join(app.modes)})",
                        code="mode_unavailable", param="inferscale.mode")
     query, turns = _prompt(req)
+    # Characters, then tokens, before anything reaches the engine thread (one user turn: the question template,
+    # the same ids as `inferscale ask`).
+    prompt_ids = await app.worker.prompt_ids(turns)
     if not tenant.acquire():
         app.telemetry.metrics.rejected("in_flight")
         raise ApiError(429, f"too many requests in flight for this tenant (limit {tenant.max_in_flight})",
@@ -88,16 +89,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         effective_mode = mode if req.user is not None else "none"
         rec.set_mode(effective_mode)
         sampling = Sampling(max_new_tokens=max_tokens, temperature=req.temperature or 0.0,
-                            top_p=req.top_p if req.top_p is not None else 1.0, seed=req.seed)
-        job = GenJob(build_ids=_ids_builder(turns), blocks=blocks, mode=effective_mode, sampling=sampling,
-                     loop=asyncio.get_running_loop(), events=asyncio.Queue(), tracer=tel.tracer, context=ctx,
-                     recompute_ratio=opts.recompute_ratio if opts.recompute_ratio is not None else settings.recompute_ratio)
-        app.worker.submit(job)
-        first = await job.events.get()
-        if first[0] == "error":
-            err = first[1]
-            raise from_typed(err) if isinstance(err, InferScaleError) else err
-        ttft = rec.first_token(first[3] if first[0] == "token" else None)
+                            top_p=req.top_p if req.top_p is not None else 1.0, seed=req.seed,
+                            ignore_eos=req.ignore_eos, min_tokens=min(req.min_tokens, max_tokens))
+        job = EventStream()
+        job.request = GenRequest(
+            ids=prompt_ids, blocks=blocks, mode=effective_mode, sampling=sampling, emit=job.emit, tenant=tenant.name,
+            tracer=tel.tracer, context=ctx,
+            recompute_ratio=opts.recompute_ratio if opts.recompute_ratio is not None else settings.recompute_ratio)
+        blocks = None  # the request holds them until it is done
+        app.worker.submit(job.request)
+        first = await job.next()
+        if isinstance(first, ErrorEvent):
+            _raise(first.error)
+        ttft = rec.first_token(first.t if isinstance(first, TokenEvent) else None)
         span.set_attribute("inferscale.retrieved", len(chosen))
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         meta = MemoryUsage(mode=effective_mode, k=k, items=chosen, memory_tokens=0, ttft_ms=round(ttft * 1000, 3))
@@ -106,17 +110,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
             handed_off = True
             gen = _stream(job, first, rid, req, meta, rec, tenant)
             return StreamingResponse(gen, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
-        text, reason, info = await _collect(job, first)
-        meta.memory_tokens = info.get("memory_tokens", 0)
-        usage = Usage(prompt_tokens=info.get("prompt_tokens", 0), completion_tokens=info.get("completion_tokens", 0),
-                      total_tokens=info.get("prompt_tokens", 0) + info.get("completion_tokens", 0))
+        text, done = await _collect(job, first)
+        reason = done.finish_reason
+        meta.memory_tokens = done.memory_tokens
+        usage = _usage(done)
         _finish(rec, rid, req.model, usage, meta.memory_tokens, reason)
         out = ChatCompletion(id=rid, created=int(time.time()), model=req.model, usage=usage, inferscale=meta,
                              choices=[Choice(message=AssistantMessage(content=text.strip()), finish_reason=reason)])
         return JSONResponse(out.model_dump(), headers=headers)
     except BaseException as e:
         if job is not None:
-            job.cancelled = True
+            job.cancel()
         rec.fail(e)
         raise
     finally:
@@ -125,18 +129,22 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
             rec.end()
 
 
-async def _collect(job: GenJob, first: tuple) -> tuple[str, str, dict]:
+async def _collect(job: EventStream, first: Event) -> tuple[str, DoneEvent]:
     parts: list[str] = []
     ev = first
     while True:
-        if ev[0] == "token":
-            parts.append(ev[2])
-        elif ev[0] == "done":
-            return "".join(parts), ev[1], ev[2]
-        elif ev[0] == "error":
-            err = ev[1]
-            raise from_typed(err) if isinstance(err, InferScaleError) else err
-        ev = await job.events.get()
+        if isinstance(ev, TokenEvent):
+            parts.append(ev.text)
+        elif isinstance(ev, DoneEvent):
+            return "".join(parts), ev
+        else:
+            _raise(ev.error)
+        ev = await job.next()
+
+
+def _usage(done: DoneEvent) -> Usage:
+    return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                 total_tokens=done.prompt_tokens + done.completion_tokens)
 
 
 def _finish(rec: ChatTelemetry, rid: str, model: str, usage: Usage, memory_tokens: int, reason: str) -> None:
@@ -148,7 +156,7 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _stream(job: GenJob, first: tuple, rid: str, req: ChatCompletionRequest, meta: MemoryUsage,
+async def _stream(job: EventStream, first: Event, rid: str, req: ChatCompletionRequest, meta: MemoryUsage,
                   rec: ChatTelemetry, tenant: Tenant):
     created = int(time.time())
 
@@ -160,29 +168,27 @@ async def _stream(job: GenJob, first: tuple, rid: str, req: ChatCompletionReques
         yield chunk({"role": "assistant", "content": ""})
         ev = first
         while True:
-            if ev[0] == "token":
-                if ev[2]:
-                    yield chunk({"content": ev[2]})
-            elif ev[0] == "done":
-                info = ev[2]
-                usage = Usage(prompt_tokens=info["prompt_tokens"], completion_tokens=info["completion_tokens"],
-                              total_tokens=info["prompt_tokens"] + info["completion_tokens"])
-                meta.memory_tokens = info["memory_tokens"]
-                _finish(rec, rid, req.model, usage, meta.memory_tokens, ev[1])
-                yield chunk({}, ev[1], inferscale=meta.model_dump())
+            if isinstance(ev, TokenEvent):
+                if ev.text:
+                    yield chunk({"content": ev.text})
+            elif isinstance(ev, DoneEvent):
+                usage = _usage(ev)
+                meta.memory_tokens = ev.memory_tokens
+                _finish(rec, rid, req.model, usage, meta.memory_tokens, ev.finish_reason)
+                yield chunk({}, ev.finish_reason, inferscale=meta.model_dump())
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                                 "choices": [], "usage": usage.model_dump()})
                 break
             else:  # an error after the first token: report it in-band, as OpenAI does
-                err = ev[1]
+                err = ev.error
                 a = from_typed(err) if isinstance(err, InferScaleError) else ApiError(500, str(err), type="server_error")
                 rec.fail(a, message=a.message)
                 yield _sse(error_body(a.message, a.type, a.code))
                 break
-            ev = await job.events.get()
+            ev = await job.next()
         yield "data: [DONE]\n\n"
     finally:
-        job.cancelled = True  # no-op when finished; stops decoding when the client went away
+        job.cancel()  # no-op when finished; stops decoding when the client went away
         tenant.release()
         rec.end()

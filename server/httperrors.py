@@ -48,6 +48,9 @@ _TYPED: list[tuple[type, int, str, str]] = [
 
 
 def from_typed(e: E.InferScaleError) -> ApiError:
+    if isinstance(e, E.EngineBusyError):  # queue full or queue timeout: the client should come back later
+        return ApiError(503, str(e), type="server_error", code="engine_busy",
+                        headers={"Retry-After": str(e.retry_after_s)})
     for cls, status, type_, code in _TYPED:
         if isinstance(e, cls):
             return ApiError(status, str(e), type=type_, code=code, param=getattr(e, "param", None))
@@ -72,7 +75,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(E.InferScaleError)
     async def _typed(_: Request, e: E.InferScaleError):
         a = from_typed(e)
-        return response(a.status, a.message, a.type, a.code, a.param)
+        return response(a.status, a.message, a.type, a.code, a.param, headers=a.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):

@@ -82,6 +82,9 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     user: UserId | None = Field(None, description="whose memories to use (scoped to the caller's tenant)")
     inferscale: MemoryOptions | None = None
+    # vLLM's extra sampling parameters (send them in the openai client's extra_body): force the output length.
+    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence and line breaks")
+    min_tokens: int = Field(0, ge=0, description="stop tokens cannot end the answer before this many tokens")
 
 
 class Usage(BaseModel):

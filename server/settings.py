@@ -36,6 +36,10 @@ ENV = {
     "max_tokens": "INFERSCALE_MAX_TOKENS",
     "max_in_flight": "INFERSCALE_MAX_IN_FLIGHT",
     "max_active": "INFERSCALE_MAX_ACTIVE",
+    "step_tokens": "INFERSCALE_STEP_TOKENS",
+    "chunk_tokens": "INFERSCALE_CHUNK_TOKENS",
+    "max_queued_per_tenant": "INFERSCALE_MAX_QUEUED_PER_TENANT",
+    "queue_timeout_s": "INFERSCALE_QUEUE_TIMEOUT_S",
     "console_traces": "INFERSCALE_CONSOLE_TRACES",
 }
 
@@ -72,9 +76,13 @@ class Settings(BaseModel):
     max_k: int = Field(64, ge=0)
     max_tokens: int = Field(512, ge=1)
     max_in_flight: int = Field(32, ge=1)
-    # The engine worker: sequences decoded together, prefills admitted between two decode rounds.
+    # The engine's scheduler (inferscale/engine/scheduler.py): sequences in flight (decoded in one batch), the
+    # token budget of one step, the largest prompt chunk per turn, and each tenant's bounded queue.
     max_active: int = Field(64, ge=1)
-    max_prefills_per_round: int = Field(4, ge=1)
+    step_tokens: int = Field(128, ge=1)
+    chunk_tokens: int = Field(128, ge=1)
+    max_queued_per_tenant: int = Field(64, ge=1)
+    queue_timeout_s: float = Field(30.0, gt=0)
     console_traces: bool = False
     max_body_bytes: int = Field(16 << 20, ge=1024)
 

@@ -21,6 +21,9 @@ from transformers import DynamicCache
 
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
+from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
+from inferscale.engine.sampling import Sampling, sample
+from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS, encode_items
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
 from inferscale.errors import ConfigError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
@@ -53,15 +56,6 @@ class Answer:
     mode: str
 
 
-@dataclass
-class Sampling:
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_on_newline: bool = True
-
-
 class Engine:
     def __init__(self, loaded: LoadedModel, template: PromptTemplate = DEFAULT_TEMPLATE, *,
                  context_items: int = DEFAULT_CONTEXT_ITEMS, context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> None:
@@ -80,6 +74,7 @@ class Engine:
             (loaded.fingerprint + json.dumps(self.prefix_ids)).encode()
         ).hexdigest()
         self.prefix_kv = self._prefill_prefix()
+        self._loop: ServingLoop | None = None  # ask()'s own loop, made on first use
         vocab = self.tokenizer.get_vocab()
         # Tokens that contain a line break: literal (SentencePiece), byte-level "Ċ" (GPT-2 style) or a byte token.
         self.newline_ids = {i for t, i in vocab.items() if "\n" in t or "Ċ" in t or t == "<0x0A>"}
@@ -204,14 +199,7 @@ class Engine:
 
     # ---- decode -------------------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-        if sampling.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / sampling.temperature, dim=-1)
-        if sampling.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return sample(logits, sampling, generator)
 
     @torch.inference_mode()
     def step(self, seq: Sequence, token: int) -> None:
@@ -220,40 +208,38 @@ class Engine:
         seq.logits = self._forward([token], seq.length, seq.cache)
         seq.length += 1
 
-    def is_stop(self, token: int, sampling: Sampling, started: bool = True) -> bool:
-        """End of answer: an end-of-sequence token, or (short answers) a line break once something was said."""
-        if token in self.stop_ids:
-            return True
-        return sampling.stop_on_newline and started and token in self.newline_ids
+    def serving_loop(self, config: SchedulerConfig | None = None) -> ServingLoop:
+        """A serving loop over this engine (the server's worker runs one; ``ask`` runs its own)."""
+        return ServingLoop(self, config)
 
     def ask(
         self, question: str | list[int], blocks: list[KVBlock], mode: str = "kv", *, sampling: Sampling | None = None,
         recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
     ) -> Answer:
-        """Prefill, then decode until a stop token or the budget. TTFT ends when the first token is chosen."""
+        """One request through the serving loop, the path the server runs. TTFT ends when the first token is
+        chosen."""
         sampling = sampling or Sampling()
         query = self.question_ids(question) if isinstance(question, str) else list(question)
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        events: list = []
+        if self._loop is None:
+            self._loop = self.serving_loop()
         t0 = time.perf_counter()
-        seq = self.prefill(query, blocks, mode, recompute_ratio=recompute_ratio, reserve_tokens=sampling.max_new_tokens)
-        token = self.sample(seq.logits, sampling, gen)
-        ttft = time.perf_counter() - t0
-        first, tokens, started = token, [], False
-        while not self.is_stop(token, sampling, started) and len(tokens) < sampling.max_new_tokens:
-            tokens.append(token)
-            started = started or token not in self.newline_ids
-            if len(tokens) == sampling.max_new_tokens:
-                break
-            self.step(seq, token)
-            token = self.sample(seq.logits, sampling, gen)
+        self._loop.add(GenRequest(ids=query, blocks=blocks, mode=mode, sampling=sampling, emit=events.append,
+                                  recompute_ratio=recompute_ratio))
+        self._loop.run_until_done()
         total = time.perf_counter() - t0
+        if isinstance(events[-1], ErrorEvent):
+            raise events[-1].error
+        done: DoneEvent = events[-1]
+        tokens = [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id is not None]
+        first_t = next((e.t for e in events if isinstance(e, TokenEvent)), t0 + total)
         return Answer(
-            text=self.tokenizer.decode(tokens, skip_special_tokens=True).strip(),
+            text="".join(e.text for e in events if isinstance(e, TokenEvent)).strip(),
             token_ids=tokens,
-            first_token=first,
-            ttft_s=ttft,
+            first_token=done.first_token,
+            ttft_s=first_t - t0 if tokens else total,
             total_s=total,
-            prompt_tokens=seq.prompt_tokens,
-            memory_tokens=seq.memory_tokens,
+            prompt_tokens=done.prompt_tokens,
+            memory_tokens=done.memory_tokens,
             mode=mode,
         )

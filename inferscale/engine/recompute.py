@@ -46,6 +46,14 @@ def attention_scores(engine, cache: DynamicCache, start: int, end: int, query_id
 def prefill_with_recompute(
     engine, blocks: list[KVBlock], query_ids: list[int], ratio: float
 ) -> tuple[DynamicCache, torch.Tensor]:
+    """The request's cache (sliding layers windowed) and the logits of the next token."""
+    final, logits = recompute_kv(engine, blocks, query_ids, ratio)
+    return cache_from_kv(final, engine.loaded.model.config), logits
+
+
+@torch.inference_mode()
+def recompute_kv(engine, blocks: list[KVBlock], query_ids: list[int], ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's KV after the recompute [layers, 2, H, prompt tokens, D] and the logits of the next token."""
     if not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"recompute ratio {ratio}: expected a number in [0, 1]")
     loaded = engine.loaded
@@ -79,4 +87,4 @@ def prefill_with_recompute(
     kv = kv_of_cache(full)  # [L, 2, H, n + m + len(query), D]
     final = torch.cat((kv[:, :, :, :n], kv[:, :, :, n + m :]), dim=3)
     final[:, :, :, p + sel] = kv[:, :, :, n : n + m]
-    return cache_from_kv(final, config), out.logits[0, -1].float()
+    return final, out.logits[0, -1].float()

@@ -67,3 +67,16 @@ def test_locomo_f1_normalisation():
     assert f1_score("painted sunsets", "Sunsets") == pytest.approx(2 / 3)
     assert f1_score("", "x") == 0.0
     assert [m[0] for m in parse_modes("kv,kv-recompute@0.05", 0.15)] == ["text", "kv", "kv-recompute@0.05"]
+
+
+def test_bench_load_json(model_dir, tmp_path):
+    """The load benchmark's smallest run: real server, official client, kv and text side by side, the flood."""
+    out = tmp_path / "load.json"
+    assert main(["bench", "load", "--model", str(model_dir), "--n", "1,2", "--tokens", "3", "-k", "2", "--flood",
+                 "--flood-requests", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["n"], r["mode"]) for r in result["rows"]] == [(1, "kv"), (1, "text"), (2, "kv"), (2, "text")]
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
+        assert (row["arrival_ttft_ms"] is None) == (row["n"] == 1)
+    assert result["flood"]["b_flood_ttft_ms"] > 0 and result["flood"]["b_idle_ttft_ms"] > 0

@@ -1,0 +1,338 @@
+"""The serving loop: the one path from a prompt to its tokens. ``Engine.ask``, the benchmarks and the server's
+worker thread are all clients of ``ServingLoop``.
+
+``step()`` has three beats (nano-vllm's shape):
+  schedule     the Scheduler picks the running sequences to decode and the prompt chunks to compute
+  forward      each prompt chunk (at most ``chunk_tokens``) runs over its slot; then one batched pass advances
+               every running sequence by a token (rows of the SlotCache, each with its own prefix and blocks)
+  postprocess  sample, detokenize, emit events, stop, free slots
+A long ``text`` prompt is prefilled chunk by chunk, so running streams wait at most one chunk per step.
+
+Slots: rows [0, decoding) hold decoding sequences, the rows after them sequences still prefilling, so the batched
+decode reads contiguous rows (a view, no gather). Rows move only when a sequence starts decoding or finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
+from inferscale.engine.cache import injected_cache, kv_of_cache
+from inferscale.engine.sampling import Sampling, sample
+from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from inferscale.engine.slots import SlotCache
+from inferscale.errors import ConfigError, EngineBusyError, PromptTooLongError
+from inferscale.kvformat import KVBlock
+
+if TYPE_CHECKING:
+    from inferscale.engine.engine import Engine
+
+
+# ---- events: what a request's client receives ------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int | None  # None: a final text flush with no new token
+    text: str  # the new visible text (may be "" while a multi-byte character is incomplete)
+    t: float  # time.perf_counter() when the token was sampled
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    memory_tokens: int
+    completion_tokens: int
+    first_token: int  # the first token chosen, a stop token included (what agreement between modes compares)
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: BaseException
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """A generation request: prompt ids (question or chat, already tokenized), the blocks to inject, and where its
+    events go. ``emit`` is called on the loop's thread."""
+
+    ids: list[int]
+    blocks: list[KVBlock]
+    mode: str
+    sampling: Sampling
+    emit: Callable[[Event], None]
+    tenant: str = "default"
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
+    tracer: Any = None  # an OpenTelemetry tracer (duck-typed: the engine imports no OTel)
+    context: Any = None  # the request span's context
+    # loop state
+    sched: ScheduledRequest | None = None
+    slot: int = -1
+    length: int = 0  # tokens in the slot
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet computed
+    output: list[int] = field(default_factory=list)  # generated tokens, stop token excluded
+    last: int | None = None  # the token the next decode step feeds
+    first_token: int | None = None
+    text: str = ""
+    started: bool = False  # visible text was produced (the newline stop may fire only after)
+    generator: torch.Generator | None = None
+    span: Any = None
+
+    def cancel(self) -> None:
+        if self.sched is not None:
+            self.sched.cancelled = True
+
+
+class ServingLoop:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
+        self.engine = engine
+        self.scheduler = Scheduler(config)
+        loaded = engine.loaded
+        self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device)
+        self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
+        self.decoding = 0
+        self.steps = 0
+
+    # ---- any thread -------------------------------------------------------------------------------------------
+    def add(self, req: GenRequest) -> None:
+        """Validate and queue ``req``: typed errors (bad mode, foreign block, too long, queue full) raise here."""
+        eng = self.engine
+        if req.mode not in MODES:
+            raise ConfigError(f"mode {req.mode!r}: expected one of {', '.join(MODES)}")
+        if not req.ids:
+            raise ConfigError("empty query")
+        blocks = [] if req.mode == "none" else req.blocks
+        for b in blocks:
+            eng.check_block(b)
+        req.blocks = blocks
+        p, memory = len(eng.prefix_ids), sum(b.num_tokens for b in blocks)
+        total = p + memory + len(req.ids)
+        limit = eng.loaded.layout.max_positions
+        if total + req.sampling.max_new_tokens > limit:
+            raise PromptTooLongError(f"prompt of {total} tokens + {req.sampling.max_new_tokens} to generate exceeds "
+                                     f"the model's context of {limit}")
+        computed = p if req.mode == "text" else p + memory
+        req.sched = ScheduledRequest(tenant=req.tenant, prompt_tokens=total, computed_tokens=computed, payload=req)
+        self.scheduler.add(req.sched)
+
+    @property
+    def active(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.num_waiting
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop's thread ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        for s in out.cancelled:
+            self._free(s.payload)
+        for s in out.expired:
+            s.payload.emit(ErrorEvent(EngineBusyError(
+                f"request waited over {self.scheduler.config.queue_timeout_s:g} s for the engine; retry later",
+                retry_after_s=self.scheduler.retry_after_s())))
+        decode = [s.payload for s in out.decode]
+        for s in out.admitted:
+            self._admit(s.payload)
+        # Prompt chunks first, in the scheduler's turn order (a newcomer's first): a short question that fits in
+        # one chunk gets its first token before this step's decode pass, not after it.
+        for s, n in out.prefill:
+            req = s.payload
+            if req.slot >= 0 and req.pending:
+                self._prefill_chunk(req, n)
+        decode = [r for r in decode if r.slot >= 0]
+        if decode:
+            self._decode(decode)
+        self.steps += 1
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # ---- beats ------------------------------------------------------------------------------------------------
+    def _admit(self, req: GenRequest) -> None:
+        """Give ``req`` a slot holding what it starts from: the prefix, plus its blocks in kv modes."""
+        eng = self.engine
+        req.span = self._span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks)})
+        if req.sampling.seed is not None:
+            req.generator = torch.Generator().manual_seed(req.sampling.seed)
+        req.slot = len(self.rows)
+        self.rows.append(req)
+        try:
+            if req.mode == "kv-recompute" and req.blocks:
+                from inferscale.engine.recompute import recompute_kv
+
+                kv, logits = recompute_kv(eng, req.blocks, req.ids, req.recompute_ratio)
+                self.slots.write(req.slot, kv)
+                req.length = kv.shape[3]
+                self._prompt_done(req, logits)
+                return
+            if req.mode == "text":
+                kv = eng.prefix_kv
+                req.pending = [t for b in req.blocks for t in b.token_ids] + list(req.ids)
+            elif req.blocks:
+                cache = injected_cache(eng.prefix_kv, req.blocks, eng.loaded.layout, eng.loaded.model.config,
+                                       windowed=False)
+                kv = kv_of_cache(cache)
+                req.pending = list(req.ids)
+            else:
+                kv = eng.prefix_kv
+                req.pending = list(req.ids)
+            self.slots.write(req.slot, kv)
+            req.length = kv.shape[3]
+        except Exception as e:  # noqa: BLE001 - reported to the request
+            self._fail(req, e)
+
+    def _prefill_chunk(self, req: GenRequest, n: int) -> None:
+        ids, req.pending = req.pending[:n], req.pending[n:]
+        try:
+            logits = self._forward([req.slot], [req.length], torch.tensor([ids]))[0]
+        except Exception as e:  # noqa: BLE001
+            self._fail(req, e)
+            return
+        req.length += len(ids)
+        self.scheduler.computed(req.sched, len(ids))
+        if not req.pending:
+            self._prompt_done(req, logits)
+
+    def _prompt_done(self, req: GenRequest, logits: torch.Tensor) -> None:
+        if req.sched.remaining_prompt > 0:  # kv-recompute computed it all at once
+            self.scheduler.computed(req.sched, req.sched.remaining_prompt)
+        else:
+            self.scheduler.computed(req.sched, 0)
+        req.span.set_attribute("inferscale.prompt_tokens", req.sched.prompt_tokens)
+        req.span.set_attribute("inferscale.memory_tokens", sum(b.num_tokens for b in req.blocks))
+        req.span.set_attribute("inferscale.query_tokens", len(req.ids))
+        req.span.end()
+        req.span = self._span(req, "decode")
+        # It decodes from now on: move it to the end of the decoding rows.
+        self._swap(req, self.decoding)
+        self.decoding += 1
+        self._postprocess(req, logits)
+
+    def _decode(self, reqs: list[GenRequest]) -> None:
+        reqs = sorted(reqs, key=lambda r: r.slot)
+        try:
+            logits = self._forward([r.slot for r in reqs], [r.length for r in reqs],
+                                   torch.tensor([[r.last] for r in reqs]))
+        except Exception as e:  # noqa: BLE001 - every row of the failed pass fails
+            for r in reqs:
+                self._fail(r, e)
+            return
+        for r, lg in zip(reqs, logits):
+            r.length += 1
+        for r, lg in zip(reqs, logits):
+            self._postprocess(r, lg)
+
+    def _forward(self, rows: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits of each row's last token [B, vocab]."""
+        q = ids.shape[1]
+        dev = self.engine.device
+        cache = self.slots.view(rows, starts, q)
+        pos = torch.tensor(starts)[:, None] + torch.arange(q)[None]
+        out = self.engine.loaded.model(input_ids=ids.to(dev), position_ids=pos.to(dev),
+                                       attention_mask=self.slots.mask(starts, q), cache=cache, use_cache=True,
+                                       logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _postprocess(self, req: GenRequest, logits: torch.Tensor) -> None:
+        """Sample the next token, emit it, and stop or keep the request running."""
+        eng, sampling = self.engine, req.sampling
+        banned = eng.stop_ids | (eng.newline_ids if sampling.stop_on_newline else set()) \
+            if len(req.output) < sampling.min_tokens else ()
+        token = sample(logits, sampling, req.generator, banned)
+        if req.first_token is None:
+            req.first_token = token
+        if not sampling.ignore_eos and self._is_stop(req, token):
+            self._finish(req, "stop")
+            return
+        req.output.append(token)
+        text = eng.tokenizer.decode(req.output, skip_special_tokens=True)
+        delta = ""
+        if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+            delta, req.text = text[len(req.text):], text
+        req.started = req.started or bool(req.text.strip())
+        req.emit(TokenEvent(token, delta, time.perf_counter()))
+        if len(req.output) >= sampling.max_new_tokens:
+            self._finish(req, "length")
+            return
+        req.last = token
+
+    def _is_stop(self, req: GenRequest, token: int) -> bool:
+        """An end-of-sequence token, or a line break once visible text was said (a leading one never stops)."""
+        eng = self.engine
+        if token in eng.stop_ids:
+            return True
+        return req.sampling.stop_on_newline and req.started and token in eng.newline_ids
+
+    def _finish(self, req: GenRequest, reason: str) -> None:
+        text = self.engine.tokenizer.decode(req.output, skip_special_tokens=True)
+        if text != req.text and text.startswith(req.text):
+            req.emit(TokenEvent(None, text[len(req.text):], time.perf_counter()))
+        self._end_span(req)  # before the client hears of it: its trace is complete when the answer is
+        req.emit(DoneEvent(reason, req.sched.prompt_tokens, sum(b.num_tokens for b in req.blocks), len(req.output),
+                           req.first_token))
+        self._free(req)
+
+    def _fail(self, req: GenRequest, e: BaseException) -> None:
+        if req.span is not None:
+            req.span.record_exception(e)
+        self._end_span(req)
+        req.emit(ErrorEvent(e))
+        self._free(req)
+
+    def _end_span(self, req: GenRequest) -> None:
+        if req.span is not None:
+            req.span.set_attribute("inferscale.completion_tokens", len(req.output))
+            req.span.end()
+            req.span = None
+
+    # ---- slots ------------------------------------------------------------------------------------------------
+    def _free(self, req: GenRequest) -> None:
+        """Release ``req``'s slot, keeping rows compact: [0, decoding) decoding, then prefilling."""
+        self.scheduler.finish(req.sched)
+        self._end_span(req)
+        if req.slot < 0:
+            return
+        if req.slot < self.decoding:
+            self._swap(req, self.decoding - 1)
+            self.decoding -= 1
+        self._swap(req, len(self.rows) - 1)
+        self.rows.pop()
+        req.slot = -1
+        req.blocks = []  # leased DRAM views: drop them now
+
+    def _swap(self, req: GenRequest, dst: int) -> None:
+        if req.slot == dst:
+            return
+        other = self.rows[dst]
+        self.slots.swap(req.slot, dst, req.length, other.length)
+        self.rows[req.slot], self.rows[dst] = other, req
+        other.slot, req.slot = req.slot, dst
+
+    @staticmethod
+    def _span(req: GenRequest, name: str, **attrs):
+        if req.tracer is None:
+            return _NO_SPAN
+        return req.tracer.start_span(name, context=req.context, attributes=attrs)
+
+
+class _NoSpan:
+    def set_attribute(self, *_: object) -> None: ...
+    def record_exception(self, *_: object) -> None: ...
+    def end(self) -> None: ...
+
+
+_NO_SPAN = _NoSpan()

@@ -1,0 +1,201 @@
+"""The scheduler: which requests run in the next step, and how many prompt tokens each may compute.
+
+No model, no tokenizer, no torch (tests drive it with made-up outputs). vLLM v1's shape: a request has computed vs
+total prompt tokens; injected memory tokens count as computed from the start; one token budget per step pays one
+token per running decode, and what is left goes to prompt chunks. Fairness between tenants (issue 12):
+  - each tenant has its own bounded FIFO queue; a request that waits longer than ``queue_timeout_s`` for a slot
+    expires (the server answers 503 + Retry-After);
+  - prompt chunks are handed out round-robin over tenants, one chunk of at most ``chunk_tokens`` per turn, so a
+    tenant flooding long ``text`` prompts gets one turn per round like everyone else, at every step; the tenant
+    served longest ago (a newcomer) takes the first turn;
+  - a tenant continues its started prompts (oldest first) before it starts another, which keeps half-computed
+    slots to what one step's budget can hold.
+Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish`` from the engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferscale.errors import ConfigError, EngineBusyError
+
+
+@dataclass(eq=False)
+class ScheduledRequest:
+    """What the scheduler knows of a request: its tenant and its token counts."""
+
+    tenant: str
+    prompt_tokens: int  # all tokens before the first generated one (prefix + memories + question)
+    computed_tokens: int = 0  # already in the cache (the injected prefix and blocks count from the start)
+    payload: Any = None  # the engine's own request object; the scheduler never looks inside
+    arrived: float = field(default_factory=time.monotonic)
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: bool = False
+
+    @property
+    def remaining_prompt(self) -> int:
+        return self.prompt_tokens - self.computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decode: list[ScheduledRequest]  # advance one token each, in one batched pass
+    prefill: list[tuple[ScheduledRequest, int]]  # (request, number of prompt tokens to compute now)
+    admitted: list[ScheduledRequest]  # newly given a slot this step (the engine sets up their cache first)
+    expired: list[ScheduledRequest]  # waited longer than the queue timeout; never ran
+    cancelled: list[ScheduledRequest]  # cancelled by the client; the engine frees what they hold
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 64  # slots: sequences in prefill or decode at once
+    # Token budget per step (decode tokens + prompt chunk tokens). It bounds how long a step runs, which is what a
+    # newly arrived request waits before its own prompt runs (at most one step).
+    step_tokens: int = 128
+    chunk_tokens: int = 128  # the most prompt tokens one request computes per turn
+    max_queued_per_tenant: int = 64
+    queue_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "step_tokens", "chunk_tokens", "max_queued_per_tenant"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"scheduler {name}={getattr(self, name)}: expected 1 or more")
+        if self.queue_timeout_s <= 0:
+            raise ConfigError(f"scheduler queue_timeout_s={self.queue_timeout_s}: expected > 0")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None, *, clock=time.monotonic) -> None:
+        self.config = config or SchedulerConfig()
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._waiting: dict[str, deque[ScheduledRequest]] = {}  # tenant -> its FIFO queue
+        self._prefilling: dict[str, list[ScheduledRequest]] = {}  # tenant -> its started prefills, oldest first
+        self._decoding: list[ScheduledRequest] = []
+        self._served_at: dict[str, int] = {}  # tenant -> the step it last computed a prompt chunk
+        self._steps = 0
+
+    # ---- any thread -----------------------------------------------------------------------------------------
+    def add(self, req: ScheduledRequest) -> None:
+        """Queue ``req``; EngineBusyError when its tenant's queue is full."""
+        with self._lock:
+            queue = self._waiting.setdefault(req.tenant, deque())
+            if len(queue) >= self.config.max_queued_per_tenant:
+                raise EngineBusyError(f"tenant {req.tenant!r} has {len(queue)} requests queued (limit "
+                                      f"{self.config.max_queued_per_tenant}); retry later",
+                                      retry_after_s=self.retry_after_s())
+            req.arrived = self.clock()
+            queue.append(req)
+
+    def cancel(self, req: ScheduledRequest) -> None:
+        with self._lock:
+            req.cancelled = True
+
+    def retry_after_s(self) -> int:
+        return max(1, round(self.config.queue_timeout_s / 4))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self._decoding) + sum(len(started) for started in self._prefilling.values())
+
+    def has_work(self) -> bool:
+        return bool(self.num_waiting or self._prefilling or self._decoding)
+
+    # ---- engine thread --------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        with self._lock:
+            cancelled = self._drop_cancelled()
+            expired = self._expire()
+            decode = list(self._decoding)
+            # Prompts always keep a quarter of the budget, so a full decode batch cannot starve them.
+            budget = max(self.config.step_tokens - len(decode), self.config.step_tokens // 4, 1)
+            admitted: list[ScheduledRequest] = []
+            prefill: list[tuple[ScheduledRequest, int]] = []
+            # Rounds of turns until the budget is spent: in each round every tenant with prompt work computes one
+            # chunk of one request (its oldest started one, else its next queued one); a request gets one chunk per
+            # step. The tenant served longest ago goes first (a newcomer first of all).
+            self._steps += 1
+            order = sorted(self._waiting, key=lambda t: self._served_at.get(t, -1))
+            chunked: set[int] = set()
+            served: set[str] = set()
+            progress = True
+            while budget > 0 and progress:
+                progress = False
+                for tenant in order:
+                    if budget <= 0:
+                        break
+                    req = next((r for r in self._prefilling.get(tenant, ()) if r.id not in chunked), None)
+                    if req is None:
+                        queue = self._waiting.get(tenant)
+                        if not queue or self.num_running >= self.config.max_running:
+                            continue
+                        req = queue.popleft()
+                        self._prefilling.setdefault(tenant, []).append(req)
+                        admitted.append(req)
+                    chunked.add(req.id)
+                    n = min(req.remaining_prompt, self.config.chunk_tokens, budget)
+                    if n > 0:
+                        prefill.append((req, n))
+                        budget -= n
+                        progress = True
+                    served.add(tenant)
+            for tenant in served:
+                self._served_at[tenant] = self._steps
+            for tenant in [t for t, q in self._waiting.items() if not q and t not in self._prefilling]:
+                del self._waiting[tenant]
+                self._served_at.pop(tenant, None)
+            return SchedulerOutput(decode=decode, prefill=prefill, admitted=admitted, expired=expired,
+                                   cancelled=cancelled)
+
+    def computed(self, req: ScheduledRequest, tokens: int) -> None:
+        """The engine computed ``tokens`` more prompt tokens of ``req``; once all are, it decodes."""
+        with self._lock:
+            req.computed_tokens += tokens
+            started = self._prefilling.get(req.tenant, [])
+            if req.remaining_prompt <= 0 and req in started:
+                started.remove(req)
+                if not started:
+                    del self._prefilling[req.tenant]
+                self._decoding.append(req)
+
+    def finish(self, req: ScheduledRequest) -> None:
+        """``req`` is done (stopped, failed or cancelled): it leaves every list."""
+        with self._lock:
+            self._remove(req)
+
+    # ---- internals (lock held) ------------------------------------------------------------------------------
+    def _remove(self, req: ScheduledRequest) -> None:
+        if req in self._decoding:
+            self._decoding.remove(req)
+        started = self._prefilling.get(req.tenant, [])
+        if req in started:
+            started.remove(req)
+            if not started:
+                del self._prefilling[req.tenant]
+        queue = self._waiting.get(req.tenant)
+        if queue and req in queue:
+            queue.remove(req)
+
+    def _drop_cancelled(self) -> list[ScheduledRequest]:
+        gone = [r for r in itertools.chain(self._decoding, *self._prefilling.values(), *self._waiting.values())
+                if r.cancelled]
+        for r in gone:
+            self._remove(r)
+        return gone
+
+    def _expire(self) -> list[ScheduledRequest]:
+        now, limit = self.clock(), self.config.queue_timeout_s
+        expired = []
+        for queue in self._waiting.values():
+            while queue and now - queue[0].arrived > limit:
+                expired.append(queue.popleft())
+        return expired

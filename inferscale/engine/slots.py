@@ -1,0 +1,122 @@
+"""Preallocated per-slot KV for batched decode over ragged sequences (gpt-fast style, explicit positions).
+
+Per layer one keys and one values tensor [slots, kv_heads, capacity, head_dim]. A sequence owns one slot row and
+holds its tokens at indices 0..length-1, which are also their positions: the injected prefix and blocks (already
+rotated into place), then the prompt, then generated tokens. Every layer keeps every token; a sliding-window layer
+sees only its window through the attention mask, so injection stays exactly what the one-sequence path computes.
+
+A decode round runs rows 0..B-1 (the running sequences, kept contiguous) in one forward pass: each row writes its
+new K/V at its own length and attends to indices <= length. Rows are views into the slot tensors; nothing is
+gathered per round.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from inferscale.models.layout import ModelLayout
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer's view of the slot tensors for one forward pass: writes the new K/V where each row's tokens go."""
+
+    def __init__(self, store: SlotCache, layer: int, rows: torch.Tensor, starts: torch.Tensor, kv_len: int) -> None:
+        super().__init__()
+        self.store, self.layer, self.rows, self.starts, self.kv_len = store, layer, rows, starts, kv_len
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [B, H, q, D]; row b's q new tokens go to indices starts[b] .. starts[b]+q-1.
+        keys, values = self.store.keys[self.layer], self.store.values[self.layer]
+        q = key_states.shape[2]
+        idx = self.starts[:, None] + torch.arange(q, device=self.starts.device)[None]  # [B, q]
+        rows = self.rows[:, None].expand_as(idx)
+        keys[rows, :, idx] = key_states.transpose(1, 2).to(keys.dtype)
+        values[rows, :, idx] = value_states.transpose(1, 2).to(values.dtype)
+        r0, r1 = int(self.rows[0]), int(self.rows[-1]) + 1
+        if r1 - r0 == len(self.rows):  # contiguous rows: a view, no copy
+            return keys[r0:r1, :, : self.kv_len], values[r0:r1, :, : self.kv_len]
+        return keys[self.rows, :, : self.kv_len], values[self.rows, :, : self.kv_len]
+
+    def get_seq_length(self) -> int:
+        return self.kv_len
+
+
+class SlotCache:
+    """KV storage for up to ``slots`` sequences; grows (slots and capacity) on demand by reallocation."""
+
+    def __init__(self, layout: ModelLayout, dtype: torch.dtype, device: torch.device, *, slots: int = 4,
+                 capacity: int = 256) -> None:
+        self.layout, self.dtype, self.device = layout, dtype, device
+        self.num_layers = len(layout.layers)
+        shape = (slots, layout.num_kv_heads, capacity, layout.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Make room for ``slots`` rows of ``capacity`` tokens (at least doubling, so growth is amortized)."""
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        new_s = max(self.slots, slots if slots <= self.slots else max(slots, 2 * self.slots))
+        new_c = max(self.capacity, capacity if capacity <= self.capacity else max(capacity, 2 * self.capacity))
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                new = torch.zeros((new_s, old.shape[1], new_c, old.shape[3]), dtype=self.dtype, device=self.device)
+                new[: old.shape[0], :, : old.shape[2]] = old
+                tensors[i] = new
+
+    def write(self, slot: int, kv: torch.Tensor) -> None:
+        """Put ``kv`` [layers, 2, H, N, D] at indices 0..N-1 of ``slot``."""
+        n = kv.shape[3]
+        self.reserve(slot + 1, n)
+        for i in range(self.num_layers):
+            self.keys[i][slot, :, :n] = kv[i, 0].to(self.dtype)
+            self.values[i][slot, :, :n] = kv[i, 1].to(self.dtype)
+
+    def swap(self, a: int, b: int, len_a: int, len_b: int) -> None:
+        """Exchange slots ``a`` and ``b`` (their first len_a / len_b tokens): keeps decoding rows contiguous."""
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                held = t[a, :, :len_a].clone()
+                t[a, :, :len_b] = t[b, :, :len_b]
+                t[b, :, :len_a] = held
+
+    def view(self, rows: list[int], starts: list[int], q: int) -> DynamicCache:
+        """A model cache for one forward pass: row b writes q new tokens at starts[b].. and reads indices
+        0..max(starts)+q-1 (the mask hides what a row must not see)."""
+        kv_len = max(starts) + q
+        self.reserve(max(rows) + 1, kv_len)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+        cache = DynamicCache()
+        cache.layers = [_SlotLayer(self, i, rows_t, starts_t, kv_len) for i in range(self.num_layers)]
+        return cache
+
+    def mask(self, starts: list[int], q: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``attention_mask=`` for rows whose q new tokens sit at positions starts[b]..: causal over the row's own
+        tokens (indices = positions), each sliding layer type further limited to its window. [B, 1, q, kv_len]."""
+        kv_len = max(starts) + q
+        q_pos = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(q)[None]  # [B, q]
+        k_pos = torch.arange(kv_len)
+        diff = q_pos[:, :, None] - k_pos[None, None, :]  # [B, q, K]
+        masks: dict[str, torch.Tensor] = {}
+        for spec in self.layout.layers:
+            if spec.layer_type in masks:
+                continue
+            allowed = diff >= 0
+            if spec.sliding_window is not None:
+                allowed &= diff < spec.sliding_window
+            m = torch.zeros(allowed.shape, dtype=self.dtype)
+            m.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            masks[spec.layer_type] = m[:, None].to(self.device)
+        return masks if self.layout.mixed else next(iter(masks.values()))

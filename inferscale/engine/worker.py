@@ -1,0 +1,153 @@
+"""The engine worker: one thread owns the model and runs the serving loop; other model calls (encoding memories)
+run on it between two steps, so the model is never used from two threads.
+
+Requests are validated and queued from the caller's thread (``submit``: typed errors raise there, before any
+model work). Prompts are tokenized off the worker thread too, on a tokenizer copy of their own, after a length
+check in characters (a 16 MB message never reaches a tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferscale.engine.engine import Engine
+from inferscale.engine.loop import ErrorEvent, GenRequest
+from inferscale.engine.scheduler import SchedulerConfig
+from inferscale.errors import PromptTooLongError
+
+# No tokenizer we support spends more than this many characters per token on ordinary text; longer prompts are
+# refused before tokenization (the exact token check follows it).
+CHARS_PER_TOKEN_LIMIT = 16
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class _PromptSide:
+    """What turning text into prompt ids needs: the template and a tokenizer that only this side uses."""
+
+    question_ids = Engine.question_ids
+    chat_ids = Engine.chat_ids
+
+    def __init__(self, engine: Engine) -> None:
+        self.template = engine.template
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
+        self.engine = engine
+        self.loop = engine.serving_loop(config)
+        self.max_prompt_chars = engine.loaded.layout.max_positions * CHARS_PER_TOKEN_LIMIT
+        self._prompt_side = _PromptSide(engine)
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-tokenize")
+        self._calls: deque[_Call] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="inferscale-engine", daemon=True)
+        self._thread.start()
+
+    # ---- any thread -------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    @property
+    def active(self) -> int:
+        return self.loop.active
+
+    @property
+    def queued(self) -> int:
+        return self.loop.queued + len(self._calls)
+
+    @property
+    def rounds(self) -> int:
+        return self.loop.steps
+
+    def check_chars(self, texts: list[str]) -> None:
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_prompt_chars:
+            raise PromptTooLongError(f"prompt of {chars} characters exceeds the limit of {self.max_prompt_chars} "
+                                     f"(the model's context is {self.engine.loaded.layout.max_positions} tokens)")
+
+    async def prompt_ids(self, turns: list[tuple[str, str]]) -> list[int]:
+        """Token ids of a chat (one user turn: the question template, as ``inferscale ask`` uses), after a
+        character check; tokenized off the worker thread."""
+        self.check_chars([t for _, t in turns])
+        side = self._prompt_side
+        build = (lambda: side.question_ids(turns[0][1])) if len(turns) == 1 else (lambda: side.chat_ids(turns))
+        return await asyncio.wrap_future(self._tokenize_pool.submit(build))
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue a generation; its events go to ``req.emit`` on the worker thread. Typed errors raise here."""
+        if self._stop:
+            raise RuntimeError("engine worker stopped")
+        self.loop.add(req)
+        with self._cv:
+            self._cv.notify()
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run ``fn(engine)`` on the worker thread, between two steps."""
+        job = _Call(fn)
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("engine worker stopped")
+            self._calls.append(job)
+            self._cv.notify()
+        return await asyncio.wrap_future(job.future)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        self._tokenize_pool.shutdown(wait=False)
+
+    # ---- the worker thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._calls and not self.loop.has_work():
+                    self._cv.wait(0.5)
+                if self._stop:
+                    break
+                calls = list(self._calls)
+                self._calls.clear()
+            for job in calls:
+                self._run_call(job)
+            calls = job = None  # drop references (leased DRAM views) before waiting
+            if self.loop.has_work():
+                self.loop.step()
+        self._shutdown()
+
+    def _run_call(self, job: _Call) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result(job.fn(self.engine))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            job.future.set_exception(e)
+
+    def _shutdown(self) -> None:
+        err = RuntimeError("server shutting down")
+        for req in list(self.loop.rows):
+            req.emit(ErrorEvent(err))
+            self.loop.scheduler.finish(req.sched)
+        while self.loop.scheduler.num_waiting:
+            out = self.loop.scheduler.schedule()
+            for s in [*out.admitted, *out.expired]:
+                s.payload.emit(ErrorEvent(err))
+                self.loop.scheduler.finish(s)
+        for job in self._calls:
+            if not job.future.done():
+                job.future.set_exception(err)

@@ -1,0 +1,162 @@
+"""The scheduler with no model: token budget, chunking, tenant round-robin, bounded queues, queue timeout, cancel."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from inferscale.errors import ConfigError, EngineBusyError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_prefill(s: Scheduler, out) -> None:
+    """Stand in for the engine: compute every scheduled chunk."""
+    for req, n in out.prefill:
+        s.computed(req, n)
+
+
+def test_injected_tokens_count_as_computed_and_decode_spends_one_token_each():
+    s = Scheduler(SchedulerConfig(step_tokens=64, chunk_tokens=64))
+    kv = ScheduledRequest("a", prompt_tokens=1000, computed_tokens=990)  # prefix + blocks injected, 10 to compute
+    s.add(kv)
+    out = s.schedule()
+    assert out.admitted == [kv] and out.prefill == [(kv, 10)]
+    run_prefill(s, out)
+    out = s.schedule()
+    assert out.decode == [kv] and out.prefill == []
+
+
+def test_long_prompt_is_chunked_and_running_streams_keep_decoding():
+    s = Scheduler(SchedulerConfig(step_tokens=40, chunk_tokens=32))
+    running = [ScheduledRequest("a", 5, 4) for _ in range(4)]
+    for r in running:
+        s.add(r)
+    for _ in range(4):
+        run_prefill(s, s.schedule())
+    long = ScheduledRequest("b", prompt_tokens=300)
+    s.add(long)
+    chunks = []
+    while long.remaining_prompt:
+        out = s.schedule()
+        assert out.decode == running  # every step still advances every running stream
+        assert sum(n for _, n in out.prefill) + len(out.decode) <= 40  # one budget per step
+        chunks += [n for r, n in out.prefill if r is long]
+        run_prefill(s, out)
+    assert max(chunks) <= 32 and sum(chunks) == 300
+
+
+def test_tenants_take_turns_for_prompt_chunks():
+    """Tenant A floods 32 long prompts; B's one request gets a chunk at the very next step, and every step after."""
+    s = Scheduler(SchedulerConfig(step_tokens=64, chunk_tokens=64, max_running=64))
+    flood = [ScheduledRequest("a", prompt_tokens=2000) for _ in range(32)]
+    for r in flood:
+        s.add(r)
+    run_prefill(s, s.schedule())  # A's first request starts
+    b = ScheduledRequest("b", prompt_tokens=150)
+    s.add(b)
+    steps = 0
+    while b.remaining_prompt:
+        out = s.schedule()
+        steps += 1
+        run_prefill(s, out)
+    # B's 150 tokens need 3 chunks of 64: B, the newcomer, goes first, then alternates with A.
+    assert steps <= 5
+    assert sum(r.computed_tokens for r in flood) < 2000  # A is still on its first request
+
+
+def test_a_burst_starts_within_the_budget_one_chunk_per_request():
+    s = Scheduler(SchedulerConfig(step_tokens=200, chunk_tokens=64))
+    burst = [ScheduledRequest("a", prompt_tokens=100) for _ in range(5)]
+    for r in burst:
+        s.add(r)
+    out = s.schedule()
+    assert out.admitted == burst[:4] and [n for _, n in out.prefill] == [64, 64, 64, 8]
+    run_prefill(s, out)
+    out = s.schedule()  # started prompts continue before the fifth starts
+    assert [r for r, _ in out.prefill][:4] == burst[:4] and out.admitted == [burst[4]]
+
+
+def test_short_questions_of_a_burst_all_start_in_one_step():
+    s = Scheduler(SchedulerConfig(step_tokens=256, chunk_tokens=128))
+    burst = [ScheduledRequest("a", prompt_tokens=1000, computed_tokens=985) for _ in range(16)]  # kv: 15 to compute
+    for r in burst:
+        s.add(r)
+    out = s.schedule()
+    assert len(out.prefill) == 16
+    run_prefill(s, out)
+    assert s.schedule().decode == burst
+
+
+def test_queue_is_bounded_per_tenant():
+    s = Scheduler(SchedulerConfig(max_queued_per_tenant=2, queue_timeout_s=20))
+    s.add(ScheduledRequest("a", 10))
+    s.add(ScheduledRequest("a", 10))
+    with pytest.raises(EngineBusyError) as e:
+        s.add(ScheduledRequest("a", 10))
+    assert e.value.retry_after_s >= 1
+    s.add(ScheduledRequest("b", 10))  # another tenant is not affected
+
+
+def test_queue_timeout_expires_requests_that_never_got_a_slot():
+    clock = Clock()
+    s = Scheduler(SchedulerConfig(max_running=1, queue_timeout_s=5), clock=clock)
+    first, second = ScheduledRequest("a", 10), ScheduledRequest("b", 10)
+    s.add(first)
+    run_prefill(s, s.schedule())  # first holds the only slot
+    s.add(second)
+    clock.now = 4.0
+    assert s.schedule().expired == []
+    clock.now = 6.0
+    out = s.schedule()
+    assert out.expired == [second] and s.num_waiting == 0
+
+
+def test_max_running_limits_admission_and_finish_frees_a_slot():
+    s = Scheduler(SchedulerConfig(max_running=2))
+    reqs = [ScheduledRequest(t, 5) for t in ("a", "b", "c")]
+    for r in reqs:
+        s.add(r)
+    out = s.schedule()
+    assert out.admitted == reqs[:2]
+    run_prefill(s, out)
+    s.finish(reqs[0])
+    assert s.schedule().admitted == [reqs[2]]
+
+
+def test_cancelled_requests_leave_every_list():
+    s = Scheduler()
+    r, q = ScheduledRequest("a", 5), ScheduledRequest("b", 5)
+    s.add(r)
+    s.add(q)
+    run_prefill(s, s.schedule())
+    s.cancel(r)
+    out = s.schedule()
+    assert out.cancelled == [r] and out.decode == [q]
+    assert not s.has_work() or s.num_running == 1
+
+
+def test_bad_config_is_a_config_error():
+    with pytest.raises(ConfigError):
+        SchedulerConfig(step_tokens=0)
+    with pytest.raises(ConfigError):
+        SchedulerConfig(queue_timeout_s=0)
+
+
+def test_a_full_decode_batch_does_not_starve_prompts():
+    s = Scheduler(SchedulerConfig(step_tokens=32, chunk_tokens=32, max_running=100))
+    running = [ScheduledRequest("a", 2, 1) for _ in range(40)]  # more decodes than the step budget
+    for r in running:
+        s.add(r)
+    while s.num_waiting or any(r.remaining_prompt for r in running):
+        run_prefill(s, s.schedule())
+    new = ScheduledRequest("b", 20)
+    s.add(new)
+    out = s.schedule()
+    assert len(out.decode) == 40 and out.prefill == [(new, 8)]  # a quarter of the budget
