@@ -121,7 +121,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     except BaseException as e:
         if job is not None:
             job.cancel()
-        rec.fail(e)
+        rec.fail(from_typed(e) if isinstance(e, InferScaleError) else e)  # error.type = the status it answers
         raise
     finally:
         if not handed_off:

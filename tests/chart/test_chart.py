@@ -284,7 +284,10 @@ def test_env_contract_from_interfaces_md(values):
     assert len(want["operator"]) >= 10 and len(want["server"]) >= 10  # the parse found the lists
     op_env = effective_env(m, workload(m, "operator"))
     srv_env = effective_env(m, workload(m, "server"))
-    optional_server = {"INFERSCALE_DRAM_BUDGET_BYTES", "INFERSCALE_GPU_BUDGET_BYTES"}  # server defaults unless set
+    # server defaults unless set: budgets and the engine scheduler's knobs
+    optional_server = {"INFERSCALE_DRAM_BUDGET_BYTES", "INFERSCALE_GPU_BUDGET_BYTES", "INFERSCALE_MAX_ACTIVE",
+                       "INFERSCALE_STEP_TOKENS", "INFERSCALE_CHUNK_TOKENS", "INFERSCALE_MAX_QUEUED_PER_TENANT",
+                       "INFERSCALE_QUEUE_TIMEOUT_S"}
     assert want["operator"] - set(op_env) == set()
     assert want["server"] - optional_server - set(srv_env) == set()
     for k in ("OTEL_SERVICE_NAME", "OTEL_SDK_DISABLED", "OTEL_RESOURCE_ATTRIBUTES"):

@@ -32,28 +32,38 @@ def test_huge_message_is_refused_before_tokenization(live, tiny_engine, monkeypa
 
 def test_full_tenant_queue_answers_503_with_retry_after(live):
     from inferscale.engine.scheduler import SchedulerConfig
+    from inferscale.engine.worker import _Call
 
-    scheduler = live.app.state.worker.loop.scheduler
+    worker = live.app.state.worker
+    scheduler = worker.loop.scheduler
     saved = scheduler.config
     scheduler.config = SchedulerConfig(max_running=1, max_queued_per_tenant=1, queue_timeout_s=60)
     client = live.client()
-    busy = dict(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "the the the"}],
+    busy = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "the the the"}],
                 extra_body={"ignore_eos": True})
+    # Hold the engine thread between two steps, so the queue fills deterministically (no race with decoding).
+    gate, holding = threading.Event(), threading.Event()
+    hold = _Call(lambda _engine: (holding.set(), gate.wait(60)))
+    with worker._cv:
+        worker._calls.append(hold)
+        worker._cv.notify()
+    waiting = threading.Thread(target=client.chat.completions.create, kwargs=busy)
     try:
-        running = [threading.Thread(target=client.chat.completions.create, kwargs=busy) for _ in range(2)]
-        for t in running:
-            t.start()
-        # one request holds the only slot, one waits in the queue: the next is refused until they are done
-        deadline = 0
-        while scheduler.num_running + scheduler.num_waiting < 2 and deadline < 2000:
+        assert holding.wait(30)
+        waiting.start()  # the tenant's one queue place
+        for _ in range(2000):
+            if scheduler.num_waiting >= 1:
+                break
             threading.Event().wait(0.005)
-            deadline += 1
+        assert scheduler.num_waiting == 1
         with pytest.raises(openai.APIStatusError) as e:
             client.chat.completions.create(**busy)
         assert e.value.status_code == 503
         assert int(e.value.response.headers["retry-after"]) >= 1
         assert e.value.body["code"] == "engine_busy"
-        for t in running:
-            t.join(60)
     finally:
+        gate.set()
+        hold.future.result(30)
+        if waiting.is_alive() or waiting.ident is not None:
+            waiting.join(60)
         scheduler.config = saved
