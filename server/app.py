@@ -14,6 +14,7 @@ from inferscale import __version__
 from inferscale.contract import MODES
 from inferscale.server import chat, httperrors, internal, memories
 from inferscale.server.auth import TenantRegistry, require_tenant
+from inferscale.server.guard import TenantGuard
 from inferscale.server.httperrors import response as error_response
 from inferscale.server.scheduler import EngineWorker
 from inferscale.server.schemas import ModelCard, ModelList
@@ -58,33 +59,10 @@ def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
                   description="Operator -> serving pod: pull, purge, capacity.")
     app.state.settings, app.state.store = settings, store
     httperrors.install(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(TenantGuard, limit=settings.max_body_bytes)  # no tenants here: size only
     app.include_router(internal.router)
     telemetry.instrument(app)
     return app
-
-
-class BodyLimit:
-    """Pure ASGI middleware: 413 for bodies over the limit (by Content-Length). Request counts and latencies by
-    route template come from the OpenTelemetry instrumentation (``http.server.*``), never by raw path."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        for k, v in scope.get("headers", []):
-            if k == b"content-length":
-                try:
-                    too_big = int(v) > self.limit
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    resp = error_response(413, f"request body over {self.limit} bytes", "invalid_request_error",
-                                          "request_too_large")
-                    return await resp(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, *, engine=None, store=None, embedder=None, tenants=None,
@@ -126,7 +104,8 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     st.modes = list(MODES)
     st.memories = memories.MemoryService(store, embedder, worker, engine, telemetry.metrics)
     httperrors.install(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # Size, API key and in-flight slot are checked before any body byte is read (server/guard.py).
+    app.add_middleware(TenantGuard, limit=settings.max_body_bytes, tenants=tenants)
     app.include_router(chat.router)
     app.include_router(memories.router)
     telemetry.instrument(app)

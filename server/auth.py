@@ -47,7 +47,8 @@ class Tenant:
     max_k: int
     max_tokens: int
     max_in_flight: int
-    in_flight: int = 0
+    in_flight: int = 0  # chat requests in the engine (server/chat.py)
+    requests: int = 0  # requests in flight on every /v1 route (server/guard.py), same limit
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def acquire(self) -> bool:
@@ -60,6 +61,18 @@ class Tenant:
     def release(self) -> None:
         with self._lock:
             self.in_flight = max(0, self.in_flight - 1)
+
+    def admit(self) -> bool:
+        """A slot for one request on any /v1 route (its own counter, so chat's engine slot nests inside it)."""
+        with self._lock:
+            if self.requests >= self.max_in_flight:
+                return False
+            self.requests += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.requests = max(0, self.requests - 1)
 
 
 def create_tenants_file(path: Path, tenant: str = "default") -> str:
@@ -127,7 +140,7 @@ class TenantRegistry:
             old = self._tenants.get(name)
             t = Tenant(name=name, **limits)
             if old is not None:  # keep the in-flight count across reloads
-                t.in_flight = old.in_flight
+                t.in_flight, t.requests = old.in_flight, old.requests
                 t._lock = old._lock
             tenants[name] = t
             for h in spec["keys"]:
@@ -174,7 +187,11 @@ def bearer(request: Request) -> str | None:
 
 
 def require_tenant(request: Request) -> Tenant:
-    """FastAPI dependency: the caller's tenant, from its API key."""
+    """FastAPI dependency: the caller's tenant, from its API key (already checked, before the body was read, by
+    server/guard.py when the app runs behind it)."""
+    admitted = getattr(request.state, "tenant", None)
+    if admitted is not None:
+        return admitted
     return request.app.state.tenants.authenticate(bearer(request))
 
 
