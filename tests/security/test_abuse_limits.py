@@ -1,0 +1,128 @@
+"""Limits before work on the tenant port (server/guard.py): an unauthenticated or oversized body is refused
+before it is buffered. The RSS test runs a real server process and reads its /proc status."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+HERE = Path(__file__).resolve().parent
+KEY = "isk-abuse-acme"
+MiB = 1 << 20
+
+
+def _rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+@pytest.fixture(scope="module")
+def server_proc(tmp_path_factory):
+    data = tmp_path_factory.mktemp("abuse")
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, str(HERE / "abuse_server.py"), str(data), json.dumps({"acme": KEY})],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        url = f"http://127.0.0.1:{int(line.split()[1])}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _chunked_upload(url: str, path: str, total: int, headers: dict[str, str]) -> tuple[int | None, int]:
+    """PUT ``total`` bytes with Transfer-Encoding: chunked over a raw socket, 1 MiB a chunk, while reading the
+    answer; returns (status or None, bytes sent before the server stopped taking them)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    head = f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    sock.sendall(head.encode())
+    sent, chunk = 0, b"%x\r\n" % MiB + b"A" * MiB + b"\r\n"
+    answer: list[bytes] = []
+
+    def read() -> None:
+        try:
+            answer.append(sock.recv(4096))
+        except OSError:
+            answer.append(b"")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while sent < total:
+            sock.sendall(chunk)
+            sent += MiB
+        sock.sendall(b"0\r\n\r\n")
+    except OSError:
+        pass  # the server answered and closed: the rest of the flood is never read
+    reader.join(30)
+    sock.close()
+    text = (answer[0] if answer else b"").decode("latin-1")
+    status = int(text.split()[1]) if text.startswith("HTTP/") else None
+    return status, sent
+
+
+def test_64mib_chunked_body_without_key_is_refused_without_growing_rss(server_proc):
+    proc, url = server_proc
+    before = _rss_kib(proc.pid, "VmHWM")  # the peak so far: a transient buffer shows up here too
+    status, _ = _chunked_upload(url, "/v1/memories/alice", 64 * MiB, {})
+    time.sleep(0.5)
+    grown_mib = (_rss_kib(proc.pid, "VmHWM") - before) / 1024
+    assert grown_mib < 32, f"server peak RSS grew by {grown_mib:.1f} MiB for an unauthenticated body"
+    assert status == 401
+
+
+def test_chunked_body_over_the_limit_with_a_key_is_413_and_not_buffered(server_proc):
+    proc, url = server_proc
+    before = _rss_kib(proc.pid, "VmHWM")
+    status, _ = _chunked_upload(url, "/v1/memories/alice", 64 * MiB, {"Authorization": f"Bearer {KEY}"})
+    grown_mib = (_rss_kib(proc.pid, "VmHWM") - before) / 1024
+    assert grown_mib < 32, f"server peak RSS grew by {grown_mib:.1f} MiB for an over-limit body"
+    assert status == 413
+    assert httpx.get(url + "/healthz").status_code == 200
+
+
+def test_every_route_counts_against_the_tenants_in_flight_limit(live):
+    """Tenant 'tight' (max_in_flight 1): while one memories PUT holds its slot (its body still arriving), a GET
+    of the memories API is 429 with Retry-After, and another tenant is served. Before, only chat counted."""
+    from server_live_fixtures import KEYS
+
+    host, port = live.url.removeprefix("http://").split(":")
+    slow = socket.create_connection((host, int(port)), timeout=30)
+    slow.sendall(f"PUT /v1/memories/bob HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['tight']}\r\n"
+                 "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{\"\r\n".encode())
+    try:
+        time.sleep(0.3)
+        r = httpx.get(f"{live.url}/v1/memories/bob", headers=live.headers("tight"), timeout=10)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert httpx.get(f"{live.url}/v1/models", headers=live.headers("globex"), timeout=10).status_code == 200
+    finally:
+        slow.close()
+    deadline = time.time() + 10  # the slot comes back when the stalled request ends
+    while httpx.get(f"{live.url}/v1/models", headers=live.headers("tight"), timeout=10).status_code == 429:
+        assert time.time() < deadline, "the in-flight slot was never given back"
+        time.sleep(0.1)
