@@ -42,6 +42,7 @@ _TYPED: list[tuple[type, int, str, str]] = [
     (E.QuotaExceededError, 429, "insufficient_quota", "quota_exceeded"),
     (E.FingerprintMismatchError, 409, "conflict_error", "fingerprint_mismatch"),
     (E.BlobCorruptError, 503, "server_error", "blob_corrupt"),
+    (E.StorageError, 507, "server_error", "insufficient_storage"),  # the node's disk, not the request
     (E.TransferError, 424, "failed_dependency", "transfer_failed"),  # the named source could not provide it
     (E.InferScaleError, 400, "invalid_request_error", None),
 ]
