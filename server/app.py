@@ -79,9 +79,11 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     owns_store = store is None
     store = store if store is not None else open_store(settings)
     tenants = tenants or TenantRegistry(settings.tenants_path, max_k=settings.max_k, max_tokens=settings.max_tokens,
-                                        max_in_flight=settings.max_in_flight)
+                                        max_in_flight=settings.max_in_flight, budgets=settings.tenant_budgets)
     # A tenant API key must never be a plane credential: refuse to start if one is (and any later file with one).
     tenants.forbid(plane_credentials(settings))
+    if hasattr(store, "set_tenant_quota"):  # each tenant's DRAM share, again after every tenants-file reload
+        tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
     worker = EngineWorker(engine, max_active=settings.max_active, max_prefills_per_round=settings.max_prefills_per_round)
     telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
                                 metric_reader=metric_reader, load=lambda: (worker.active, worker.queued))

@@ -7,9 +7,10 @@ its tenant, so another tenant's user is simply not found.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, AsyncIterator
 
 import torch
 from fastapi import APIRouter, Depends, Path, Request
@@ -44,15 +45,46 @@ def fetch_tiers(stats: Any) -> dict[str, int]:
     return out
 
 
+class UserLocks:
+    """One asyncio lock per (tenant, user), held by every PUT and DELETE of that user's memories, so they apply in
+    one order: a PUT racing a DELETE cannot store back what the DELETE removed, and ``replace`` racing another PUT
+    cannot encode an item behind memories being removed. The map holds only keys someone holds or waits for (so it
+    is bounded by the requests in flight) and loses each key when its last holder leaves."""
+
+    def __init__(self) -> None:
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, tenant: str, user: str) -> AsyncIterator[None]:
+        key = (tenant, user)
+        lock, refs = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        refs[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            refs[0] -= 1
+            if refs[0] == 0:
+                del self._locks[key]
+
+
+def _too_large(message: str, code: str, param: str = "items") -> ApiError:
+    return ApiError(413, message, code=code, param=param)
+
+
 class MemoryService:
     def __init__(self, store, embedder, worker, engine, meters=None) -> None:
         self.store, self.embedder, self.worker, self.engine, self.meters = store, embedder, worker, engine, meters
+        self.locks = UserLocks()
 
     @property
     def fingerprint(self) -> str:
         return self.engine.loaded.fingerprint
 
-    async def put(self, tenant: str, user: str, body: PutMemories) -> PutMemoriesResult:
+    async def put(self, tenant: Tenant, user: str, body: PutMemories) -> PutMemoriesResult:
         """Add the items to the end of the user's list; an id already stored is replaced in place. Each item is
         encoded behind the memories before it in that list, and the stored items encoded behind a replaced one are
         encoded again (see inferscale/engine/encoder.py)."""
@@ -61,6 +93,12 @@ class MemoryService:
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ApiError(400, f"duplicate memory id(s): {', '.join(dupes[:5])}", param="items", code="duplicate_id")
+        async with self.locks.hold(tenant.name, user):  # one writer per user: see UserLocks
+            return await self._put(tenant, user, body, ids, t0)
+
+    async def _put(self, caller: Tenant, user: str, body: PutMemories, ids: list[str], t0: float) -> PutMemoriesResult:
+        budget = await self._check_budgets(caller, user, body, ids)
+        tenant = caller.name
         new = {i.id: MemoryItem(id=i.id, text=i.text, timestamp=i.timestamp or None) for i in body.items}
         stored = [] if body.replace else await asyncio.to_thread(self._stored, tenant, user)
         order = [info_id(i) for i in stored]
@@ -68,7 +106,7 @@ class MemoryService:
         order += [i for i in ids if i not in known]
         infos = {info_id(i): i for i in stored}
         nbytes = await self._encode(tenant, user, order, [order.index(i) for i in ids],
-                                    lambda i: new[i] if i in new else self._item(infos[i]))
+                                    lambda i: new[i] if i in new else self._item(infos[i]), budget)
         removed = 0
         if body.replace:
             keep = set(ids)
@@ -80,7 +118,47 @@ class MemoryService:
         return PutMemoriesResult(user=user, encoded=len(ids), removed=removed, bytes=nbytes,
                                  seconds=round(time.perf_counter() - t0, 4))
 
-    async def _encode(self, tenant: str, user: str, order: list[str], changed: list[int], item_of) -> int:
+    async def _check_budgets(self, tenant: Tenant, user: str, body: PutMemories, ids: list[str]) -> "DiskBudget":
+        """Refuse before any work: more memories than the tenant may store (413), more encode tokens than its
+        per-minute budget could ever hold (413) or holds now (429 + Retry-After). Returns the disk budget the
+        writes are checked against."""
+        items, disk = await asyncio.to_thread(self.store.usage, tenant.name)
+        mine = {info_id(i): int(getattr(i, "size", 0) or 0) for i in await asyncio.to_thread(self._all, tenant.name, user)}
+        gone = set(mine) if body.replace else set()
+        after = items - len(gone) + len([i for i in ids if i not in mine or i in gone])
+        if after > tenant.max_memories:
+            raise _too_large(f"tenant would hold {after} memories on this server, over its limit of "
+                             f"{tenant.max_memories}", "memory_limit_exceeded")
+        if disk >= tenant.max_disk_bytes:
+            raise _too_large(f"tenant already stores {disk} bytes, its disk budget is {tenant.max_disk_bytes}",
+                             "disk_quota_exceeded")
+        tokens = await asyncio.to_thread(self._count_tokens, [i.text for i in body.items])
+        if tokens > tenant.encode_tokens_per_minute:
+            raise _too_large(f"{tokens} memory tokens exceed this tenant's encode budget of "
+                             f"{tenant.encode_tokens_per_minute} per minute; upload in smaller parts",
+                             "encode_budget_exceeded")
+        wait = tenant.take_encode_tokens(tokens)
+        if wait > 0:
+            raise ApiError(429, f"encode budget of {tenant.encode_tokens_per_minute} tokens per minute is spent; "
+                           f"retry in {wait:.1f} s", type="rate_limit_error", code="encode_rate_exceeded",
+                           param="items", headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+        return DiskBudget(tenant.max_disk_bytes, disk, {i: mine[i] for i in ids if i in mine})
+
+    def _all(self, tenant: str, user: str) -> list[Any]:
+        try:
+            return self.store.list(tenant, user)
+        except NotFoundError:
+            return []
+
+    def _count_tokens(self, texts: list[str]) -> int:
+        """Memory tokens of an upload, counted off the engine thread (a stand-in count where no tokenizer is)."""
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None:
+            return sum(len(t.encode()) for t in texts) // 4 + len(texts)
+        return sum(len(ids) for ids in tok(texts, add_special_tokens=False).input_ids)
+
+    async def _encode(self, tenant: str, user: str, order: list[str], changed: list[int], item_of,
+                      budget: "DiskBudget | None" = None) -> int:
         """Encode the items at positions ``changed`` of the list ``order`` (and the items behind them), each behind
         its predecessors; store the blocks. Only the stretches around changed items are read."""
         m = self.engine.context_items
@@ -102,6 +180,8 @@ class MemoryService:
                 cut = at[start + ENCODE_CHUNK] if start + ENCODE_CHUNK < len(at) else len(listed)
                 blocks = await self.worker.call(
                     lambda eng, li=listed[:cut], c=chunk: eng.encode(li, only=c, embed=self.embedder.embed))
+                if budget is not None:
+                    budget.charge(blocks)  # 413 before this chunk touches the disk; earlier chunks are kept
                 for b in blocks:
                     await asyncio.to_thread(self.store.put, tenant, user, b)
                     nbytes += b.nbytes
@@ -134,6 +214,10 @@ class MemoryService:
         return MemoryList(user=user, items=await asyncio.to_thread(run))
 
     async def delete(self, tenant: str, user: str, item_id: str | None = None) -> Removed:
+        async with self.locks.hold(tenant, user):
+            return await self._delete(tenant, user, item_id)
+
+    async def _delete(self, tenant: str, user: str, item_id: str | None) -> Removed:
         everything = await asyncio.to_thread(self.store.list, tenant, user)  # NotFoundError for an unknown user
         infos = everything if item_id is None else [i for i in everything if info_id(i) == item_id]
         if item_id is not None and not infos:
@@ -195,6 +279,20 @@ class MemoryService:
         return blocks, chosen
 
 
+class DiskBudget:
+    """A tenant's disk bytes during one upload: each chunk of blocks is charged before it is written."""
+
+    def __init__(self, limit: int, used: int, replaced: dict[str, int]) -> None:
+        self.limit, self.used, self.replaced = limit, used, dict(replaced)
+
+    def charge(self, blocks: list[KVBlock]) -> None:
+        grow = sum(b.nbytes - self.replaced.pop(b.item_id, 0) for b in blocks)
+        if self.used + grow > self.limit:
+            raise _too_large(f"storing these memories needs {self.used + grow} bytes on disk, over this tenant's "
+                             f"budget of {self.limit}", "disk_quota_exceeded")
+        self.used += grow
+
+
 def info_id(info: Any) -> str:
     return info["id"] if isinstance(info, dict) else getattr(info, "item_id", None) or getattr(info, "id")
 
@@ -216,10 +314,11 @@ def blob_meta(path: str | None) -> dict[str, str]:
 def to_info(info: Any) -> MemoryInfo:
     """A store ItemInfo (inferscale.store.ItemInfo) as the API shows it; text and timestamp from the blob header."""
     get = info.get if isinstance(info, dict) else lambda k, d=None: getattr(info, k, d)
-    tiers = get("tiers") or []
     meta = blob_meta(get("path"))
+    # No tier: where a block sits moves with every tenant's traffic (DRAM/GPU LRUs), so showing it would let
+    # one tenant watch the others' activity. Only the item's own stable facts are shown.
     return MemoryInfo(id=info_id(info), tokens=get("tokens"), bytes=get("kv_bytes", get("bytes")),
-                      tier=tiers[0] if tiers else get("tier"), text=meta.get("text", get("text")),
+                      text=meta.get("text", get("text")),
                       timestamp=meta.get("timestamp") or get("timestamp"))
 
 
@@ -238,7 +337,7 @@ def _svc(request: Request) -> MemoryService:
 @router.put("/{user}", response_model=PutMemoriesResult, responses=ERRORS)
 async def put_memories(user: UserPath, body: PutMemories, request: Request, tenant: TenantDep) -> PutMemoriesResult:
     """Encode the items now (KV through the engine, embeddings for retrieval) and store them; same ids replace."""
-    return await _svc(request).put(tenant.name, user, body)
+    return await _svc(request).put(tenant, user, body)
 
 
 @router.get("/{user}", response_model=MemoryList, responses=ERRORS)

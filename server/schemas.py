@@ -194,7 +194,6 @@ class MemoryInfo(BaseModel):
     timestamp: str | None = None
     tokens: int | None = None
     bytes: int | None = None
-    tier: str | None = None
 
 
 class MemoryList(BaseModel):
