@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ttft": ("inferscale.bench.ttft", "TTFT vs k: text vs kv (warm, cold) vs the floor"),
     "store": ("inferscale.bench.store", "moving 50 blocks into DRAM: NIXL vs plain baselines"),
     "locomo": ("inferscale.bench.locomo", "quality on LoCoMo: F1 and agreement per mode"),
+    "isolation": ("inferscale.bench.isolation", "timing audit: can tenant B see tenant A's memories or activity (KS)"),
 }
 
 
