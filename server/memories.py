@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from opentelemetry import trace
 
 from inferscale.engine.template import MemoryItem
-from inferscale.errors import NotFoundError
+from inferscale.errors import InferScaleError, NotFoundError
 from inferscale.kvformat import KVBlock
 from inferscale.retrieval import injection_order, top_k
 from inferscale.server.auth import Tenant, require_tenant
@@ -26,6 +26,7 @@ from inferscale.server.schemas import (ID_PATTERN, ErrorBody, MemoryInfo, Memory
                                        Removed)
 
 ENCODE_CHUNK = 16  # items per engine call, so decoding interleaves with a large upload
+META_CHUNK = 64  # blocks opened at once to read stored memories' text and context
 
 
 def _count(removed: Any) -> int:
@@ -106,7 +107,7 @@ class MemoryService:
         order += [i for i in ids if i not in known]
         infos = {info_id(i): i for i in stored}
         nbytes = await self._encode(tenant, user, order, [order.index(i) for i in ids],
-                                    lambda i: new[i] if i in new else self._item(infos[i]), budget)
+                                    lambda i: new[i] if i in new else self._item(tenant, user, infos[i]), budget)
         removed = 0
         if body.replace:
             keep = set(ids)
@@ -200,16 +201,40 @@ class MemoryService:
                        and getattr(i, "fingerprint", self.fingerprint) == self.fingerprint),
                       key=lambda i: (getattr(i, "created", 0.0), info_id(i)))
 
-    @staticmethod
-    def _item(info: Any) -> MemoryItem:
-        meta = blob_meta(getattr(info, "path", None))
+    def _read_meta(self, tenant: str, user: str, infos: list[Any]) -> dict[str, dict[str, Any]]:
+        """id -> text, timestamp and extra (a dict) of stored memories, read from the opened blobs: a server's
+        blobs are sealed, so a file header says nothing in plain form. Another model's items, or a chunk that
+        cannot be opened: the plain header where there is one (library stores), else nothing."""
+        out: dict[str, dict[str, Any]] = {}
+        mine = [info_id(i) for i in infos if getattr(i, "fingerprint", None) == self.fingerprint
+                and not getattr(i, "corrupt", False)]
+        for start in range(0, len(mine), META_CHUNK):  # bounded DRAM for a long list
+            try:
+                blocks, _ = self.store.get_many(tenant, user, mine[start:start + META_CHUNK], self.fingerprint)
+            except InferScaleError:
+                continue
+            out.update({b.item_id: {"text": b.text, "timestamp": b.timestamp, "extra": dict(b.extra)} for b in blocks})
+        for info in infos:
+            if info_id(info) not in out:
+                meta: dict[str, Any] = dict(blob_meta(getattr(info, "path", None)))
+                try:
+                    meta["extra"] = json.loads(meta.get("extra") or "{}")
+                except ValueError:
+                    meta["extra"] = {}
+                out[info_id(info)] = meta
+        return out
+
+    def _item(self, tenant: str, user: str, info: Any) -> MemoryItem:
+        meta = self._read_meta(tenant, user, [info]).get(info_id(info), {})
         if not meta.get("text"):
             raise NotFoundError(f"memory {info_id(info)!r}: its blob header cannot be read")
         return MemoryItem(id=info_id(info), text=meta["text"], timestamp=meta.get("timestamp") or None)
 
     async def list(self, tenant: str, user: str) -> MemoryList:
         def run() -> list[MemoryInfo]:
-            return [to_info(i) for i in self.store.list(tenant, user)]
+            rows = self.store.list(tenant, user)
+            metas = self._read_meta(tenant, user, rows)
+            return [to_info(i, metas.get(info_id(i))) for i in rows]
 
         return MemoryList(user=user, items=await asyncio.to_thread(run))
 
@@ -223,27 +248,27 @@ class MemoryService:
         if item_id is not None and not infos:
             raise NotFoundError(f"memory {item_id!r} of user {user!r} not found")
         stored = self._ordered(everything)
-        behind = [] if item_id is None else await asyncio.to_thread(self._encoded_behind, stored, item_id)
+        behind = [] if item_id is None else await asyncio.to_thread(self._encoded_behind, tenant, user, stored,
+                                                                     item_id)
         nbytes = sum(int(to_info(i).bytes or 0) for i in infos)
         removed = _count(await asyncio.to_thread(self.store.delete, tenant, user, item_id))
         if behind:  # a deleted memory must not live on in the KV of the memories encoded behind it
             by_id = {info_id(i): i for i in stored if info_id(i) != item_id}
             order = list(by_id)
             await self._encode(tenant, user, order, [order.index(i) for i in behind],
-                               lambda i: self._item(by_id[i]))
+                               lambda i: self._item(tenant, user, by_id[i]))
         return Removed(removed_blocks=removed, removed_bytes=nbytes)
 
-    def _encoded_behind(self, stored: list[Any], item_id: str) -> list[str]:
+    def _encoded_behind(self, tenant: str, user: str, stored: list[Any], item_id: str) -> list[str]:
         """Of the ``stored`` memories (in list order), those whose blocks were encoded with ``item_id`` in their
         context (only the next context_items memories can be)."""
         out = []
         pos = next((n for n, i in enumerate(stored) if info_id(i) == item_id), len(stored))
-        for info in stored[pos + 1 : pos + 1 + self.engine.context_items]:
-            extra = blob_meta(getattr(info, "path", None)).get("extra") or "{}"
-            try:
-                context = json.loads(extra).get("context", "")
-            except (ValueError, AttributeError):
-                context = ""
+        window = stored[pos + 1 : pos + 1 + self.engine.context_items]
+        metas = self._read_meta(tenant, user, window)
+        for info in window:
+            extra = metas.get(info_id(info), {}).get("extra") or {}
+            context = str(extra.get("context", "")) if isinstance(extra, dict) else ""
             if item_id in context.split(","):
                 out.append(info_id(info))
         return out
@@ -311,10 +336,11 @@ def blob_meta(path: str | None) -> dict[str, str]:
         return {}
 
 
-def to_info(info: Any) -> MemoryInfo:
-    """A store ItemInfo (inferscale.store.ItemInfo) as the API shows it; text and timestamp from the blob header."""
+def to_info(info: Any, meta: dict[str, Any] | None = None) -> MemoryInfo:
+    """A store ItemInfo (inferscale.store.ItemInfo) as the API shows it; text and timestamp from ``meta`` (the
+    opened blob, MemoryService._read_meta), else from a plain blob header."""
     get = info.get if isinstance(info, dict) else lambda k, d=None: getattr(info, k, d)
-    meta = blob_meta(get("path"))
+    meta = meta if meta is not None else blob_meta(get("path"))
     # No tier: where a block sits moves with every tenant's traffic (DRAM/GPU LRUs), so showing it would let
     # one tenant watch the others' activity. Only the item's own stable facts are shown.
     return MemoryInfo(id=info_id(info), tokens=get("tokens"), bytes=get("kv_bytes", get("bytes")),
