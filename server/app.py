@@ -59,7 +59,8 @@ def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
                   description="Operator -> serving pod: pull, purge, capacity.")
     app.state.settings, app.state.store = settings, store
     httperrors.install(app)
-    app.add_middleware(TenantGuard, limit=settings.max_body_bytes)  # no tenants here: size only
+    # No tenants here: size, and the operator's token before the body is read.
+    app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token)
     app.include_router(internal.router)
     telemetry.instrument(app)
     return app

@@ -10,11 +10,13 @@ admitted:
    the running total crosses the limit (never buffering past it), and replayed to the app;
 5. the ``x-inferscale-ttft-ms`` response header is rounded up to ``TTFT_GRANULARITY_MS``, so the header is not a
    finer instrument than a tenant's own clock for observing other tenants' load (docs/interfaces.md).
-The internal listener gets only 1 and 4 (its token is checked by its routes; it has no tenants).
+The internal listener gets 1 and 4, and its token (INFERSCALE_INTERNAL_TOKEN) checked the same way before the body
+(its routes check it again; tenant keys mean nothing there).
 """
 
 from __future__ import annotations
 
+import hmac
 import math
 from typing import Any, Awaitable, Callable
 
@@ -49,8 +51,10 @@ def _bearer(scope: Scope) -> str | None:
 class TenantGuard:
     """See the module docstring. ``tenants`` None = no tenant checks (the internal listener)."""
 
-    def __init__(self, app, *, limit: int, tenants: TenantRegistry | None = None, coarse_ttft: bool = True) -> None:
+    def __init__(self, app, *, limit: int, tenants: TenantRegistry | None = None, coarse_ttft: bool = True,
+                 internal_token: str | None = None) -> None:
         self.app, self.limit, self.tenants, self.coarse_ttft = app, limit, tenants, coarse_ttft
+        self.internal_token = internal_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,6 +62,12 @@ class TenantGuard:
         declared = _header(scope, b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
             return await self._too_large(scope, receive, send)
+        if self.internal_token and scope.get("path", "").startswith("/internal/"):
+            got = _bearer(scope) or ""
+            if not hmac.compare_digest(got.encode(), self.internal_token.encode()):
+                resp = error_response(401, "incorrect internal token", "authentication_error", "invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+                return await resp(scope, receive, send)
         tenant = None
         if self.tenants is not None and scope.get("path", "").startswith("/v1/"):
             try:

@@ -126,3 +126,23 @@ def test_every_route_counts_against_the_tenants_in_flight_limit(live):
     while httpx.get(f"{live.url}/v1/models", headers=live.headers("tight"), timeout=10).status_code == 429:
         assert time.time() < deadline, "the in-flight slot was never given back"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("plane", ["tenant", "internal"])
+def test_a_wrong_credential_is_answered_before_the_body_arrives(live, plane):
+    """Headers and the first chunk of a large chunked upload, with a wrong key: the 401 comes at once, while the
+    client is still sending (before, the server waited for the whole body before looking at the key)."""
+    base, path = (live.url, "/v1/memories/bob") if plane == "tenant" else (live.internal_url, "/internal/v1/purge")
+    method = "PUT" if plane == "tenant" else "POST"
+    host, port = base.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer not-a-key\r\n"
+              "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+              + b"%x\r\n" % MiB + b"A" * MiB + b"\r\n")
+    s.settimeout(3)
+    try:
+        answer = s.recv(4096)
+    except socket.timeout:
+        answer = b""
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:80]
