@@ -51,7 +51,9 @@ _TYPED: list[tuple[type, int, str, str]] = [
 def from_typed(e: E.InferScaleError) -> ApiError:
     for cls, status, type_, code in _TYPED:
         if isinstance(e, cls):
-            return ApiError(status, str(e), type=type_, code=code, param=getattr(e, "param", None))
+            # A full DRAM share frees as the tenant's own blocks are released: worth retrying soon.
+            headers = {"Retry-After": "1"} if status == 429 else None
+            return ApiError(status, str(e), type=type_, code=code, param=getattr(e, "param", None), headers=headers)
     return ApiError(500, str(e), type="server_error")
 
 
@@ -73,7 +75,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(E.InferScaleError)
     async def _typed(_: Request, e: E.InferScaleError):
         a = from_typed(e)
-        return response(a.status, a.message, a.type, a.code, a.param)
+        return response(a.status, a.message, a.type, a.code, a.param, a.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
