@@ -5,7 +5,8 @@ Tenants file (a local file or a mounted Kubernetes Secret), JSON, hashed keys on
      "globex": {"keys": ["<sha256>"], "max_k": 20, "max_tokens": 256, "max_in_flight": 8,
                 "max_memories": 10000, "max_disk_bytes": 10737418240, "dram_bytes": 1073741824,
                 "encode_tokens_per_minute": 200000}}
-Limits left out come from the server settings (``dram_bytes`` null: no share below the whole DRAM budget). The file is re-read when it changes (Secret rotation).
+Limits left out come from the server settings (``dram_bytes`` null: no share below the whole DRAM budget).
+The file is re-read when it changes (Secret rotation).
 """
 
 from __future__ import annotations
@@ -186,9 +187,6 @@ class TenantRegistry:
         """Call ``callback(tenants)`` now and after every reload (the store's per-tenant DRAM shares)."""
         self._watchers.append(callback)
         callback(list(self._tenants.values()))
-
-    def get(self, name: str) -> Tenant | None:
-        return self._tenants.get(name)
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()

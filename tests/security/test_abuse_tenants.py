@@ -173,3 +173,21 @@ def test_ttft_is_reported_coarsely(live):
     header = float(raw.headers["x-inferscale-ttft-ms"])
     body = json.loads(raw.text)["inferscale"]["ttft_ms"]
     assert header > 0 and header % 10 == 0 and body % 10 == 0
+
+
+def test_tenants_file_budgets_take_server_defaults_and_refuse_bad_values(tmp_path):
+    from inferscale.errors import ConfigError
+    from inferscale.server.auth import TenantRegistry, hash_key
+
+    path = tmp_path / "tenants.json"
+    budgets = {"max_memories": 7, "max_disk_bytes": 1 << 20, "dram_bytes": None, "encode_tokens_per_minute": 60}
+    path.write_text(json.dumps({"a": [hash_key("k-a")], "b": {"keys": [hash_key("k-b")], "max_memories": 2,
+                                                               "dram_bytes": 4096}}))
+    reg = TenantRegistry(path, max_k=1, max_tokens=1, max_in_flight=1, budgets=budgets)
+    a, b = reg.authenticate("k-a"), reg.authenticate("k-b")
+    assert (a.max_memories, a.max_disk_bytes, a.dram_bytes, a.encode_tokens_per_minute) == (7, 1 << 20, None, 60)
+    assert (b.max_memories, b.dram_bytes) == (2, 4096)
+    assert a.take_encode_tokens(50) == 0.0 and a.take_encode_tokens(50) > 0  # 10 left, 40 more at 1 token/s
+    path.write_text(json.dumps({"a": {"keys": [hash_key("k-a")], "max_disk_bytes": "lots"}}))
+    with pytest.raises(ConfigError, match="max_disk_bytes"):
+        TenantRegistry(path, max_k=1, max_tokens=1, max_in_flight=1, budgets=budgets)
