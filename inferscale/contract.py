@@ -48,3 +48,7 @@ def id_problem(kind: str, value: object) -> str | None:
 
 def is_valid_tenant(value: object) -> bool:
     return isinstance(value, str) and _TENANT_RE.fullmatch(value) is not None
+
+# The tenant API reports TTFT (the x-inferscale-ttft-ms header, the response's inferscale.ttft_ms) rounded up to
+# this many ms: a tenant learns its own latency, not a finer clock on other tenants' load than its own timing.
+TTFT_GRANULARITY_MS = 10

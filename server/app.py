@@ -14,6 +14,7 @@ from inferscale import __version__
 from inferscale.contract import MODES
 from inferscale.server import chat, httperrors, internal, memories
 from inferscale.server.auth import TenantRegistry, require_tenant
+from inferscale.server.guard import TenantGuard
 from inferscale.server.httperrors import response as error_response
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.worker import EngineWorker
@@ -59,33 +60,11 @@ def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
                   description="Operator -> serving pod: pull, purge, capacity.")
     app.state.settings, app.state.store = settings, store
     httperrors.install(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # No tenants here: size, and the operator's token before the body is read.
+    app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token)
     app.include_router(internal.router)
     telemetry.instrument(app)
     return app
-
-
-class BodyLimit:
-    """Pure ASGI middleware: 413 for bodies over the limit (by Content-Length). Request counts and latencies by
-    route template come from the OpenTelemetry instrumentation (``http.server.*``), never by raw path."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        for k, v in scope.get("headers", []):
-            if k == b"content-length":
-                try:
-                    too_big = int(v) > self.limit
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    resp = error_response(413, f"request body over {self.limit} bytes", "invalid_request_error",
-                                          "request_too_large")
-                    return await resp(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, *, engine=None, store=None, embedder=None, tenants=None,
@@ -102,9 +81,11 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     owns_store = store is None
     store = store if store is not None else open_store(settings)
     tenants = tenants or TenantRegistry(settings.tenants_path, max_k=settings.max_k, max_tokens=settings.max_tokens,
-                                        max_in_flight=settings.max_in_flight)
+                                        max_in_flight=settings.max_in_flight, budgets=settings.tenant_budgets)
     # A tenant API key must never be a plane credential: refuse to start if one is (and any later file with one).
     tenants.forbid(plane_credentials(settings))
+    if hasattr(store, "set_tenant_quota"):  # each tenant's DRAM share, again after every tenants-file reload
+        tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
     worker = EngineWorker(engine, SchedulerConfig(
         max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
         max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
@@ -129,7 +110,8 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     st.modes = list(MODES)
     st.memories = memories.MemoryService(store, embedder, worker, engine, telemetry.metrics)
     httperrors.install(app)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # Size, API key and in-flight slot are checked before any body byte is read (server/guard.py).
+    app.add_middleware(TenantGuard, limit=settings.max_body_bytes, tenants=tenants)
     app.include_router(chat.router)
     app.include_router(memories.router)
     telemetry.instrument(app)

@@ -2,8 +2,11 @@
 
 Tenants file (a local file or a mounted Kubernetes Secret), JSON, hashed keys only:
     {"acme": ["<sha256 hex of key>", ...],
-     "globex": {"keys": ["<sha256>"], "max_k": 20, "max_tokens": 256, "max_in_flight": 8}}
-Limits left out come from the server settings. The file is re-read when it changes (Secret rotation).
+     "globex": {"keys": ["<sha256>"], "max_k": 20, "max_tokens": 256, "max_in_flight": 8,
+                "max_memories": 10000, "max_disk_bytes": 10737418240, "dram_bytes": 1073741824,
+                "encode_tokens_per_minute": 200000}}
+Limits left out come from the server settings (``dram_bytes`` null: no share below the whole DRAM budget).
+The file is re-read when it changes (Secret rotation).
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ class Tenant:
     max_k: int
     max_tokens: int
     max_in_flight: int
-    in_flight: int = 0
+    max_memories: int = 1 << 30  # items stored on this pod, every user and model
+    max_disk_bytes: int = 1 << 62  # blob bytes on this pod's disk
+    dram_bytes: int | None = None  # DRAM share (KVStore tenant quota); None = the store's default
+    encode_tokens_per_minute: int = 1 << 30  # memory tokens encoded, token bucket refilled continuously
+    encode_budget: float = -1.0  # tokens left in the bucket (-1: full, set on first use)
+    encode_stamp: float = 0.0
+    in_flight: int = 0  # chat requests in the engine (server/chat.py)
+    requests: int = 0  # requests in flight on every /v1 route (server/guard.py), same limit
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def acquire(self) -> bool:
@@ -60,6 +70,33 @@ class Tenant:
     def release(self) -> None:
         with self._lock:
             self.in_flight = max(0, self.in_flight - 1)
+
+    def take_encode_tokens(self, n: int) -> float:
+        """Spend ``n`` encode tokens: 0.0 when taken, else the seconds until the bucket holds ``n`` (nothing spent).
+        A request larger than a whole minute's budget is the caller's to refuse as too large."""
+        with self._lock:
+            now, rate = time.monotonic(), self.encode_tokens_per_minute / 60.0
+            if self.encode_budget < 0:
+                self.encode_budget, self.encode_stamp = float(self.encode_tokens_per_minute), now
+            self.encode_budget = min(float(self.encode_tokens_per_minute),
+                                     self.encode_budget + (now - self.encode_stamp) * rate)
+            self.encode_stamp = now
+            if n <= self.encode_budget:
+                self.encode_budget -= n
+                return 0.0
+            return (n - self.encode_budget) / rate if rate > 0 else float("inf")
+
+    def admit(self) -> bool:
+        """A slot for one request on any /v1 route (its own counter, so chat's engine slot nests inside it)."""
+        with self._lock:
+            if self.requests >= self.max_in_flight:
+                return False
+            self.requests += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.requests = max(0, self.requests - 1)
 
 
 def create_tenants_file(path: Path, tenant: str = "default") -> str:
@@ -75,9 +112,14 @@ def create_tenants_file(path: Path, tenant: str = "default") -> str:
 
 
 class TenantRegistry:
-    def __init__(self, path: Path, *, max_k: int, max_tokens: int, max_in_flight: int) -> None:
+    def __init__(self, path: Path, *, max_k: int, max_tokens: int, max_in_flight: int,
+                 budgets: dict[str, int | None] | None = None) -> None:
+        """``budgets``: server defaults of the other per-tenant fields (max_memories, max_disk_bytes, dram_bytes,
+        encode_tokens_per_minute)."""
         self.path = Path(path)
-        self.defaults = dict(max_k=max_k, max_tokens=max_tokens, max_in_flight=max_in_flight)
+        self.defaults: dict[str, int | None] = dict(max_k=max_k, max_tokens=max_tokens, max_in_flight=max_in_flight,
+                                                    **(budgets or {}))
+        self._watchers: list = []
         self._by_hash: dict[str, Tenant] = {}
         self._tenants: dict[str, Tenant] = {}
         self._stamp: tuple | None = None
@@ -123,11 +165,12 @@ class TenantRegistry:
             spec = {"keys": entry} if isinstance(entry, list) else entry
             if not isinstance(spec, dict) or not isinstance(spec.get("keys"), list):
                 raise ConfigError(f"tenants file {self.path}: tenant {name!r} needs a list of key hashes")
-            limits = {k: int(spec.get(k, v)) for k, v in self.defaults.items()}
+            limits = {k: _limit(self.path, name, k, spec.get(k, v)) for k, v in self.defaults.items()}
             old = self._tenants.get(name)
             t = Tenant(name=name, **limits)
-            if old is not None:  # keep the in-flight count across reloads
-                t.in_flight = old.in_flight
+            if old is not None:  # keep the in-flight counts and the encode bucket across reloads
+                t.in_flight, t.requests = old.in_flight, old.requests
+                t.encode_budget, t.encode_stamp = old.encode_budget, old.encode_stamp
                 t._lock = old._lock
             tenants[name] = t
             for h in spec["keys"]:
@@ -137,6 +180,13 @@ class TenantRegistry:
         self._check_forbidden(list(by_hash))
         with self._lock:
             self._by_hash, self._tenants, self._stamp = by_hash, tenants, stamp
+        for watch in self._watchers:
+            watch(list(tenants.values()))
+
+    def watch(self, callback) -> None:
+        """Call ``callback(tenants)`` now and after every reload (the store's per-tenant DRAM shares)."""
+        self._watchers.append(callback)
+        callback(list(self._tenants.values()))
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()
@@ -165,6 +215,14 @@ class TenantRegistry:
         return sorted(self._tenants)
 
 
+def _limit(path: Path, tenant: str, field_name: str, value: object) -> int | None:
+    if value is None and field_name == "dram_bytes":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"tenants file {path}: tenant {tenant!r} field {field_name!r} must be a non-negative integer")
+    return value
+
+
 def bearer(request: Request) -> str | None:
     value = request.headers.get("authorization", "")
     scheme, _, token = value.partition(" ")
@@ -174,7 +232,11 @@ def bearer(request: Request) -> str | None:
 
 
 def require_tenant(request: Request) -> Tenant:
-    """FastAPI dependency: the caller's tenant, from its API key."""
+    """FastAPI dependency: the caller's tenant, from its API key (already checked, before the body was read, by
+    server/guard.py when the app runs behind it)."""
+    admitted = getattr(request.state, "tenant", None)
+    if admitted is not None:
+        return admitted
     return request.app.state.tenants.authenticate(bearer(request))
 
 

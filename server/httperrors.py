@@ -42,6 +42,7 @@ _TYPED: list[tuple[type, int, str, str]] = [
     (E.QuotaExceededError, 429, "insufficient_quota", "quota_exceeded"),
     (E.FingerprintMismatchError, 409, "conflict_error", "fingerprint_mismatch"),
     (E.BlobCorruptError, 503, "server_error", "blob_corrupt"),
+    (E.StorageError, 507, "server_error", "insufficient_storage"),  # the node's disk, not the request
     (E.TransferError, 424, "failed_dependency", "transfer_failed"),  # the named source could not provide it
     (E.InferScaleError, 400, "invalid_request_error", None),
 ]
@@ -53,7 +54,9 @@ def from_typed(e: E.InferScaleError) -> ApiError:
                         headers={"Retry-After": str(e.retry_after_s)})
     for cls, status, type_, code in _TYPED:
         if isinstance(e, cls):
-            return ApiError(status, str(e), type=type_, code=code, param=getattr(e, "param", None))
+            # A full DRAM share frees as the tenant's own blocks are released: worth retrying soon.
+            headers = {"Retry-After": "1"} if status == 429 else None
+            return ApiError(status, str(e), type=type_, code=code, param=getattr(e, "param", None), headers=headers)
     return ApiError(500, str(e), type="server_error")
 
 

@@ -7,16 +7,17 @@ its tenant, so another tenant's user is simply not found.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, AsyncIterator
 
 import torch
 from fastapi import APIRouter, Depends, Path, Request
 from opentelemetry import trace
 
 from inferscale.engine.template import MemoryItem
-from inferscale.errors import NotFoundError
+from inferscale.errors import InferScaleError, NotFoundError
 from inferscale.kvformat import KVBlock
 from inferscale.retrieval import injection_order, top_k
 from inferscale.server.auth import Tenant, require_tenant
@@ -25,6 +26,7 @@ from inferscale.server.schemas import (ID_PATTERN, ErrorBody, MemoryInfo, Memory
                                        Removed)
 
 ENCODE_CHUNK = 16  # items per engine call, so decoding interleaves with a large upload
+META_CHUNK = 64  # blocks opened at once to read stored memories' text and context
 
 
 def _count(removed: Any) -> int:
@@ -44,15 +46,46 @@ def fetch_tiers(stats: Any) -> dict[str, int]:
     return out
 
 
+class UserLocks:
+    """One asyncio lock per (tenant, user), held by every PUT and DELETE of that user's memories, so they apply in
+    one order: a PUT racing a DELETE cannot store back what the DELETE removed, and ``replace`` racing another PUT
+    cannot encode an item behind memories being removed. The map holds only keys someone holds or waits for (so it
+    is bounded by the requests in flight) and loses each key when its last holder leaves."""
+
+    def __init__(self) -> None:
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, list[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, tenant: str, user: str) -> AsyncIterator[None]:
+        key = (tenant, user)
+        lock, refs = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        refs[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            refs[0] -= 1
+            if refs[0] == 0:
+                del self._locks[key]
+
+
+def _too_large(message: str, code: str, param: str = "items") -> ApiError:
+    return ApiError(413, message, code=code, param=param)
+
+
 class MemoryService:
     def __init__(self, store, embedder, worker, engine, meters=None) -> None:
         self.store, self.embedder, self.worker, self.engine, self.meters = store, embedder, worker, engine, meters
+        self.locks = UserLocks()
 
     @property
     def fingerprint(self) -> str:
         return self.engine.loaded.fingerprint
 
-    async def put(self, tenant: str, user: str, body: PutMemories) -> PutMemoriesResult:
+    async def put(self, tenant: Tenant, user: str, body: PutMemories) -> PutMemoriesResult:
         """Add the items to the end of the user's list; an id already stored is replaced in place. Each item is
         encoded behind the memories before it in that list, and the stored items encoded behind a replaced one are
         encoded again (see inferscale/engine/encoder.py)."""
@@ -61,6 +94,12 @@ class MemoryService:
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ApiError(400, f"duplicate memory id(s): {', '.join(dupes[:5])}", param="items", code="duplicate_id")
+        async with self.locks.hold(tenant.name, user):  # one writer per user: see UserLocks
+            return await self._put(tenant, user, body, ids, t0)
+
+    async def _put(self, caller: Tenant, user: str, body: PutMemories, ids: list[str], t0: float) -> PutMemoriesResult:
+        budget = await self._check_budgets(caller, user, body, ids)
+        tenant = caller.name
         new = {i.id: MemoryItem(id=i.id, text=i.text, timestamp=i.timestamp or None) for i in body.items}
         stored = [] if body.replace else await asyncio.to_thread(self._stored, tenant, user)
         order = [info_id(i) for i in stored]
@@ -68,7 +107,7 @@ class MemoryService:
         order += [i for i in ids if i not in known]
         infos = {info_id(i): i for i in stored}
         nbytes = await self._encode(tenant, user, order, [order.index(i) for i in ids],
-                                    lambda i: new[i] if i in new else self._item(infos[i]))
+                                    lambda i: new[i] if i in new else self._item(tenant, user, infos[i]), budget)
         removed = 0
         if body.replace:
             keep = set(ids)
@@ -80,7 +119,47 @@ class MemoryService:
         return PutMemoriesResult(user=user, encoded=len(ids), removed=removed, bytes=nbytes,
                                  seconds=round(time.perf_counter() - t0, 4))
 
-    async def _encode(self, tenant: str, user: str, order: list[str], changed: list[int], item_of) -> int:
+    async def _check_budgets(self, tenant: Tenant, user: str, body: PutMemories, ids: list[str]) -> "DiskBudget":
+        """Refuse before any work: more memories than the tenant may store (413), more encode tokens than its
+        per-minute budget could ever hold (413) or holds now (429 + Retry-After). Returns the disk budget the
+        writes are checked against."""
+        items, disk = await asyncio.to_thread(self.store.usage, tenant.name)
+        mine = {info_id(i): int(getattr(i, "size", 0) or 0) for i in await asyncio.to_thread(self._all, tenant.name, user)}
+        gone = set(mine) if body.replace else set()
+        after = items - len(gone) + len([i for i in ids if i not in mine or i in gone])
+        if after > tenant.max_memories:
+            raise _too_large(f"tenant would hold {after} memories on this server, over its limit of "
+                             f"{tenant.max_memories}", "memory_limit_exceeded")
+        if disk >= tenant.max_disk_bytes:
+            raise _too_large(f"tenant already stores {disk} bytes, its disk budget is {tenant.max_disk_bytes}",
+                             "disk_quota_exceeded")
+        tokens = await asyncio.to_thread(self._count_tokens, [i.text for i in body.items])
+        if tokens > tenant.encode_tokens_per_minute:
+            raise _too_large(f"{tokens} memory tokens exceed this tenant's encode budget of "
+                             f"{tenant.encode_tokens_per_minute} per minute; upload in smaller parts",
+                             "encode_budget_exceeded")
+        wait = tenant.take_encode_tokens(tokens)
+        if wait > 0:
+            raise ApiError(429, f"encode budget of {tenant.encode_tokens_per_minute} tokens per minute is spent; "
+                           f"retry in {wait:.1f} s", type="rate_limit_error", code="encode_rate_exceeded",
+                           param="items", headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+        return DiskBudget(tenant.max_disk_bytes, disk, {i: mine[i] for i in ids if i in mine})
+
+    def _all(self, tenant: str, user: str) -> list[Any]:
+        try:
+            return self.store.list(tenant, user)
+        except NotFoundError:
+            return []
+
+    def _count_tokens(self, texts: list[str]) -> int:
+        """Memory tokens of an upload, counted off the engine thread (a stand-in count where no tokenizer is)."""
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None:
+            return sum(len(t.encode()) for t in texts) // 4 + len(texts)
+        return sum(len(ids) for ids in tok(texts, add_special_tokens=False).input_ids)
+
+    async def _encode(self, tenant: str, user: str, order: list[str], changed: list[int], item_of,
+                      budget: "DiskBudget | None" = None) -> int:
         """Encode the items at positions ``changed`` of the list ``order`` (and the items behind them), each behind
         its predecessors; store the blocks. Only the stretches around changed items are read."""
         m = self.engine.context_items
@@ -102,6 +181,8 @@ class MemoryService:
                 cut = at[start + ENCODE_CHUNK] if start + ENCODE_CHUNK < len(at) else len(listed)
                 blocks = await self.worker.call(
                     lambda eng, li=listed[:cut], c=chunk: eng.encode(li, only=c, embed=self.embedder.embed))
+                if budget is not None:
+                    budget.charge(blocks)  # 413 before this chunk touches the disk; earlier chunks are kept
                 for b in blocks:
                     await asyncio.to_thread(self.store.put, tenant, user, b)
                     nbytes += b.nbytes
@@ -120,46 +201,74 @@ class MemoryService:
                        and getattr(i, "fingerprint", self.fingerprint) == self.fingerprint),
                       key=lambda i: (getattr(i, "created", 0.0), info_id(i)))
 
-    @staticmethod
-    def _item(info: Any) -> MemoryItem:
-        meta = blob_meta(getattr(info, "path", None))
+    def _read_meta(self, tenant: str, user: str, infos: list[Any]) -> dict[str, dict[str, Any]]:
+        """id -> text, timestamp and extra (a dict) of stored memories, read from the opened blobs: a server's
+        blobs are sealed, so a file header says nothing in plain form. Another model's items, or a chunk that
+        cannot be opened: the plain header where there is one (library stores), else nothing."""
+        out: dict[str, dict[str, Any]] = {}
+        mine = [info_id(i) for i in infos if getattr(i, "fingerprint", None) == self.fingerprint
+                and not getattr(i, "corrupt", False)]
+        for start in range(0, len(mine), META_CHUNK):  # bounded DRAM for a long list
+            try:
+                blocks, _ = self.store.get_many(tenant, user, mine[start:start + META_CHUNK], self.fingerprint)
+            except InferScaleError:
+                continue
+            out.update({b.item_id: {"text": b.text, "timestamp": b.timestamp, "extra": dict(b.extra)} for b in blocks})
+        for info in infos:
+            if info_id(info) not in out:
+                meta: dict[str, Any] = dict(blob_meta(getattr(info, "path", None)))
+                try:
+                    meta["extra"] = json.loads(meta.get("extra") or "{}")
+                except ValueError:
+                    meta["extra"] = {}
+                out[info_id(info)] = meta
+        return out
+
+    def _item(self, tenant: str, user: str, info: Any) -> MemoryItem:
+        meta = self._read_meta(tenant, user, [info]).get(info_id(info), {})
         if not meta.get("text"):
             raise NotFoundError(f"memory {info_id(info)!r}: its blob header cannot be read")
         return MemoryItem(id=info_id(info), text=meta["text"], timestamp=meta.get("timestamp") or None)
 
     async def list(self, tenant: str, user: str) -> MemoryList:
         def run() -> list[MemoryInfo]:
-            return [to_info(i) for i in self.store.list(tenant, user)]
+            rows = self.store.list(tenant, user)
+            metas = self._read_meta(tenant, user, rows)
+            return [to_info(i, metas.get(info_id(i))) for i in rows]
 
         return MemoryList(user=user, items=await asyncio.to_thread(run))
 
     async def delete(self, tenant: str, user: str, item_id: str | None = None) -> Removed:
+        async with self.locks.hold(tenant, user):
+            return await self._delete(tenant, user, item_id)
+
+    async def _delete(self, tenant: str, user: str, item_id: str | None) -> Removed:
         everything = await asyncio.to_thread(self.store.list, tenant, user)  # NotFoundError for an unknown user
         infos = everything if item_id is None else [i for i in everything if info_id(i) == item_id]
         if item_id is not None and not infos:
             raise NotFoundError(f"memory {item_id!r} of user {user!r} not found")
         stored = self._ordered(everything)
-        behind = [] if item_id is None else await asyncio.to_thread(self._encoded_behind, stored, item_id)
+        behind = [] if item_id is None else await asyncio.to_thread(self._encoded_behind, tenant, user, stored,
+                                                                     item_id)
         nbytes = sum(int(to_info(i).bytes or 0) for i in infos)
         removed = _count(await asyncio.to_thread(self.store.delete, tenant, user, item_id))
         if behind:  # a deleted memory must not live on in the KV of the memories encoded behind it
             by_id = {info_id(i): i for i in stored if info_id(i) != item_id}
             order = list(by_id)
             await self._encode(tenant, user, order, [order.index(i) for i in behind],
-                               lambda i: self._item(by_id[i]))
+                               lambda i: self._item(tenant, user, by_id[i]))
         return Removed(removed_blocks=removed, removed_bytes=nbytes)
 
-    def _encoded_behind(self, stored: list[Any], item_id: str) -> list[str]:
+    def _encoded_behind(self, tenant: str, user: str, stored: list[Any], item_id: str) -> list[str]:
         """Of the ``stored`` memories (in list order), those whose blocks were encoded with ``item_id`` in their
         context (only the next context_items memories can be)."""
         out = []
         pos = next((n for n, i in enumerate(stored) if info_id(i) == item_id), len(stored))
-        for info in stored[pos + 1 : pos + 1 + self.engine.context_items]:
-            extra = blob_meta(getattr(info, "path", None)).get("extra") or "{}"
-            try:
-                context = json.loads(extra).get("context", "")
-            except (ValueError, AttributeError):
-                context = ""
+        window = stored[pos + 1 : pos + 1 + self.engine.context_items]
+        metas = self._read_meta(tenant, user, window)
+        for info in window:
+            extra = metas.get(info_id(info), {}).get("extra") or {}
+            context = str(extra.get("context", "")) if isinstance(extra, dict) else ""
             if item_id in context.split(","):
                 out.append(info_id(info))
         return out
@@ -195,6 +304,20 @@ class MemoryService:
         return blocks, chosen
 
 
+class DiskBudget:
+    """A tenant's disk bytes during one upload: each chunk of blocks is charged before it is written."""
+
+    def __init__(self, limit: int, used: int, replaced: dict[str, int]) -> None:
+        self.limit, self.used, self.replaced = limit, used, dict(replaced)
+
+    def charge(self, blocks: list[KVBlock]) -> None:
+        grow = sum(b.nbytes - self.replaced.pop(b.item_id, 0) for b in blocks)
+        if self.used + grow > self.limit:
+            raise _too_large(f"storing these memories needs {self.used + grow} bytes on disk, over this tenant's "
+                             f"budget of {self.limit}", "disk_quota_exceeded")
+        self.used += grow
+
+
 def info_id(info: Any) -> str:
     return info["id"] if isinstance(info, dict) else getattr(info, "item_id", None) or getattr(info, "id")
 
@@ -213,13 +336,15 @@ def blob_meta(path: str | None) -> dict[str, str]:
         return {}
 
 
-def to_info(info: Any) -> MemoryInfo:
-    """A store ItemInfo (inferscale.store.ItemInfo) as the API shows it; text and timestamp from the blob header."""
+def to_info(info: Any, meta: dict[str, Any] | None = None) -> MemoryInfo:
+    """A store ItemInfo (inferscale.store.ItemInfo) as the API shows it; text and timestamp from ``meta`` (the
+    opened blob, MemoryService._read_meta), else from a plain blob header."""
     get = info.get if isinstance(info, dict) else lambda k, d=None: getattr(info, k, d)
-    tiers = get("tiers") or []
-    meta = blob_meta(get("path"))
+    meta = meta if meta is not None else blob_meta(get("path"))
+    # No tier: where a block sits moves with every tenant's traffic (DRAM/GPU LRUs), so showing it would let
+    # one tenant watch the others' activity. Only the item's own stable facts are shown.
     return MemoryInfo(id=info_id(info), tokens=get("tokens"), bytes=get("kv_bytes", get("bytes")),
-                      tier=tiers[0] if tiers else get("tier"), text=meta.get("text", get("text")),
+                      text=meta.get("text", get("text")),
                       timestamp=meta.get("timestamp") or get("timestamp"))
 
 
@@ -238,7 +363,7 @@ def _svc(request: Request) -> MemoryService:
 @router.put("/{user}", response_model=PutMemoriesResult, responses=ERRORS)
 async def put_memories(user: UserPath, body: PutMemories, request: Request, tenant: TenantDep) -> PutMemoriesResult:
     """Encode the items now (KV through the engine, embeddings for retrieval) and store them; same ids replace."""
-    return await _svc(request).put(tenant.name, user, body)
+    return await _svc(request).put(tenant, user, body)
 
 
 @router.get("/{user}", response_model=MemoryList, responses=ERRORS)

@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from inferscale.contract import ID_PATTERN, TENANT_PATTERN, Mode
+from inferscale.contract import ID_PATTERN, TENANT_PATTERN, TTFT_GRANULARITY_MS, Mode
+
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")  # JSON "\\ud800" parses to one; it has no UTF-8 form
+
+
+def lone_surrogate_at(value: Any, where: str = "") -> str | None:
+    """The path of the first string in ``value`` (JSON-shaped) holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        m = _LONE_SURROGATE.search(value)
+        return f"{where or 'body'} (U+{ord(m.group()):04X} at character {m.start()})" if m else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = lone_surrogate_at(k, where) if isinstance(k, str) else None
+        found = found or lone_surrogate_at(v, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}".lstrip("."))
+        if found:
+            return found
+    return None
+
+
+class NoLoneSurrogates(BaseModel):
+    """A request body whose strings are all encodable text: a lone surrogate is a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where:
+            raise ValueError(f"{where}: a lone surrogate is not text; send a valid pair or UTF-8")
+        return data
 
 
 
@@ -68,7 +97,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(NoLoneSurrogates):
     model_config = ConfigDict(extra="allow")  # other OpenAI fields are accepted and ignored
     model: str
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -112,6 +141,11 @@ class MemoryUsage(BaseModel):
     memory_tokens: int
     ttft_ms: float
 
+    @field_validator("ttft_ms")
+    @classmethod
+    def _coarse(cls, v: float) -> float:  # the granularity the tenant API reports (server/guard.py)
+        return float(-(-max(0.0, v) // TTFT_GRANULARITY_MS) * TTFT_GRANULARITY_MS)
+
 
 class ChatCompletion(BaseModel):
     id: str
@@ -143,7 +177,7 @@ class MemoryItemIn(BaseModel):
     timestamp: str | None = Field(None, max_length=64)
 
 
-class PutMemories(BaseModel):
+class PutMemories(NoLoneSurrogates):
     model_config = ConfigDict(extra="forbid")
     items: list[MemoryItemIn] = Field(..., min_length=1, max_length=10000)
     replace: bool = Field(False, description="also delete the user's items that are not in this list")
@@ -163,7 +197,6 @@ class MemoryInfo(BaseModel):
     timestamp: str | None = None
     tokens: int | None = None
     bytes: int | None = None
-    tier: str | None = None
 
 
 class MemoryList(BaseModel):

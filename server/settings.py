@@ -40,6 +40,10 @@ ENV = {
     "chunk_tokens": "INFERSCALE_CHUNK_TOKENS",
     "max_queued_per_tenant": "INFERSCALE_MAX_QUEUED_PER_TENANT",
     "queue_timeout_s": "INFERSCALE_QUEUE_TIMEOUT_S",
+    "tenant_max_memories": "INFERSCALE_TENANT_MAX_MEMORIES",
+    "tenant_max_disk_bytes": "INFERSCALE_TENANT_MAX_DISK_BYTES",
+    "tenant_dram_bytes": "INFERSCALE_TENANT_DRAM_BYTES",
+    "tenant_encode_tokens_per_minute": "INFERSCALE_TENANT_ENCODE_TOKENS_PER_MINUTE",
     "console_traces": "INFERSCALE_CONSOLE_TRACES",
 }
 
@@ -76,6 +80,11 @@ class Settings(BaseModel):
     max_k: int = Field(64, ge=0)
     max_tokens: int = Field(512, ge=1)
     max_in_flight: int = Field(32, ge=1)
+    # Per-tenant budgets a tenants-file entry does not override (README, "Tenants file").
+    tenant_max_memories: int = Field(100_000, ge=0)
+    tenant_max_disk_bytes: int = Field(64 << 30, ge=0)
+    tenant_dram_bytes: int | None = Field(None, ge=0)  # None: a tenant may use the whole DRAM budget
+    tenant_encode_tokens_per_minute: int = Field(1_000_000, ge=0)
     # The engine's scheduler (inferscale/engine/scheduler.py): sequences in flight (decoded in one batch), the
     # token budget of one step, the largest prompt chunk per turn, and each tenant's bounded queue.
     max_active: int = Field(64, ge=1)
@@ -85,6 +94,13 @@ class Settings(BaseModel):
     queue_timeout_s: float = Field(30.0, gt=0)
     console_traces: bool = False
     max_body_bytes: int = Field(16 << 20, ge=1024)
+
+    @property
+    def tenant_budgets(self) -> dict[str, int | None]:
+        """The defaults of the per-tenant budget fields of the tenants file."""
+        return {"max_memories": self.tenant_max_memories, "max_disk_bytes": self.tenant_max_disk_bytes,
+                "dram_bytes": self.tenant_dram_bytes,
+                "encode_tokens_per_minute": self.tenant_encode_tokens_per_minute}
 
     @property
     def tenants_path(self) -> Path:

@@ -185,5 +185,10 @@ class Catalogue:
             " coalesce(sum(corrupt),0) FROM items")[0]
         return {"items": n, "disk_bytes": size, "users": users, "tenants": tenants, "corrupt": corrupt}
 
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(items, bytes on disk) of one tenant: what its memory and disk budgets bound."""
+        n, size = self._query("SELECT count(*), coalesce(sum(size),0) FROM items WHERE tenant=?", (tenant,))[0]
+        return int(n), int(size)
+
     def max_size(self) -> int:
         return self._query("SELECT coalesce(max(size), 0) FROM items")[0][0]

@@ -6,12 +6,16 @@ directory (no ``..``, no ``/``, no leading dot)."""
 
 from __future__ import annotations
 
+import os
 import re
+import sqlite3
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 from inferscale.contract import id_problem, is_valid_id
-from inferscale.errors import ConfigError
-from inferscale.kvformat import SUFFIX
+from inferscale.errors import ConfigError, StorageError
+from inferscale.kvformat import SUFFIX, TEMP_SUFFIX, atomic_write
 
 FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
 CATALOGUE_NAME = "catalogue.sqlite"
@@ -46,3 +50,31 @@ def scan_blobs(root: Path) -> list[tuple[str, str, Path]]:
             continue
         out.append((tenant, user, path))
     return out
+
+
+def write_recorded(path: Path, data: bytes | memoryview, record: Callable[[], None]) -> None:
+    """Write a blob atomically, then ``record()`` it in the catalogue. Disk and catalogue never disagree: a failed
+    write (a full disk) leaves the old blob; a catalogue failure after the rename puts the old blob back (kept
+    as a hard link named like a temp file, so a crash in between leaves an orphan the next start removes) or
+    removes the new one. Either failure is a StorageError."""
+    keep = None
+    if path.exists():
+        keep = Path(tempfile.mktemp(prefix=f".{path.name}.keep.", suffix=TEMP_SUFFIX, dir=path.parent))
+        os.link(path, keep)
+    try:
+        try:
+            atomic_write(path, data)
+        except OSError as e:  # atomic_write removed its temp file; the old blob (if any) is intact
+            raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
+        try:
+            record()
+        except sqlite3.Error as e:
+            if keep is not None:
+                os.replace(keep, path)
+                keep = None
+            else:
+                path.unlink(missing_ok=True)
+            raise StorageError(f"cannot record {path} in the catalogue ({e}); the blob was rolled back") from None
+    finally:
+        if keep is not None:
+            keep.unlink(missing_ok=True)

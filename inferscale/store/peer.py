@@ -24,12 +24,19 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 from inferscale.errors import TransferError
 
 log = logging.getLogger(__name__)
-MAX_FRAME = 16 << 20
+# Frame bounds per direction, checked on the 4-byte length before a byte of the frame is allocated: a request
+# (locate names at most a user's item ids) is read before its MAC can be checked, so it stays small.
+MAX_GREETING = 1 << 10
+MAX_REQUEST = 1 << 20
+MAX_REPLY = 8 << 20  # locate: partial agent metadata (base64) + one record per block
+MAX_CONNECTIONS = 32  # peer connections served at once; more are answered "busy" and closed
+REQUEST_DEADLINE_S = 5.0  # from connect to a whole request: a slow or idle client is cut off
 
 
 def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -37,22 +44,28 @@ def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(struct.pack(">I", len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes, read in pieces (nothing is allocated for bytes that never arrive); by ``deadline``
+    (monotonic) when given, however slowly they trickle in."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("peer request deadline passed")
+            sock.settimeout(left)
+        piece = sock.recv(min(n - len(buf), 1 << 16))
+        if not piece:
             raise ConnectionError("peer closed the connection")
-        got += k
+        buf += piece
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> dict[str, Any]:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"frame of {n} bytes")
-    msg = json.loads(_recv_exact(sock, n))
+def recv_msg(sock: socket.socket, limit: int = MAX_REPLY, deadline: float | None = None) -> dict[str, Any]:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+    if n > limit:
+        raise ConnectionError(f"frame of {n} bytes announced, over the {limit}-byte limit")
+    msg = json.loads(_recv_exact(sock, n, deadline))
     if not isinstance(msg, dict):
         raise ValueError("a frame that is not a JSON object")
     return msg
@@ -86,7 +99,7 @@ def request(peer: str, msg: dict[str, Any], timeout_s: float, secret: str | None
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
             s.settimeout(timeout_s)
-            nonce = recv_msg(s).get("nonce")
+            nonce = recv_msg(s, MAX_GREETING).get("nonce")
             if not isinstance(nonce, str):
                 raise ValueError("no nonce in the peer's greeting")
             if secret:
@@ -107,8 +120,10 @@ class PeerServer:
     """Serves ``handler(msg) -> reply`` on a TCP port in daemon threads; with ``secret``, only to MACed requests."""
 
     def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]],
-                 secret: str | None = None, timeout_s: float = 30.0) -> None:
+                 secret: str | None = None, timeout_s: float = 30.0, *, max_connections: int = MAX_CONNECTIONS,
+                 request_deadline_s: float = REQUEST_DEADLINE_S) -> None:
         outer = self
+        slots = threading.BoundedSemaphore(max_connections)
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:  # one request per connection
@@ -116,7 +131,8 @@ class PeerServer:
                 try:
                     nonce = secrets.token_hex(16)
                     send_msg(self.request, {"nonce": nonce})
-                    msg = recv_msg(self.request)
+                    msg = recv_msg(self.request, MAX_REQUEST, time.monotonic() + request_deadline_s)
+                    self.request.settimeout(timeout_s)
                     got = msg.get("auth")
                     if secret is not None and not (isinstance(got, str) and hmac.compare_digest(
                             got.encode(), request_mac(secret, nonce, msg).encode())):
@@ -133,6 +149,27 @@ class PeerServer:
         class _Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def process_request(self, request, client_address) -> None:
+                if not slots.acquire(blocking=False):  # no thread for a connection over the cap
+                    try:
+                        request.settimeout(1.0)
+                        send_msg(request, {"error": "busy", "message": "too many peer connections"})
+                    except OSError:
+                        pass
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    slots.release()
+                    raise
+
+            def process_request_thread(self, request, client_address) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
 
         self._server = _Server((host, port), _Handler)
         self.port = self._server.server_address[1]

@@ -26,9 +26,9 @@ import torch
 
 from inferscale import sealing
 from inferscale.errors import (
-    BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError, StorageError,
+    BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError,
 )
-from inferscale.kvformat import KVBlock, atomic_write, encode_blob
+from inferscale.kvformat import KVBlock, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import (
     BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, rewrap_blobs, verify,
@@ -36,7 +36,8 @@ from inferscale.store.blob import (
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
-from inferscale.store.layout import CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs
+from inferscale.store.layout import (CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs,
+                                     write_recorded)
 from inferscale.store.results import FetchStats, PullResult
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
@@ -253,6 +254,12 @@ class KVStore:
                         *(["dram"] if self.dram.resident(r.key) else []), "disk"])
         return rows
 
+    def usage(self, tenant: str) -> tuple[int, int]:  # (items, bytes on disk) of the tenant, every user and model
+        return self.catalogue.usage(tenant)
+
+    def set_tenant_quota(self, tenant: str, dram_bytes: int | None) -> None:  # None: tenant_quota_bytes
+        self.dram.tenant_quotas[tenant] = dram_bytes if dram_bytes is not None else self.dram.quota
+
     def users(self, tenant: str) -> list[str]:
         check_name("tenant", tenant)
         users = self.catalogue.users(tenant)
@@ -335,14 +342,13 @@ class KVStore:
         # File and catalogue change together: a reader never sees a new file with an old catalogue entry for
         # longer than this section, and two writers of one key cannot leave them disagreeing.
         with self._write_lock:
-            try:
-                atomic_write(path, on_disk)
-            except OSError as e:  # atomic_write removed its temp file; the old blob (if any) is intact
-                raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
-            self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
-            if self.gpu is not None:
-                self.gpu.drop(lambda k: k == key)
-            self.catalogue.upsert(item, emb)
+            def record() -> None:
+                self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
+                if self.gpu is not None:
+                    self.gpu.drop(lambda k: k == key)
+                self.catalogue.upsert(item, emb)
+
+            write_recorded(path, on_disk, record)  # StorageError: old blob (or none) and catalogue row kept
             gen = self.dram.generation(key)
         if cache:
             try:

@@ -36,7 +36,8 @@ class DramEntry:
 class DramTier:
     def __init__(self, arena: Arena, *, tenant_quota: int | None, is_pinned: Callable[[Key], bool]) -> None:
         self.arena = arena
-        self.quota = tenant_quota
+        self.quota = tenant_quota  # the default DRAM share of a tenant; None = no per-tenant bound
+        self.tenant_quotas: dict[str, int | None] = {}  # per-tenant overrides (the server's tenants file)
         self.is_pinned = is_pinned
         self.lock = threading.Lock()
         self._lru: OrderedDict[Key, DramEntry] = OrderedDict()
@@ -110,17 +111,18 @@ class DramTier:
             # Blocks of the same request already resident stay: count them, and fail before evicting anything.
             held = [align_up(self._lru[k].size) for k in protect if k in self._lru]
             total = need + sum(held)
+            quota = self.tenant_quotas.get(tenant, self.quota)
             if total > self.arena.size:
                 raise QuotaExceededError(f"{len(sizes) + len(held)} blocks need {total} bytes, more than the DRAM "
                                          f"budget ({self.arena.size})")
-            if self.quota is not None and total > self.quota:
+            if quota is not None and total > quota:
                 raise QuotaExceededError(f"{len(sizes) + len(held)} blocks need {total} bytes, more than tenant "
-                                         f"{tenant!r}'s quota ({self.quota})")
+                                         f"{tenant!r}'s quota ({quota})")
             evicted: list[Key] = []
-            while self.quota is not None and self._tenant_bytes[tenant] + need > self.quota:
+            while quota is not None and self._tenant_bytes[tenant] + need > quota:
                 v = self._victim(tenant, protect)
                 if v is None:
-                    raise QuotaExceededError(f"tenant {tenant!r} DRAM quota ({self.quota} bytes) is held by pinned "
+                    raise QuotaExceededError(f"tenant {tenant!r} DRAM quota ({quota} bytes) is held by pinned "
                                              "or in-use blocks")
                 self._evict(v, evicted)
             while True:

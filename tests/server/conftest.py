@@ -22,7 +22,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from inferscale.server.auth import hash_key  # noqa: E402
 
-KEYS = {"acme": "isk-acme-key", "globex": "isk-globex-key", "tight": "isk-tight-key", "fuzz": "isk-fuzz-key"}
+KEYS = {"acme": "isk-acme-key", "globex": "isk-globex-key", "tight": "isk-tight-key", "fuzz": "isk-fuzz-key",
+        "small": "isk-small-key", "slow": "isk-slow-key", "nodisk": "isk-nodisk-key"}
+# Per-tenant budgets under test (tests/security/test_abuse_tenants.py); DRAM share 32 MiB for "small".
+BUDGETS = {"small": {"max_memories": 3, "dram_bytes": 32 << 20}, "slow": {"encode_tokens_per_minute": 150},
+           "nodisk": {"max_disk_bytes": 1}}
 MODEL = "gemma-3-270m"
 
 
@@ -75,6 +79,7 @@ def live(tmp_path_factory, tiny_engine, embedder):
         "globex": [hash_key(KEYS["globex"])],
         "fuzz": [hash_key(KEYS["fuzz"])],
         "tight": {"keys": [hash_key(KEYS["tight"])], "max_k": 3, "max_tokens": 8, "max_in_flight": 1},
+        **{t: {"keys": [hash_key(KEYS[t])], **b} for t, b in BUDGETS.items()},
     }))
     settings = Settings(data_dir=data, tenants_file=tenants, model=MODEL, internal_token="internal-secret",
                         default_max_tokens=8, max_tokens=64, max_k=50, node_name="node-a", pod_name="pod-a",

@@ -85,3 +85,26 @@ def test_full_disk_leaves_no_partial_file(open_store, monkeypatch):
     got, _ = s.get_many("acme", "alice", ["m0"], FP)
     assert got[0].text == "m0 v1"
     s.put("acme", "alice", make_block("m0", version=3))  # writes work again once there is space
+
+
+def test_catalogue_failure_after_the_write_rolls_the_blob_back(open_store, monkeypatch):
+    """SQLite fails after the blob was renamed into place: the old blob comes back (a new item's file goes), so
+    disk and catalogue agree at once, not at the next read's 503."""
+    import sqlite3
+
+    s = open_store()
+    s.put("acme", "alice", make_block("m0", version=1))
+    directory = Path(s.list("acme", "alice")[0].path).parent
+
+    def broken(*a, **k):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(s.catalogue, "upsert", broken)
+    with pytest.raises(StorageError, match="rolled back"):
+        s.put("acme", "alice", make_block("m0", version=2))
+    with pytest.raises(StorageError, match="rolled back"):
+        s.put("acme", "alice", make_block("m1"))
+    monkeypatch.undo()
+    assert sorted(p.name for p in directory.iterdir()) == [f"m0{SUFFIX}"]  # no new file, no kept link
+    got, _ = s.get_many("acme", "alice", ["m0"], FP)
+    assert got[0].text == "m0 v1"  # the file the catalogue describes, checksum and all

@@ -1,0 +1,145 @@
+"""Limits before work, in front of every route (pure ASGI, no framework in between).
+
+``TenantGuard`` runs before FastAPI sees a request, so nothing below it allocates for a caller it has not
+admitted:
+1. ``Content-Length`` over the limit -> 413 before a byte of the body is read;
+2. on ``/v1/*`` the API key is checked from the headers alone -> 401 before a byte of the body is read (a key
+   cannot come in the body, so an unauthenticated flood costs one header parse);
+3. the tenant's in-flight slot for EVERY ``/v1/*`` route (chat and memories alike) -> 429 + ``Retry-After``;
+4. the body is read from the ASGI receive stream, counting bytes, chunked uploads included -> 413 as soon as
+   the running total crosses the limit (never buffering past it), and replayed to the app;
+5. the ``x-inferscale-ttft-ms`` response header is rounded up to ``TTFT_GRANULARITY_MS``, so the header is not a
+   finer instrument than a tenant's own clock for observing other tenants' load (docs/interfaces.md).
+The internal listener gets 1 and 4, and its token (INFERSCALE_INTERNAL_TOKEN) checked the same way before the body
+(its routes check it again; tenant keys mean nothing there).
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from typing import Any, Awaitable, Callable
+
+from inferscale.contract import TTFT_GRANULARITY_MS
+from inferscale.server.auth import AuthError, TenantRegistry
+from inferscale.server.httperrors import response as error_response
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+TTFT_HEADER = b"x-inferscale-ttft-ms"
+RETRY_AFTER_S = 1  # an in-flight slot frees when one of the tenant's own requests ends
+
+
+def coarse_ttft_ms(value: float) -> float:
+    """A TTFT in ms rounded up to the granularity the tenant API reports (never 0 for a positive TTFT)."""
+    return float(math.ceil(max(0.0, value) / TTFT_GRANULARITY_MS) * TTFT_GRANULARITY_MS)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers", []):
+        if k == name:
+            return v
+    return None
+
+
+def _bearer(scope: Scope) -> str | None:
+    scheme, _, token = (_header(scope, b"authorization") or b"").decode("latin-1").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class TenantGuard:
+    """See the module docstring. ``tenants`` None = no tenant checks (the internal listener)."""
+
+    def __init__(self, app, *, limit: int, tenants: TenantRegistry | None = None, coarse_ttft: bool = True,
+                 internal_token: str | None = None) -> None:
+        self.app, self.limit, self.tenants, self.coarse_ttft = app, limit, tenants, coarse_ttft
+        self.internal_token = internal_token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        if self.internal_token and scope.get("path", "").startswith("/internal/"):
+            got = _bearer(scope) or ""
+            if not hmac.compare_digest(got.encode(), self.internal_token.encode()):
+                resp = error_response(401, "incorrect internal token", "authentication_error", "invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+                return await resp(scope, receive, send)
+        tenant = None
+        if self.tenants is not None and scope.get("path", "").startswith("/v1/"):
+            try:
+                tenant = self.tenants.authenticate(_bearer(scope))
+            except AuthError as e:
+                resp = error_response(e.status, str(e), "authentication_error", e.code,
+                                      headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+                return await resp(scope, receive, send)
+            if not tenant.admit():
+                resp = error_response(429, f"too many requests in flight for this tenant (limit "
+                                      f"{tenant.max_in_flight})", "rate_limit_error", "rate_limit_exceeded",
+                                      headers={"Retry-After": str(RETRY_AFTER_S)})
+                return await resp(scope, receive, send)
+            scope.setdefault("state", {})["tenant"] = tenant
+        try:
+            body = await self._read_body(receive)
+            if body is None:
+                return await self._too_large(scope, receive, send)
+            await self.app(scope, self._replay(body, receive), self._filter(send))
+        finally:
+            if tenant is not None:
+                tenant.leave()
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None as soon as it is over the limit (the rest is never read)."""
+        chunks, total = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                break
+            chunk = msg.get("body", b"")
+            total += len(chunk)
+            if total > self.limit:
+                return None
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+    @staticmethod
+    def _replay(body: bytes, receive: Receive) -> Receive:
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect, as the server would
+
+        return replay
+
+    def _filter(self, send: Send) -> Send:
+        if not self.coarse_ttft:
+            return send
+
+        async def filtered(msg: dict[str, Any]) -> None:
+            if msg["type"] == "http.response.start":
+                headers = []
+                for k, v in msg.get("headers", []):
+                    if k.lower() == TTFT_HEADER:
+                        try:
+                            v = f"{coarse_ttft_ms(float(v)):.0f}".encode()
+                        except ValueError:
+                            continue
+                    headers.append((k, v))
+                msg = {**msg, "headers": headers}
+            await send(msg)
+
+        return filtered
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_response(413, f"request body over {self.limit} bytes", "invalid_request_error",
+                              "request_too_large", headers={"Connection": "close"})
+        await resp(scope, receive, send)
