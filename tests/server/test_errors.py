@@ -31,10 +31,9 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"model": MODEL, "messages": Q, "inferscale": {"mode": "telepathy"}}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "max_tokens": 0}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "n": 2}, 400, "invalid_value"),
-    ({"model": MODEL, "messages": Q, "user": "../etc"}, 400, "invalid_value"),
-    ({"model": MODEL, "messages": Q, "inferscale": {"k": 51}}, 429, "k_limit_exceeded"),
-    ({"model": MODEL, "messages": Q, "max_tokens": 65}, 429, "max_tokens_limit_exceeded"),
-    ({"model": MODEL, "messages": Q, "user": "nobody", "inferscale": {"k": 3}}, 404, "not_found"),
+    ({"model": MODEL, "messages": Q, "user": "x" * 257}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "inferscale": {"k": 51}}, 400, "k_limit_exceeded"),
+    ({"model": MODEL, "messages": Q, "max_tokens": 65}, 400, "max_tokens_limit_exceeded"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_chat_requests(live, body, status, code, stream):
