@@ -14,8 +14,6 @@ import pytest
 
 from conftest import MODEL
 
-from inferscale.contract import is_valid_id, user_store_id
-
 Q = [{"role": "user", "content": "What does Caroline like?"}]
 FORCED = "Hello the dog went to paris"  # the tiny tokenizer: characters and a few words ("▁the", "▁dog")
 
@@ -214,6 +212,8 @@ def test_first_conversation_without_memories_is_answered(live):
 
 
 def test_an_email_user_stores_memories_and_chats_with_them(live):
+    from inferscale.contract import user_store_id
+
     user = "ann@example.com"
     r = httpx.put(f"{live.url}/v1/memories/{user}", headers=live.headers(), timeout=60,
                   json={"items": [{"id": "a1", "text": "ann keeps bees in her garden"}]})
@@ -227,6 +227,8 @@ def test_an_email_user_stores_memories_and_chats_with_them(live):
 
 
 def test_user_mapping_is_one_to_one():
+    from inferscale.contract import is_valid_id, user_store_id
+
     assert user_store_id("caroline") == "caroline"  # valid ids keep their name (operator-made users match)
     hashed = user_store_id("ann@example.com")
     assert hashed.startswith("u-") and is_valid_id(hashed) and hashed == user_store_id("ann@example.com")
