@@ -95,7 +95,7 @@ class ChatCompletionRequest(BaseModel):
         None, description="up to 4 sequences; replaces the model's default stop (see GET /v1/models)")
     user: ApiUser | None = Field(None, description="whose memories to use (scoped to the caller's tenant); any "
                                  "string, mapped to a store id by inferscale.contract.user_store_id")
-    safety_identifier: ApiUser | None = Field(None, description="recorded on the request span only")
+    safety_identifier: ApiUser | None = Field(None, description="accepted; not acted on")
     prompt_cache_key: str | None = Field(None, max_length=1024, description="accepted; caching is by memory")
     metadata: dict[str, str] | None = Field(None, max_length=16, description="accepted; recorded nowhere")
     service_tier: Literal["auto", "default"] | None = None
