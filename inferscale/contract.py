@@ -7,8 +7,11 @@ CRD and this module equal).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Literal, get_args
+
+from inferscale.errors import ConfigError
 
 # A user or memory-item id. It becomes a directory or file name on every node, so it must never climb out of its
 # directory: a leading letter/digit, no '/', and no '..' anywhere. Matched with fullmatch (a trailing newline is
@@ -52,3 +55,21 @@ def is_valid_tenant(value: object) -> bool:
 # The tenant API reports TTFT (the x-inferscale-ttft-ms header, the response's inferscale.ttft_ms) rounded up to
 # this many ms: a tenant learns its own latency, not a finer clock on other tenants' load than its own timing.
 TTFT_GRANULARITY_MS = 10
+
+# The OpenAI ``user`` field (a free string: gateways put e-mails, account ids, ...) names the memory owner. It maps
+# to a store user id by one injective rule: a valid id is kept as it is unless it has the reserved shape
+# ``u-<32 lowercase hex>``; every other string (and a reserved-shape one) becomes ``u-<sha256(utf-8)[:32 hex]>``.
+# Kept ids never have the reserved shape and hashed ids always do, so two different strings never share an id
+# (short of a 128-bit SHA-256 prefix collision). The memories API path applies the same rule.
+USER_MAX_LEN = 256
+USER_HASH_PREFIX = "u-"
+_HASHED_USER_RE = re.compile(r"u-[0-9a-f]{32}")
+
+
+def user_store_id(user: str) -> str:
+    """The store user id for an API ``user`` string (1..USER_MAX_LEN characters; see the rule above)."""
+    if not isinstance(user, str) or not 0 < len(user) <= USER_MAX_LEN:
+        raise ConfigError(f"user must be a string of 1 to {USER_MAX_LEN} characters")
+    if is_valid_id(user) and _HASHED_USER_RE.fullmatch(user) is None:
+        return user
+    return USER_HASH_PREFIX + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]

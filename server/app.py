@@ -18,7 +18,7 @@ from inferscale.server.guard import TenantGuard
 from inferscale.server.httperrors import response as error_response
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.worker import EngineWorker
-from inferscale.server.schemas import ModelCard, ModelList
+from inferscale.server.schemas import ModelCard, ModelList, ModelProfile
 from inferscale.server.settings import Settings
 from inferscale.server.logs import inject_trace_ids_into_logs
 from inferscale.server.tracing import setup as setup_telemetry
@@ -117,16 +117,20 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     telemetry.instrument(app)
     st.internal_app = create_internal_app(settings, store, telemetry) if settings.internal_token else None
 
+    def model_card() -> ModelCard:  # the inferscale field shows the profile: its default stop and modes
+        profile = ModelProfile(default_stop=list(engine.template.default_stop), modes=st.modes)
+        return ModelCard(id=settings.model, created=int(st.started), inferscale=profile)
+
     @app.get("/v1/models", response_model=ModelList, tags=["models"], dependencies=[Depends(require_tenant)])
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.model, created=int(st.started))])
+        return ModelList(data=[model_card()])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["models"],
              dependencies=[Depends(require_tenant)])
     async def get_model(model_id: str) -> ModelCard:
         if model_id not in st.model_ids:
             raise httperrors.ApiError(404, f"model {model_id!r} does not exist", code="model_not_found", param="model")
-        return ModelCard(id=settings.model, created=int(st.started))
+        return model_card()
 
     @app.get("/healthz", tags=["ops"])
     async def healthz():

@@ -11,15 +11,16 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from inferscale.contract import user_store_id
 from inferscale.engine.loop import DoneEvent, ErrorEvent, Event, GenRequest, TokenEvent
 from inferscale.engine.sampling import Sampling
 from inferscale.server.auth import Tenant, require_tenant
 from inferscale.server.genai_metrics import ChatTelemetry
-from inferscale.server.httperrors import ApiError, body as error_body, from_typed
+from inferscale.server.httperrors import ApiError, body as error_body, from_typed, request_id
 from inferscale.server.scheduler import EventStream
 from inferscale.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionRequest, Choice, ErrorBody,
-                                       MemoryOptions, MemoryUsage, Usage)
-from inferscale.errors import InferScaleError
+                                       MemoryOptions, MemoryUsage, PromptTokensDetails, Usage)
+from inferscale.errors import InferScaleError, NotFoundError
 
 router = APIRouter(tags=["chat"])
 TTFT_HEADER = "x-inferscale-ttft-ms"
@@ -39,17 +40,30 @@ def _raise(err: BaseException):
 
 
 def _limits(req: ChatCompletionRequest, tenant: Tenant, settings) -> tuple[MemoryOptions, int, str, int]:
+    """Memory options, k, mode and max tokens. A value above the tenant's limit is a bad request (400 naming the
+    ``param``), not a rate limit: retrying cannot make it pass."""
+    unsupported = req.unsupported()
+    if unsupported is not None:
+        param, why = unsupported
+        raise ApiError(400, f"{param}: {why}", code="unsupported_parameter", param=param)
     opts = req.inferscale or MemoryOptions()
     k = opts.k if opts.k is not None else min(settings.default_k, tenant.max_k)
     mode = opts.mode or settings.default_mode
+    # OpenAI deprecated max_tokens for max_completion_tokens: the newer one wins when both are sent.
+    tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens or req.max_tokens or min(settings.default_max_tokens, tenant.max_tokens)
     if k > tenant.max_k:
-        raise ApiError(429, f"inferscale.k={k} exceeds this tenant's limit of {tenant.max_k}", type="rate_limit_error",
+        raise ApiError(400, f"inferscale.k={k} exceeds this tenant's limit of {tenant.max_k}",
                        code="k_limit_exceeded", param="inferscale.k")
     if max_tokens > tenant.max_tokens:
-        raise ApiError(429, f"max_tokens={max_tokens} exceeds this tenant's limit of {tenant.max_tokens}",
-                       type="rate_limit_error", code="max_tokens_limit_exceeded", param="max_tokens")
+        raise ApiError(400, f"{tokens_param}={max_tokens} exceeds this tenant's limit of {tenant.max_tokens}",
+                       code="max_tokens_limit_exceeded", param=tokens_param)
     return opts, k, mode, max_tokens
+
+
+def _owner(req: ChatCompletionRequest) -> str | None:
+    """The store user id whose memories this request uses (the OpenAI ``user``, mapped by the contract's rule)."""
+    return None if req.user is None else user_store_id(req.user)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion,
@@ -67,30 +81,36 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         raise ApiError(400, f"inferscale.mode {mode!r} is not available in this build (have: {', '.join(app.modes)})",
                        code="mode_unavailable", param="inferscale.mode")
     query, turns = _prompt(req)
+    owner = _owner(req)
     # Characters, then tokens, before anything reaches the engine thread (one user turn: the question template,
     # the same ids as `inferscale ask`).
     prompt_ids = await app.worker.prompt_ids(turns)
     if not tenant.acquire():
         app.telemetry.metrics.rejected("in_flight")
         raise ApiError(429, f"too many requests in flight for this tenant (limit {tenant.max_in_flight})",
-                       type="rate_limit_error", code="rate_limit_exceeded")
+                       type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
     rec = ChatTelemetry(tel.tracer, tel.metrics, model=req.model, mode=mode, started=t0, request={
         "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": req.temperature,
         "gen_ai.request.top_p": req.top_p, "gen_ai.request.seed": req.seed,
-        "inferscale.tenant": tenant.name, "inferscale.user": req.user or "", "inferscale.k": k,
-        "inferscale.stream": req.stream})
+        "gen_ai.request.stop_sequences": list(req.stop_sequences()) if req.stop is not None else None,
+        "inferscale.tenant": tenant.name, "inferscale.user": owner or "", "inferscale.k": k,
+        "inferscale.stream": bool(req.stream), "inferscale.request_id": request_id(request)})
     span, ctx = rec.span, rec.context
     job = None
     handed_off = False
     try:
         blocks, chosen = [], []
-        if mode != "none" and req.user is not None:
-            blocks, chosen = await app.memories.retrieve(tenant.name, req.user, query, k, tel.tracer, ctx)
-        effective_mode = mode if req.user is not None else "none"
+        if mode != "none" and owner is not None:
+            try:
+                blocks, chosen = await app.memories.retrieve(tenant.name, owner, query, k, tel.tracer, ctx)
+            except NotFoundError:  # no memories yet (every user's first conversation): answer with none
+                blocks, chosen = [], []
+        effective_mode = mode if owner is not None else "none"
         rec.set_mode(effective_mode)
         sampling = Sampling(max_new_tokens=max_tokens, temperature=req.temperature or 0.0,
                             top_p=req.top_p if req.top_p is not None else 1.0, seed=req.seed,
-                            ignore_eos=req.ignore_eos, min_tokens=min(req.min_tokens, max_tokens))
+                            stop=req.stop_sequences(), ignore_eos=req.ignore_eos,
+                            min_tokens=min(req.min_tokens, max_tokens))
         job = EventStream()
         job.request = GenRequest(
             ids=prompt_ids, blocks=blocks, mode=effective_mode, sampling=sampling, emit=job.emit, tenant=tenant.name,
@@ -113,7 +133,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         text, done = await _collect(job, first)
         reason = done.finish_reason
         meta.memory_tokens = done.memory_tokens
-        usage = _usage(done)
+        usage = _usage(done, effective_mode)
         _finish(rec, rid, req.model, usage, meta.memory_tokens, reason)
         out = ChatCompletion(id=rid, created=int(time.time()), model=req.model, usage=usage, inferscale=meta,
                              choices=[Choice(message=AssistantMessage(content=text.strip()), finish_reason=reason)])
@@ -142,9 +162,15 @@ async def _collect(job: EventStream, first: Event) -> tuple[str, DoneEvent]:
         ev = await job.next()
 
 
-def _usage(done: DoneEvent) -> Usage:
+# Modes whose memory tokens arrive as cached KV (reported as OpenAI's cached prompt tokens); text mode computes them.
+CACHED_MODES = ("kv", "kv-recompute")
+
+
+def _usage(done: DoneEvent, mode: str) -> Usage:
+    cached = done.memory_tokens if mode in CACHED_MODES else 0
     return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                 total_tokens=done.prompt_tokens + done.completion_tokens)
+                 total_tokens=done.prompt_tokens + done.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _finish(rec: ChatTelemetry, rid: str, model: str, usage: Usage, memory_tokens: int, reason: str) -> None:
@@ -159,10 +185,14 @@ def _sse(obj: dict) -> str:
 async def _stream(job: EventStream, first: Event, rid: str, req: ChatCompletionRequest, meta: MemoryUsage,
                   rec: ChatTelemetry, tenant: Tenant):
     created = int(time.time())
+    # With include_usage every chunk carries "usage": null but the last one, which carries only the usage.
+    with_usage = req.stream_options is not None and req.stream_options.include_usage
+    nulls = {"usage": None} if with_usage else {}
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
         return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                     **nulls, **extra})
 
     try:
         yield chunk({"role": "assistant", "content": ""})
@@ -172,11 +202,11 @@ async def _stream(job: EventStream, first: Event, rid: str, req: ChatCompletionR
                 if ev.text:
                     yield chunk({"content": ev.text})
             elif isinstance(ev, DoneEvent):
-                usage = _usage(ev)
+                usage = _usage(ev, meta.mode)
                 meta.memory_tokens = ev.memory_tokens
                 _finish(rec, rid, req.model, usage, meta.memory_tokens, ev.finish_reason)
                 yield chunk({}, ev.finish_reason, inferscale=meta.model_dump())
-                if req.stream_options is not None and req.stream_options.include_usage:
+                if with_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                                 "choices": [], "usage": usage.model_dump()})
                 break

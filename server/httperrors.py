@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,7 +41,7 @@ _TYPED: list[tuple[type, int, str, str]] = [
     (E.MemoryItemError, 400, "invalid_request_error", "invalid_memory_item"),
     (E.ConfigError, 400, "invalid_request_error", "invalid_value"),
     (E.UnsafePathError, 400, "invalid_request_error", "unsafe_path"),
-    (E.QuotaExceededError, 429, "insufficient_quota", "quota_exceeded"),
+    (E.QuotaExceededError, 429, "insufficient_quota", "quota_exceeded"),  # in-use blocks hold it: Retry-After
     (E.FingerprintMismatchError, 409, "conflict_error", "fingerprint_mismatch"),
     (E.BlobCorruptError, 503, "server_error", "blob_corrupt"),
     (E.StorageError, 507, "server_error", "insufficient_storage"),  # the node's disk, not the request
@@ -54,18 +56,57 @@ def from_typed(e: E.InferScaleError) -> ApiError:
                         headers={"Retry-After": str(e.retry_after_s)})
     for cls, status, type_, code in _TYPED:
         if isinstance(e, cls):
-            # A full DRAM share frees as the tenant's own blocks are released: worth retrying soon.
-            headers = {"Retry-After": "1"} if status == 429 else None
+            headers = {"Retry-After": "1"} if status == 429 else None  # every 429 says when to come back
             return ApiError(status, str(e), type=type_, code=code, param=getattr(e, "param", None), headers=headers)
     return ApiError(500, str(e), type="server_error")
 
 
+# Pydantic names the member of a union it tried in an error's location ("list[constrained-str]", "str"): not a param.
+_UNION_TAG = re.compile(r"[^\[\]]*\[.*\]|str|int|float|bool|constrained-str")
+
+
 def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
+             and not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
     return ".".join(parts) or None
 
 
+# ---- x-request-id -------------------------------------------------------------------------------------------
+REQUEST_ID_HEADER = "x-request-id"
+_CALLER_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, bounded: safe in logs and headers
+
+
+class RequestId:
+    """Pure ASGI middleware: every response carries ``x-request-id``: the caller's when it is 1-128 printable ASCII
+    characters, else a new one. Handlers read it with ``request_id(request)``."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", []) if k == REQUEST_ID_HEADER.encode()), b"")
+        rid = given.decode("latin-1") if _CALLER_REQUEST_ID.fullmatch(given.decode("latin-1")) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER.encode()]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER.encode(), rid.encode())]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
+
+
+def request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", None) or ""
+
+
 def install(app: FastAPI) -> None:
+    """Error handlers (OpenAI's error body) and the x-request-id middleware."""
+    app.add_middleware(RequestId)
+
     @app.exception_handler(ApiError)
     async def _api(_: Request, e: ApiError):
         return response(e.status, e.message, e.type, e.code, e.param, e.headers)
@@ -88,6 +129,9 @@ def install(app: FastAPI) -> None:
             return response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                             "invalid_request_error", "invalid_json")
         param = _param(tuple(first.get("loc", ())))
+        if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+            return response(400, f"Unrecognized request argument supplied: {param}", "invalid_request_error",
+                            "unrecognized_argument", param)
         msg = f"{param}: {first['msg']}" if param else str(first["msg"])
         if len(errs) > 1:
             msg += f" (and {len(errs) - 1} more)"

@@ -16,6 +16,7 @@ import torch
 from fastapi import APIRouter, Depends, Path, Request
 from opentelemetry import trace
 
+from inferscale.contract import USER_MAX_LEN, user_store_id
 from inferscale.engine.template import MemoryItem
 from inferscale.errors import InferScaleError, NotFoundError
 from inferscale.kvformat import KVBlock
@@ -350,7 +351,9 @@ def to_info(info: Any, meta: dict[str, Any] | None = None) -> MemoryInfo:
 
 # ---- routes -------------------------------------------------------------------------------------------------
 router = APIRouter(prefix="/v1/memories", tags=["memories"])
-UserPath = Annotated[str, Path(pattern=ID_PATTERN, description="the user, scoped to the caller's tenant")]
+# The OpenAI `user` string (an e-mail works), mapped to the store id as chat maps it (contract.user_store_id).
+UserPath = Annotated[str, Path(min_length=1, max_length=USER_MAX_LEN,
+                               description="the user (chat's `user`), scoped to the caller's tenant")]
 ItemPath = Annotated[str, Path(pattern=ID_PATTERN)]
 TenantDep = Annotated[Tenant, Depends(require_tenant)]
 ERRORS = {s: {"model": ErrorBody} for s in (400, 401, 404, 413, 429)}
@@ -363,20 +366,20 @@ def _svc(request: Request) -> MemoryService:
 @router.put("/{user}", response_model=PutMemoriesResult, responses=ERRORS)
 async def put_memories(user: UserPath, body: PutMemories, request: Request, tenant: TenantDep) -> PutMemoriesResult:
     """Encode the items now (KV through the engine, embeddings for retrieval) and store them; same ids replace."""
-    return await _svc(request).put(tenant, user, body)
+    return await _svc(request).put(tenant, user_store_id(user), body)
 
 
 @router.get("/{user}", response_model=MemoryList, responses=ERRORS)
 async def get_memories(user: UserPath, request: Request, tenant: TenantDep) -> MemoryList:
-    return await _svc(request).list(tenant.name, user)
+    return await _svc(request).list(tenant.name, user_store_id(user))
 
 
 @router.delete("/{user}", response_model=Removed, responses=ERRORS)
 async def delete_user(user: UserPath, request: Request, tenant: TenantDep) -> Removed:
     """Delete all of the user's memories from every tier."""
-    return await _svc(request).delete(tenant.name, user)
+    return await _svc(request).delete(tenant.name, user_store_id(user))
 
 
 @router.delete("/{user}/{item}", response_model=Removed, responses=ERRORS)
 async def delete_item(user: UserPath, item: ItemPath, request: Request, tenant: TenantDep) -> Removed:
-    return await _svc(request).delete(tenant.name, user, item)
+    return await _svc(request).delete(tenant.name, user_store_id(user), item)

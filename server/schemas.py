@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from inferscale.contract import ID_PATTERN, TENANT_PATTERN, TTFT_GRANULARITY_MS, Mode
+from inferscale.contract import ID_PATTERN, TENANT_PATTERN, TTFT_GRANULARITY_MS, USER_MAX_LEN, Mode
+from inferscale.engine.sampling import MAX_STOP
 
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")  # JSON "\\ud800" parses to one; it has no UTF-8 form
 
@@ -47,6 +48,9 @@ def _no_dotdot(value: str) -> str:
 
 ItemId = Annotated[str, StringConstraints(pattern=ID_PATTERN), AfterValidator(_no_dotdot)]
 UserId = Annotated[str, StringConstraints(pattern=ID_PATTERN), AfterValidator(_no_dotdot)]
+# The OpenAI ``user`` (any string; inferscale.contract.user_store_id maps it to the store's user id).
+ApiUser = Annotated[str, StringConstraints(min_length=1, max_length=USER_MAX_LEN)]
+StopText = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 TenantName = Annotated[str, StringConstraints(pattern=TENANT_PATTERN)]
 HARD_MAX_K = 1000
 
@@ -97,29 +101,104 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
 class ChatCompletionRequest(NoLoneSurrogates):
-    model_config = ConfigDict(extra="allow")  # other OpenAI fields are accepted and ignored
+    """OpenAI's request body. An unknown field is refused (400 "Unrecognized request argument", as OpenAI does);
+    a known one this server cannot honour is refused by ``unsupported()`` (400 naming the ``param``)."""
+    model_config = ConfigDict(extra="forbid")
     model: str
     messages: list[ChatMessage] = Field(..., min_length=1)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: max_completion_tokens wins")
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
-    user: UserId | None = Field(None, description="whose memories to use (scoped to the caller's tenant)")
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = Field(
+        None, description="up to 4 sequences; replaces the model's default stop (see GET /v1/models)")
+    user: ApiUser | None = Field(None, description="whose memories to use (scoped to the caller's tenant); any "
+                                 "string, mapped to a store id by inferscale.contract.user_store_id")
+    safety_identifier: ApiUser | None = Field(None, description="accepted; not acted on")
+    prompt_cache_key: str | None = Field(None, max_length=1024, description="accepted; caching is by memory")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="accepted; recorded nowhere")
+    service_tier: Literal["auto", "default"] | None = None
+    store: bool | None = None
+    # Known OpenAI fields this server cannot honour: typed here so that a harmless value passes and any other
+    # answers 400 with ``param`` (see unsupported()).
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
     inferscale: MemoryOptions | None = None
     # vLLM's extra sampling parameters (send them in the openai client's extra_body): force the output length.
-    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence and line breaks")
-    min_tokens: int = Field(0, ge=0, description="stop tokens cannot end the answer before this many tokens")
+    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence and the default stop")
+    min_tokens: int = Field(0, ge=0, description="no stop ends the answer before this many tokens")
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, why) for the first field whose value this server cannot honour, else None."""
+        checks: list[tuple[str, bool, str]] = [
+            ("logprobs", bool(self.logprobs), "log probabilities are not returned by this server"),
+            ("top_logprobs", bool(self.top_logprobs), "log probabilities are not returned by this server"),
+            ("frequency_penalty", bool(self.frequency_penalty), "only 0 is supported"),
+            ("presence_penalty", bool(self.presence_penalty), "only 0 is supported"),
+            ("logit_bias", bool(self.logit_bias), "logit bias is not supported"),
+            ("response_format", self.response_format is not None and self.response_format.type != "text",
+             "only {\"type\": \"text\"} is supported"),
+            ("tools", bool(self.tools), "tool calling is not supported"),
+            ("tool_choice", self.tool_choice not in (None, "none"), "tool calling is not supported"),
+            ("parallel_tool_calls", self.parallel_tool_calls is not None, "tool calling is not supported"),
+            ("functions", bool(self.functions), "function calling is not supported"),
+            ("function_call", self.function_call not in (None, "none"), "function calling is not supported"),
+            ("audio", self.audio is not None, "audio output is not supported"),
+            ("modalities", any(m != "text" for m in self.modalities or []), "only the text modality is supported"),
+            ("prediction", self.prediction is not None, "predicted outputs are not supported"),
+            ("reasoning_effort", self.reasoning_effort is not None, "this model does not reason"),
+            ("verbosity", self.verbosity is not None, "verbosity is not supported"),
+            ("web_search_options", self.web_search_options is not None, "web search is not supported"),
+            ("store", bool(self.store), "stored completions are not supported"),
+        ]
+        return next(((param, why) for param, bad, why in checks if bad), None)
+
+    def stop_sequences(self) -> tuple[str, ...] | None:
+        """The request's stop sequences; None: the model's default."""
+        if self.stop is None:
+            return None
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="memory tokens injected as cached KV (kv modes); 0 otherwise")
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class AssistantMessage(BaseModel):
@@ -157,11 +236,17 @@ class ChatCompletion(BaseModel):
     inferscale: MemoryUsage | None = None
 
 
+class ModelProfile(BaseModel):
+    default_stop: list[str] = Field(description="stop sequences in force when a request sends no `stop`")
+    modes: list[str]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "inferscale"
+    inferscale: ModelProfile | None = None
 
 
 class ModelList(BaseModel):

@@ -47,7 +47,7 @@ class Sequence:
 @dataclass
 class Answer:
     text: str
-    token_ids: list[int]  # generated, stop token excluded
+    token_ids: list[int]  # generated: an end-of-sequence token excluded, the one completing a stop sequence kept
     first_token: int  # the first token chosen, stop token included (what agreement between modes compares)
     ttft_s: float
     total_s: float

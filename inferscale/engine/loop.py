@@ -23,7 +23,7 @@ import torch
 
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import injected_cache, kv_of_cache
-from inferscale.engine.sampling import Sampling, sample
+from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
 from inferscale.errors import ConfigError, EngineBusyError, PromptTooLongError
@@ -80,8 +80,11 @@ class GenRequest:
     output: list[int] = field(default_factory=list)  # generated tokens, stop token excluded
     last: int | None = None  # the token the next decode step feeds
     first_token: int | None = None
-    text: str = ""
-    started: bool = False  # visible text was produced (the newline stop may fire only after)
+    text: str = ""  # the decoded output so far (never ending in a partial UTF-8 character)
+    sent: int = 0  # characters of ``text`` already emitted (the rest may be the start of a stop sequence)
+    stops: tuple[str, ...] = ()  # the stop sequences in force (resolved by ServingLoop.add)
+    stop_floor: int = 0  # a stop sequence may begin no earlier (text said before min_tokens was reached)
+    answer: str | None = None  # the final text when a stop sequence ended it
     generator: torch.Generator | None = None
     span: Any = None
 
@@ -112,6 +115,7 @@ class ServingLoop:
         for b in blocks:
             eng.check_block(b)
         req.blocks = blocks
+        req.stops = req.sampling.stops(eng.template.default_stop)
         p, memory = len(eng.prefix_ids), sum(b.num_tokens for b in blocks)
         total = p + memory + len(req.ids)
         limit = eng.loaded.layout.max_positions
@@ -248,39 +252,55 @@ class ServingLoop:
         return out.logits[:, -1].float()
 
     def _postprocess(self, req: GenRequest, logits: torch.Tensor) -> None:
-        """Sample the next token, emit it, and stop or keep the request running."""
+        """Sample the next token, emit its text, and stop or keep the request running."""
         eng, sampling = self.engine, req.sampling
-        banned = eng.stop_ids | (eng.newline_ids if sampling.stop_on_newline else set()) \
-            if len(req.output) < sampling.min_tokens else ()
+        banned = eng.stop_ids if len(req.output) < sampling.min_tokens else ()
         token = sample(logits, sampling, req.generator, banned)
         if req.first_token is None:
             req.first_token = token
-        if not sampling.ignore_eos and self._is_stop(req, token):
+        if not sampling.ignore_eos and token in eng.stop_ids:
             self._finish(req, "stop")
             return
         req.output.append(token)
         text = eng.tokenizer.decode(req.output, skip_special_tokens=True)
-        delta = ""
-        if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
-            delta, req.text = text[len(req.text):], text
-        req.started = req.started or bool(req.text.strip())
-        req.emit(TokenEvent(token, delta, time.perf_counter()))
+        now = time.perf_counter()
+        if text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+            req.emit(TokenEvent(token, "", now))
+        elif self._stopped(req, text, now):
+            return
         if len(req.output) >= sampling.max_new_tokens:
             self._finish(req, "length")
             return
         req.last = token
 
-    def _is_stop(self, req: GenRequest, token: int) -> bool:
-        """An end-of-sequence token, or a line break once visible text was said (a leading one never stops)."""
-        eng = self.engine
-        if token in eng.stop_ids:
-            return True
-        return req.sampling.stop_on_newline and req.started and token in eng.newline_ids
+    def _stopped(self, req: GenRequest, text: str, now: float) -> bool:
+        """Take the new decoded ``text``: emit what can no longer be part of a stop sequence, and finish the
+        request when a stop sequence appeared. Stops match only after the answer's leading whitespace (a model that
+        opens with a line break is not cut off) and not in text said before ``min_tokens`` was reached."""
+        prev, req.text = req.text, text
+        token = req.output[-1]
+        if not req.stops or len(req.output) < req.sampling.min_tokens:
+            req.stop_floor = len(text) if req.stops else 0
+            req.emit(TokenEvent(token, text[req.sent:], now))
+            req.sent = len(text)
+            return False
+        visible = len(text) - len(text.lstrip())
+        start = max(req.stop_floor, visible, len(prev) - max(map(len, req.stops)) + 1)
+        at = find_stop(text, req.stops, start)
+        end = at if at is not None else max(req.sent, len(text) - held_back(text, req.stops, start))
+        req.emit(TokenEvent(token, text[req.sent:end], now))
+        req.sent = end
+        if at is None:
+            return False
+        req.answer = text[:at]
+        self._finish(req, "stop")
+        return True
 
     def _finish(self, req: GenRequest, reason: str) -> None:
-        text = self.engine.tokenizer.decode(req.output, skip_special_tokens=True)
-        if text != req.text and text.startswith(req.text):
-            req.emit(TokenEvent(None, text[len(req.text):], time.perf_counter()))
+        if req.answer is None:  # no stop sequence ended it: flush what was held back
+            text = self.engine.tokenizer.decode(req.output, skip_special_tokens=True)
+            if len(text) > req.sent and text.startswith(req.text[:req.sent]):
+                req.emit(TokenEvent(None, text[req.sent:], time.perf_counter()))
         self._end_span(req)  # before the client hears of it: its trace is complete when the answer is
         req.emit(DoneEvent(reason, req.sched.prompt_tokens, sum(b.num_tokens for b in req.blocks), len(req.output),
                            req.first_token))

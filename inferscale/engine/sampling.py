@@ -9,6 +9,8 @@ import torch
 
 from inferscale.errors import ConfigError
 
+MAX_STOP = 4  # stop sequences per request, as OpenAI allows
+
 
 @dataclass
 class Sampling:
@@ -16,15 +18,48 @@ class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
-    stop_on_newline: bool = True  # short answers: a line break ends them, once some visible text was said
+    # Stop sequences, matched on the decoded text (across token boundaries) once visible text was said; the match
+    # and what follows it are not returned. None: the model profile's default (PromptTemplate.default_stop);
+    # (): none. With ignore_eos the profile's default is off too (a request's own stop still applies, as in vLLM).
+    stop: tuple[str, ...] | None = None
     ignore_eos: bool = False  # vLLM's extra parameter: generate exactly max_new_tokens (load benchmarks)
-    min_tokens: int = 0  # vLLM's extra parameter: stop tokens cannot be chosen before this many tokens
+    min_tokens: int = 0  # vLLM's extra parameter: no stop (token or sequence) ends the answer before this many tokens
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: expected 1 or more")
         if self.min_tokens < 0:
             raise ConfigError(f"min_tokens={self.min_tokens}: expected 0 or more")
+        if self.stop is not None:
+            if isinstance(self.stop, str):
+                self.stop = (self.stop,)
+            self.stop = tuple(self.stop)
+            if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
+                raise ConfigError(f"stop: expected up to {MAX_STOP} non-empty strings")
+
+    def stops(self, default: tuple[str, ...]) -> tuple[str, ...]:
+        """The stop sequences in force: the request's own, else the profile's ``default`` (none with ignore_eos)."""
+        if self.stop is not None:
+            return self.stop
+        return () if self.ignore_eos else default
+
+
+def find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    """Where the earliest stop sequence begins in ``text[start:]`` (an index into ``text``), else None."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def held_back(text: str, stops: tuple[str, ...], start: int) -> int:
+    """How many characters at the end of ``text`` (not before ``start``) could be the beginning of a stop sequence:
+    a stream must not send them until the next tokens tell."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text) - start), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,

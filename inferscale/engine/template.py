@@ -84,6 +84,10 @@ class PromptTemplate:
     chat_turn: str = "{role}: {content}\n"
     chat_open: str = "\nConversation:\n"
     chat_reply: str = "Assistant:"
+    # The model profile's default stop sequences: the template asks for an answer "in a few words", so a line
+    # break ends it (matched once visible text was said). A request's own ``stop`` replaces them; GET /v1/models
+    # shows them (the ``inferscale.default_stop`` field of the model card).
+    default_stop: tuple[str, ...] = ("\n",)
 
     def render_item(self, item: MemoryItem) -> str:
         if item.timestamp:

@@ -31,10 +31,9 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"model": MODEL, "messages": Q, "inferscale": {"mode": "telepathy"}}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "max_tokens": 0}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "n": 2}, 400, "invalid_value"),
-    ({"model": MODEL, "messages": Q, "user": "../etc"}, 400, "invalid_value"),
-    ({"model": MODEL, "messages": Q, "inferscale": {"k": 51}}, 429, "k_limit_exceeded"),
-    ({"model": MODEL, "messages": Q, "max_tokens": 65}, 429, "max_tokens_limit_exceeded"),
-    ({"model": MODEL, "messages": Q, "user": "nobody", "inferscale": {"k": 3}}, 404, "not_found"),
+    ({"model": MODEL, "messages": Q, "user": "x" * 257}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "inferscale": {"k": 51}}, 400, "k_limit_exceeded"),
+    ({"model": MODEL, "messages": Q, "max_tokens": 65}, 400, "max_tokens_limit_exceeded"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_chat_requests(live, body, status, code, stream):
@@ -71,6 +70,6 @@ def test_bad_memories(live):
     _err(httpx.put(u + "bob", json={"items": [{"id": "a", "text": " "}]}, headers=h), 400)
     _err(httpx.put(u + "bob", json={"items": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]}, headers=h), 400)
     _err(httpx.put(u + "bob", content=b"{", headers={**h, "content-type": "application/json"}), 400)
-    _err(httpx.put(u + "-bob", json={"items": [{"id": "a", "text": "x"}]}, headers=h), 400)
+    _err(httpx.put(u + "x" * 257, json={"items": [{"id": "a", "text": "x"}]}, headers=h), 400)  # user over 256
     _err(httpx.get(u + "never-seen", headers=h), 404)
     _err(httpx.get(live.url + "/v1/nothing-here", headers=h), 404)
