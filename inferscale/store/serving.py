@@ -56,6 +56,8 @@ class PeerService:
             with self.lock:
                 self._end_lease(str(msg.get("lease")))
             return {"ok": True}
+        if op == "index":
+            return self._index(msg)
         if op != "locate":
             return {"error": "bad_request", "message": f"unknown op {op!r}"}
         if self.store.transport is None or not self.store.transport.has_ucx:
@@ -99,6 +101,19 @@ class PeerService:
             "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": addr, "size": size,
                         "sha256": e.info.sha256} for e, (addr, size) in zip(held, region.ranges)],
         }
+
+    def _index(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The user's retrieval index on this node: item ids and their embeddings (float32, base64), so a puller
+        can pick the top-k itself and then lease exactly those blocks. With ``dir``, the Job's output on this node
+        is imported first (the same rule as ``locate``)."""
+        tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
+        fp = check_fingerprint(msg.get("fingerprint"))
+        if msg.get("dir"):
+            self._import_for_peer(tenant, user, str(msg["dir"]), None)
+        ids, matrix = self.store.embeddings(tenant, user, fp)  # NotFoundError -> {"error": "not_found"}
+        m = matrix.contiguous().to("cpu")
+        return {"node": self.store.node, "items": ids, "dim": int(m.shape[1]) if ids else 0,
+                "embeddings": base64.b64encode(m.numpy().tobytes()).decode() if ids else ""}
 
     def _import_for_peer(self, tenant: str, user: str, src: str, items: list[str] | None) -> None:
         """Import a Job's output directory named by a puller: only ``<job_root>/<tenant>/<user>`` of this node
