@@ -59,7 +59,10 @@ class Fleet:
         if len(peers) > MAX_PEERS:
             raise ConfigError(f"at most {MAX_PEERS} peers")
         for p in peers:
-            parse_peer(p)
+            try:
+                parse_peer(p)
+            except TransferError as e:
+                raise ConfigError(str(e)) from None
         with self.lock:
             self.peers = list(dict.fromkeys(peers))
             return list(self.peers)
