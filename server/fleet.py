@@ -25,6 +25,7 @@ from typing import Any
 from inferscale.errors import ConfigError, NotFoundError, TransferError, UnsafePathError
 from inferscale.store.layout import check_name
 from inferscale.store.peer import parse_peer
+from inferscale.store.serving import partial_marker
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 256
@@ -154,7 +155,7 @@ class Fleet:
         return path if path.is_dir() and not path.is_symlink() else None
 
     def _marker(self, tenant: str, user: str) -> Path:
-        return Path(self.store.root) / ".fleet-partial" / tenant / user
+        return partial_marker(self.store.root, tenant, user)
 
     def _partial(self, tenant: str, user: str) -> bool:
         return self._marker(tenant, user).exists()

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from inferscale.errors import NotFoundError
@@ -23,6 +24,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LEASE_SECONDS = 30.0
+
+
+def partial_marker(root: str | Path, tenant: str, user: str) -> Path:
+    """Present while this node holds only some of the user's blocks (fetched on demand, server/fleet.py): its
+    index is then not the user's whole list, so it is never served as one."""
+    return Path(root) / ".fleet-partial" / tenant / user
 
 
 class PeerService:
@@ -110,6 +117,8 @@ class PeerService:
         fp = check_fingerprint(msg.get("fingerprint"))
         if msg.get("dir"):
             self._import_for_peer(tenant, user, str(msg["dir"]), None)
+        if partial_marker(self.store.root, tenant, user).exists():
+            raise NotFoundError(f"node {self.store.node} holds only part of user {user!r} of tenant {tenant!r}")
         ids, matrix = self.store.embeddings(tenant, user, fp)  # NotFoundError -> {"error": "not_found"}
         m = matrix.contiguous().to("cpu")
         return {"node": self.store.node, "items": ids, "dim": int(m.shape[1]) if ids else 0,

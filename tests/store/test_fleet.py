@@ -91,3 +91,23 @@ def test_bad_peer_addresses_are_refused(open_store):
     for bad in (["nohost"], ["h:notaport"], ["h:1"] * 300):
         with pytest.raises(ConfigError):
             fleet.set_peers(bad)
+
+
+def test_a_partial_holder_is_never_served_as_the_whole_list(open_store, peer_node, tmp_path):
+    """Pod B pulled 2 of 6 blocks on demand; pod C asking B for the index must not get those 2 as the list."""
+    from inferscale.store.pulling import peer_index
+    from inferscale.store.serving import partial_marker
+
+    b = open_store(tmp_path / "b", timeout_s=10.0, peer_port=0, peer_host="127.0.0.1")
+    fb = Fleet(b)
+    fb.set_peers([peer_node])
+    fb.embeddings("acme", "alice", FP)
+    fb.blocks("acme", "alice", ["m1", "m3"], FP)
+    assert partial_marker(b.root, "acme", "alice").exists()
+    c = open_store(tmp_path / "c", timeout_s=10.0)
+    with pytest.raises(NotFoundError, match="only part"):
+        peer_index(c, "acme", "alice", b.peer_address, FP)
+    fc = Fleet(c)
+    fc.set_peers([b.peer_address, peer_node])  # B first: it is skipped, the full holder answers
+    ids, _ = fc.embeddings("acme", "alice", FP)
+    assert sorted(ids) == ITEMS and fc.indexes[("acme", "alice", FP)].peer == peer_node
