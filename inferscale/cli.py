@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "store": ("inferscale.bench.store", "moving 50 blocks into DRAM: NIXL vs plain baselines"),
     "locomo": ("inferscale.bench.locomo", "quality on LoCoMo: F1 and agreement per mode"),
     "load": ("inferscale.bench.load", "concurrent streams through the real server: tokens/s, TTFT, TPOT; kv vs text"),
+    "fleet": ("inferscale.bench.fleet", "TTFT when the k blocks come from a peer over NIXL vs DRAM vs text"),
 }
 
 
