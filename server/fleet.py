@@ -108,8 +108,8 @@ class Fleet:
             missing = [i for i in dict.fromkeys(item_ids) if i not in have]
             if missing:
                 self._mark(tenant, user, True)  # before the blocks land: a crash must not leave an unmarked subset
-                pulled = self.store.pull_from_peer(tenant, user, idx.peer, missing, fingerprint,
-                                                   source_dir=self._job_dir_name(tenant, user))
+                # The holder imported its Job dir when it answered the index: no path travels here.
+                pulled = self.store.pull_from_peer(tenant, user, idx.peer, missing, fingerprint)
         blocks, stats = self.store.get_many(tenant, user, list(item_ids), fingerprint)
         if pulled is None:
             return Fetched(blocks, stats)
@@ -127,7 +127,7 @@ class Fleet:
         failures: list[str] = []
         for peer in peers:
             try:
-                ids, matrix = peer_index(self.store, tenant, user, peer, fingerprint, self._job_dir_name(tenant, user))
+                ids, matrix = peer_index(self.store, tenant, user, peer, fingerprint)
             except NotFoundError:
                 continue
             except (TransferError, UnsafePathError, ConfigError) as e:  # an unreachable peer: ask the next one

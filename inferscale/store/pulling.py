@@ -89,14 +89,15 @@ def fetch_leased(store: KVStore, tenant: str, user: str, peer: str, item_ids: li
 
 
 def peer_index(store: KVStore, tenant: str, user: str, peer: str, fingerprint: str,
-               source_dir: str | None = None) -> tuple[list[str], Any]:
+               job_dir: bool = True) -> tuple[list[str], Any]:
     """(item ids, [n, dim] float32 embeddings) of the user at ``peer`` (op ``index``): what a puller ranks before
-    leasing exactly the top-k blocks. NotFoundError when the peer holds nothing of the user."""
+    leasing exactly the top-k blocks. ``job_dir``: the peer first imports its own node's Job output dir for the
+    user, if there is one. NotFoundError when the peer holds nothing of the user (or only part of it)."""
     import torch
 
     check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
     reply = peerproto.request(peer, {"op": "index", "tenant": tenant, "user": user, "fingerprint": fingerprint,
-                                     "dir": source_dir}, store.timeout_s, store.peer_secret)
+                                     "job_dir": job_dir}, store.timeout_s, store.peer_secret)
     if reply.get("error") == "not_found":
         raise NotFoundError(f"peer {peer}: {reply.get('message')}")
     if reply.get("error") == "UnsafePathError":

@@ -111,12 +111,14 @@ class PeerService:
 
     def _index(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The user's retrieval index on this node: item ids and their embeddings (float32, base64), so a puller
-        can pick the top-k itself and then lease exactly those blocks. With ``dir``, the Job's output on this node
-        is imported first (the same rule as ``locate``)."""
+        can pick the top-k itself and then lease exactly those blocks. With ``job_dir: true``, the Job's output
+        on this node (``<job_root>/<tenant>/<user>``, read by the same rule as ``locate``'s dir) is imported first."""
         tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
         fp = check_fingerprint(msg.get("fingerprint"))
-        if msg.get("dir"):
-            self._import_for_peer(tenant, user, str(msg["dir"]), None)
+        if msg.get("job_dir") is True and self.store.job_root is not None:  # this node's own Job dir: no path
+            own = self.store.job_root / tenant / user                          # travels on the wire
+            if own.is_dir():
+                self._import_for_peer(tenant, user, str(own), None)
         if partial_marker(self.store.root, tenant, user).exists():
             raise NotFoundError(f"node {self.store.node} holds only part of user {user!r} of tenant {tenant!r}")
         ids, matrix = self.store.embeddings(tenant, user, fp)  # NotFoundError -> {"error": "not_found"}
