@@ -111,3 +111,22 @@ def test_a_partial_holder_is_never_served_as_the_whole_list(open_store, peer_nod
     fc.set_peers([b.peer_address, peer_node])  # B first: it is skipped, the full holder answers
     ids, _ = fc.embeddings("acme", "alice", FP)
     assert sorted(ids) == ITEMS and fc.indexes[("acme", "alice", FP)].peer == peer_node
+
+
+def test_a_peer_on_the_job_node_serves_its_job_dir(open_store, tmp_path):
+    """The peer holds nothing in its store, but the Job ran on its node: the index op imports its own Job dir
+    (no path on the wire), and exactly the top-k blocks are then leased from it."""
+    job_root = tmp_path / "node1-kv"
+    d = job_root / "acme" / "carol"
+    d.mkdir(parents=True)
+    for i in ITEMS:
+        (d / f"{i}{SUFFIX}").write_bytes(encode_blob(make_block(i, tokens=5)))
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "job_root": str(job_root)}
+    with child_process(serve_node, str(tmp_path / "node1-store"), options) as info:
+        store = open_store(timeout_s=10.0)
+        fleet = Fleet(store)
+        fleet.set_peers([info["peer"]])
+        ids, _ = fleet.embeddings("acme", "carol", FP)
+        assert sorted(ids) == ITEMS
+        got = fleet.blocks("acme", "carol", ["m4"], FP)
+        assert got.pulled_blocks == 1 and torch.equal(got.blocks[0].kv, make_block("m4", tokens=5).kv)
