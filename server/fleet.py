@@ -109,7 +109,12 @@ class Fleet:
             if missing:
                 self._mark(tenant, user, True)  # before the blocks land: a crash must not leave an unmarked subset
                 # The holder imported its Job dir when it answered the index: no path travels here.
-                pulled = self.store.pull_from_peer(tenant, user, idx.peer, missing, fingerprint)
+                try:
+                    pulled = self.store.pull_from_peer(tenant, user, idx.peer, missing, fingerprint)
+                except (TransferError, NotFoundError):  # the holder went away or changed: find one again next time
+                    with self.lock:
+                        self.indexes.pop((tenant, user, fingerprint), None)
+                    raise
         blocks, stats = self.store.get_many(tenant, user, list(item_ids), fingerprint)
         if pulled is None:
             return Fetched(blocks, stats)

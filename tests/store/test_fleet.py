@@ -130,3 +130,20 @@ def test_a_peer_on_the_job_node_serves_its_job_dir(open_store, tmp_path):
         assert sorted(ids) == ITEMS
         got = fleet.blocks("acme", "carol", ["m4"], FP)
         assert got.pulled_blocks == 1 and torch.equal(got.blocks[0].kv, make_block("m4", tokens=5).kv)
+
+
+def test_a_holder_that_vanished_is_looked_up_again(open_store, tmp_path):
+    root = tmp_path / "gone"
+    with KVStore(root, dram_budget_bytes=8 << 20, nixl=False) as s:
+        for it in ITEMS:
+            s.put("acme", "alice", make_block(it, tokens=5))
+    store = open_store(timeout_s=3.0)
+    fleet = Fleet(store)
+    with child_process(serve_node, str(root), {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0}) as info:
+        fleet.set_peers([info["peer"]])
+        fleet.embeddings("acme", "alice", FP)
+    from inferscale.errors import TransferError
+
+    with pytest.raises(TransferError):
+        fleet.blocks("acme", "alice", ["m1"], FP)
+    assert fleet.indexes == {}  # the next request asks the peers again instead of the dead holder
