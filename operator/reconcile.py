@@ -254,7 +254,9 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
             if not fresh and removed:
                 await client.purge(pod, tenant, user, list(removed))
             ids = sorted(encoded) if fresh else sorted(changed & set(encoded))
+            # `peer`: where other pods pull this user from (informational: servers never read the status).
             entry: dict[str, Any] = {"node": pod.node, "pod": pod.name, "namespace": pod.namespace, "uid": pod.uid,
+                                     **({"peer": pod.peer} if pod.peer else {}),
                                      "tier": (held or {}).get("tier", "dram"), "bytes": int((held or {}).get("bytes") or 0)}
             groups: dict[str, list[str]] = {}
             for i in ids:
