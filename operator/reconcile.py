@@ -20,7 +20,7 @@ from typing import Any
 
 import kopf
 
-from . import jobs, placement, records
+from . import fleet, jobs, placement, records
 from .kube import Kube
 from .servers import ServerCallError, ServerClient, ServingPod, serving_pods
 from .settings import Settings
@@ -103,6 +103,8 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
             update_changed(patch, status, phase="Encoding", message=msg, job=job_ref,
                            conditions=set_condition(conds, ENCODED, False, "Encoding", msg, gen))
             raise kopf.TemporaryError(f"waiting for Job {jname}", delay=cfg.job_poll_seconds)
+        # The Job is done with its items file: no ConfigMap of memory texts outlives it (nor any older one).
+        await asyncio.to_thread(fleet.delete_items_configmaps, kube, cfg, uid)
         if phase == "Failed":
             msg = f"Job {jname} failed: {why}"
             patch.status.update(phase="Failed", message=msg, job=job_ref, observedGeneration=gen,
@@ -122,6 +124,13 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
 
     placed = await place(cfg, kube, body, desired.user_id, desired.replicas, desired.node_selector,
                          encoded, set(changed), removed, status.get("placements") or [], logger)
+    if changed or removed:  # old versions leave the Job dirs: removed items everywhere, changed ones elsewhere
+        job_node = (job_ref or {}).get("node") if changed else None
+        drop = {n: [*removed, *(changed if n != job_node else [])] for n in record.nodes}
+        all_pods, _ = await _serving(cfg, kube, {})
+        async with ServerClient(cfg) as client:
+            await fleet.clean_job_dirs(client, all_pods, drop, tenant, desired.user_id,
+                                       jobs.kv_dir(cfg, tenant, desired.user_id), logger)
     counts = dict(status.get("counts") or {})
     patch.status.update(
         phase=placed.phase, message=placed.message, observedGeneration=gen, contentHash=chash,
@@ -185,7 +194,7 @@ def _placed_conditions(conds: list[dict[str, Any]], placed: Placed, gen: int | N
 async def _serving(cfg: Settings, kube: Kube, node_selector: Mapping[str, str]) -> tuple[list[ServingPod], list[ServingPod]]:
     """(all serving pods, those on nodes matching the user's node selector)."""
     raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
-    pods = serving_pods(raw, cfg.internal_port)
+    pods = serving_pods(raw, cfg.internal_port, nixl_port=cfg.nixl_port)
     if not node_selector:
         return pods, pods
     labels: dict[str, dict[str, str] | None] = {}
@@ -220,6 +229,7 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
     tokens: int | None = None
 
     async with ServerClient(cfg) as client:
+        await fleet.publish_peers(client, all_pods, logger)
         caps = await asyncio.gather(*(client.capacity(p) for p in candidates), return_exceptions=True)
         usable: list[ServingPod] = []
         free: dict[str, int] = {}
@@ -244,7 +254,9 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
             if not fresh and removed:
                 await client.purge(pod, tenant, user, list(removed))
             ids = sorted(encoded) if fresh else sorted(changed & set(encoded))
+            # `peer`: where other pods pull this user from (informational: servers never read the status).
             entry: dict[str, Any] = {"node": pod.node, "pod": pod.name, "namespace": pod.namespace, "uid": pod.uid,
+                                     **({"peer": pod.peer} if pod.peer else {}),
                                      "tier": (held or {}).get("tier", "dram"), "bytes": int((held or {}).get("bytes") or 0)}
             groups: dict[str, list[str]] = {}
             for i in ids:
@@ -276,6 +288,8 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
 
         # Pods that held the user but are no longer chosen: drop the blocks there.
         chosen_keys = {placement.pod_key(p) for p in chosen}
+        if changed or removed:  # any other pod may hold an on-demand copy of the old version: it refetches
+            await fleet.drop_elsewhere(client, all_pods, chosen_keys | set(prev), tenant, user, logger)
         for k, entry in prev.items():
             pod = everyone.get(k)
             if k not in chosen_keys and pod is not None and holds(entry, pod):
@@ -332,7 +346,10 @@ async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logg
     replicas = int(placement_spec.get("replicas") or 1)
     selector = dict(placement_spec.get("nodeSelector") or {})
     previous = list(status.get("placements") or [])
-    alive = {placement.pod_key(p): p for p in (await _serving(cfg, kube, selector))[1]}
+    every, serving_here = await _serving(cfg, kube, selector)
+    async with ServerClient(cfg) as client:  # a new or restarted pod learns its peers within a tick
+        await fleet.publish_peers(client, every, logger)
+    alive = {placement.pod_key(p): p for p in serving_here}
     kept = [e for e in previous if (pod := alive.get(_prev_key(e))) is not None and holds(e, pod)]
     lost = [e for e in previous if e not in kept]
     if not lost and len(kept) >= replicas:
@@ -399,7 +416,7 @@ async def _purge_once(cfg: Settings, kube: Kube, body: Body, user: str, kv_dir: 
     meta = body["metadata"]
     tenant = meta["namespace"]
     raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
-    pods = serving_pods(raw, cfg.internal_port, require_ready=False)
+    pods = serving_pods(raw, cfg.internal_port, require_ready=False, nixl_port=cfg.nixl_port)
     async with ServerClient(cfg) as client:
         results = await asyncio.gather(*(client.purge(p, tenant, user, None, kv_dir if p.node in nodes else None)
                                          for p in pods), return_exceptions=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from .settings import ANNOTATION_ENDPOINT, ANNOTATION_NIXL_PEER, Settings
+from .settings import ANNOTATION_ENDPOINT, Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,11 +17,12 @@ class ServingPod:
     namespace: str
     node: str
     endpoint: str
-    peer: str | None  # host:port of its NIXL agent, when the pod advertises one
+    peer: str | None  # host:port of its NIXL control port: podIP + INFERSCALE_NIXL_PORT (None without a podIP)
     uid: str = ""  # a pod recreated under the same name holds nothing: compare uids, not just names
 
     @classmethod
-    def from_pod(cls, pod: Mapping[str, Any], port: int, require_ready: bool = True) -> ServingPod | None:
+    def from_pod(cls, pod: Mapping[str, Any], port: int, require_ready: bool = True,
+                 nixl_port: int = 5555) -> ServingPod | None:
         """The pod as a placement target, or None when it cannot serve (not Running/Ready, deleting).
 
         `require_ready=False` is for purging: a Running pod that fails readiness may still hold blocks.
@@ -36,13 +37,18 @@ class ServingPod:
             endpoint = f"http://{status['podIP']}:{port}"
         if (require_ready and not ready) or not endpoint or not spec.get("nodeName"):
             return None
+        # The peer address is the operator's to publish, from the pod's status (set by the kubelet), never an
+        # annotation a human (or anyone who can edit the pod) sets.
+        ip = status.get("podIP")
+        peer = (f"[{ip}]:{nixl_port}" if ":" in ip else f"{ip}:{nixl_port}") if ip else None
         return cls(name=meta["name"], namespace=meta.get("namespace", ""), node=spec["nodeName"],
-                   endpoint=endpoint.rstrip("/"), peer=annotations.get(ANNOTATION_NIXL_PEER),
+                   endpoint=endpoint.rstrip("/"), peer=peer,
                    uid=str(meta.get("uid") or ""))
 
 
-def serving_pods(pods: Sequence[Mapping[str, Any]], port: int, require_ready: bool = True) -> list[ServingPod]:
-    found = (ServingPod.from_pod(p, port, require_ready) for p in pods)
+def serving_pods(pods: Sequence[Mapping[str, Any]], port: int, require_ready: bool = True,
+                 nixl_port: int = 5555) -> list[ServingPod]:
+    found = (ServingPod.from_pod(p, port, require_ready, nixl_port) for p in pods)
     return sorted((p for p in found if p is not None), key=lambda p: (p.node, p.name))
 
 
@@ -96,3 +102,7 @@ class ServerClient:
         if source_dir is not None:
             body["source_dir"] = source_dir
         return await self._call(pod, "POST", "/internal/v1/purge", body)
+
+    async def set_peers(self, pod: ServingPod, peers: list[str]) -> dict[str, Any]:
+        """Tell the pod which other serving pods to ask, in turn, for a user it lacks (server/fleet.py)."""
+        return await self._call(pod, "PUT", "/internal/v1/peers", {"peers": peers})

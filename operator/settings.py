@@ -25,7 +25,6 @@ LABEL_OWNER_UID = "inferscale.io/owner-uid"
 LABEL_ROLE = "inferscale.io/role"
 MANAGED_BY = "inferscale-operator"
 ANNOTATION_ENDPOINT = "inferscale.io/endpoint"
-ANNOTATION_NIXL_PEER = "inferscale.io/nixl-peer"
 FINALIZER = "inferscale.io/purge"
 
 
@@ -35,6 +34,8 @@ class Settings:
     server_namespace: str = ""  # empty: serving pods in all namespaces
     # The servers' internal listener (/internal/v1/*), separate from the tenant API port.
     internal_port: int = 8001
+    # The servers' NIXL peer control port: a pod's peer address is its podIP and this port (no annotation).
+    nixl_port: int = 5555
     internal_token: str = ""
     # The tenant namespaces the operator serves. Empty: none (a UserMemory anywhere else is never touched).
     tenants: tuple[str, ...] = ()
@@ -83,6 +84,7 @@ class Settings:
                 server_selector=get("INFERSCALE_SERVER_SELECTOR") or d.server_selector,
                 server_namespace=env.get("INFERSCALE_SERVER_NAMESPACE", d.server_namespace),
                 internal_port=int(get("INFERSCALE_INTERNAL_PORT") or d.internal_port),
+                nixl_port=int(get("INFERSCALE_NIXL_PORT") or d.nixl_port),
                 internal_token=env.get("INFERSCALE_INTERNAL_TOKEN", d.internal_token),
                 tenants=_csv(get("INFERSCALE_TENANTS")),
                 job_namespace=get("INFERSCALE_JOB_NAMESPACE") or d.job_namespace,

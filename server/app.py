@@ -43,7 +43,8 @@ def open_store(settings: Settings):
         keyring = ensure_kek_file(settings.kek_path)
     return KVStore(settings.store_dir, dram_budget_bytes=settings.dram_budget_bytes,
                    gpu_budget_bytes=settings.gpu_budget_bytes, node=settings.node_name, device=settings.device,
-                   peer_port=settings.nixl_port if cluster else None, peer_secret=settings.peer_secret,
+                   peer_port=settings.nixl_port if cluster else None, peer_host=settings.host,
+                   peer_secret=settings.peer_secret,
                    job_root=settings.kv_host_path, ucx_port_range=settings.ucx_port_range, keyring=keyring)
 
 

@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
 
 from inferscale.errors import UnsafePathError
 from inferscale.jobpaths import job_dir_path
+from inferscale.kvformat import SUFFIX
 from inferscale.server.auth import require_internal
+from inferscale.server.fleet import MAX_PEERS, fleet_for
 from inferscale.server.schemas import Capacity, ErrorBody, PullRequest, PullResult, Purged, PurgeRequest
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_internal)],
@@ -44,6 +48,24 @@ async def pull(req: PullRequest, request: Request) -> PullResult:
                       tokens=sum(i.tokens for i in infos), tier=tier)
 
 
+def _remove_items(path: Path, items: list[str]) -> bool:
+    """Delete just these items' blobs from a Job output dir (hygiene after an edit removed them); False when the
+    dir was not there. Names are item ids (schema-checked), so no path escapes the dir."""
+    try:  # the dir itself is not followed if it was swapped for a symlink after the path check
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        for item in items:
+            try:
+                os.unlink(f"{item}{SUFFIX}", dir_fd=fd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
+    return True
+
+
 def _remove_dir(path: Path) -> bool:
     """Delete ``path`` and everything below it; False when it was not there (a concurrent purge got it first)."""
     if not path.is_dir():
@@ -66,8 +88,32 @@ async def purge(req: PurgeRequest, request: Request) -> Purged:
     st = request.app.state
     src = job_dir_path(st.settings.kv_host_path, req.tenant, req.user, req.source_dir) if req.source_dir else None
     blocks, nbytes = await asyncio.to_thread(st.store.purge, req.tenant, req.user, req.items)
-    removed_dir = await asyncio.to_thread(_remove_dir, src) if src is not None else None
+    await asyncio.to_thread(fleet_for(st.store).forget, req.tenant, req.user)  # no stale peer index survives
+    removed_dir = None
+    if src is not None:  # with items: only their blobs leave the Job dir (the other items still serve from it)
+        removed_dir = await asyncio.to_thread(*((_remove_items, src, req.items) if req.items else (_remove_dir, src)))
     return Purged(removed_blocks=blocks, removed_bytes=nbytes, source_dir_removed=removed_dir)
+
+
+class PeersRequest(BaseModel):
+    """The other serving pods' peer addresses (``podIP:INFERSCALE_NIXL_PORT``), as the operator sees them."""
+    peers: list[str] = Field(default_factory=list, max_length=MAX_PEERS)
+
+
+class Peers(BaseModel):
+    peers: list[str]
+
+
+@router.put("/peers", response_model=Peers)
+async def put_peers(req: PeersRequest, request: Request) -> Peers:
+    """Replace the peers this pod asks, in turn, for a user it lacks (server/fleet.py). Only the operator (internal
+    token) sets them: a tenant can never point a pod at a peer of its choosing."""
+    return Peers(peers=fleet_for(request.app.state.store).set_peers(req.peers))
+
+
+@router.get("/peers", response_model=Peers)
+async def get_peers(request: Request) -> Peers:
+    return Peers(peers=list(fleet_for(request.app.state.store).peers))
 
 
 @router.get("/capacity", response_model=Capacity)

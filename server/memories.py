@@ -22,6 +22,7 @@ from inferscale.errors import InferScaleError, NotFoundError
 from inferscale.kvformat import KVBlock
 from inferscale.retrieval import injection_order, top_k
 from inferscale.server.auth import Tenant, require_tenant
+from inferscale.server.fleet import fleet_for
 from inferscale.server.httperrors import ApiError
 from inferscale.server.schemas import (ID_PATTERN, ErrorBody, MemoryInfo, MemoryList, PutMemories, PutMemoriesResult,
                                        Removed)
@@ -280,7 +281,9 @@ class MemoryService:
 
         Returns (blocks in injection order: least relevant first, ids best first)."""
         with tracer.start_as_current_span("retrieval", context=ctx, attributes={"inferscale.k": k}) as span:
-            ids, matrix = await asyncio.to_thread(self.store.embeddings, tenant, user, self.fingerprint)
+            # The fleet path (server/fleet.py): local, else this node's Job dir, else a peer's index.
+            fleet = fleet_for(self.store)
+            ids, matrix = await asyncio.to_thread(fleet.embeddings, tenant, user, self.fingerprint)
             span.set_attribute("inferscale.candidates", len(ids))
             if not ids or k <= 0:
                 chosen = []
@@ -291,9 +294,14 @@ class MemoryService:
         if not chosen:
             return [], []
         with tracer.start_as_current_span("kv_fetch", context=ctx) as span:
-            blocks, stats = await asyncio.to_thread(self.store.get_many, tenant, user, injection_order(chosen),
-                                                    self.fingerprint)
+            got = await asyncio.to_thread(fleet.blocks, tenant, user, injection_order(chosen), self.fingerprint)
+            blocks, stats = got.blocks, got.stats
             tiers = fetch_tiers(stats)
+            if got.pulled_blocks:  # leased from a peer over NIXL UCX just now (then served from DRAM)
+                tiers["dram"] = tiers.get("dram", 0) - got.pulled_blocks
+                tiers["peer"] = got.pulled_blocks
+                tiers = {t: n for t, n in tiers.items() if n > 0}
+                span.set_attribute("inferscale.kv.peer_bytes", got.pulled_bytes)
             nbytes = int(getattr(stats, "bytes", 0) or sum(b.nbytes for b in blocks))
             span.set_attribute("inferscale.kv.tier", ",".join(sorted(tiers)) or "none")
             span.set_attribute("inferscale.kv.bytes", nbytes)

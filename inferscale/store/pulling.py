@@ -86,3 +86,32 @@ def fetch_leased(store: KVStore, tenant: str, user: str, peer: str, item_ids: li
                 log.warning("releasing lease at %s: %s", peer, e)
     store.catalogue.record([], {("dram", 0): evicted})
     return blocks, offsets
+
+
+def peer_index(store: KVStore, tenant: str, user: str, peer: str, fingerprint: str,
+               job_dir: bool = True) -> tuple[list[str], Any]:
+    """(item ids, [n, dim] float32 embeddings) of the user at ``peer`` (op ``index``): what a puller ranks before
+    leasing exactly the top-k blocks. ``job_dir``: the peer first imports its own node's Job output dir for the
+    user, if there is one. NotFoundError when the peer holds nothing of the user (or only part of it)."""
+    import torch
+
+    check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
+    reply = peerproto.request(peer, {"op": "index", "tenant": tenant, "user": user, "fingerprint": fingerprint,
+                                     "job_dir": job_dir}, store.timeout_s, store.peer_secret)
+    if reply.get("error") == "not_found":
+        raise NotFoundError(f"peer {peer}: {reply.get('message')}")
+    if reply.get("error") == "UnsafePathError":
+        raise UnsafePathError(f"peer {peer}: {reply.get('message')}", param="source.dir")
+    if "error" in reply:
+        raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
+    ids, dim = reply.get("items"), reply.get("dim")
+    if not isinstance(ids, list) or not isinstance(dim, int) or dim < 0:
+        raise TransferError(f"peer {peer}: malformed index reply")
+    for i in ids:
+        check_name("item", i)
+    raw = base64.b64decode(reply.get("embeddings") or "")
+    if len(raw) != 4 * dim * len(ids):
+        raise TransferError(f"peer {peer}: index of {len(ids)} item(s) x {dim} has {len(raw)} bytes")
+    if not ids:
+        return [], torch.empty(0, 0, dtype=torch.float32)
+    return ids, torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(len(ids), dim)

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from inferscale.errors import NotFoundError
@@ -23,6 +24,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LEASE_SECONDS = 30.0
+
+
+def partial_marker(root: str | Path, tenant: str, user: str) -> Path:
+    """Present while this node holds only some of the user's blocks (fetched on demand, server/fleet.py): its
+    index is then not the user's whole list, so it is never served as one."""
+    return Path(root) / ".fleet-partial" / tenant / user
 
 
 class PeerService:
@@ -56,6 +63,8 @@ class PeerService:
             with self.lock:
                 self._end_lease(str(msg.get("lease")))
             return {"ok": True}
+        if op == "index":
+            return self._index(msg)
         if op != "locate":
             return {"error": "bad_request", "message": f"unknown op {op!r}"}
         if self.store.transport is None or not self.store.transport.has_ucx:
@@ -99,6 +108,23 @@ class PeerService:
             "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": addr, "size": size,
                         "sha256": e.info.sha256} for e, (addr, size) in zip(held, region.ranges)],
         }
+
+    def _index(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The user's retrieval index on this node: item ids and their embeddings (float32, base64), so a puller
+        can pick the top-k itself and then lease exactly those blocks. With ``job_dir: true``, the Job's output
+        on this node (``<job_root>/<tenant>/<user>``, read by the same rule as ``locate``'s dir) is imported first."""
+        tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
+        fp = check_fingerprint(msg.get("fingerprint"))
+        if msg.get("job_dir") is True and self.store.job_root is not None:  # this node's own Job dir: no path
+            own = self.store.job_root / tenant / user                          # travels on the wire
+            if own.is_dir():
+                self._import_for_peer(tenant, user, str(own), None)
+        if partial_marker(self.store.root, tenant, user).exists():
+            raise NotFoundError(f"node {self.store.node} holds only part of user {user!r} of tenant {tenant!r}")
+        ids, matrix = self.store.embeddings(tenant, user, fp)  # NotFoundError -> {"error": "not_found"}
+        m = matrix.contiguous().to("cpu")
+        return {"node": self.store.node, "items": ids, "dim": int(m.shape[1]) if ids else 0,
+                "embeddings": base64.b64encode(m.numpy().tobytes()).decode() if ids else ""}
 
     def _import_for_peer(self, tenant: str, user: str, src: str, items: list[str] | None) -> None:
         """Import a Job's output directory named by a puller: only ``<job_root>/<tenant>/<user>`` of this node

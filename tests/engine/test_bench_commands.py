@@ -80,3 +80,16 @@ def test_bench_load_json(model_dir, tmp_path):
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
         assert (row["arrival_ttft_ms"] is None) == (row["n"] == 1)
     assert result["flood"]["b_flood_ttft_ms"] > 0 and result["flood"]["b_idle_ttft_ms"] > 0
+
+
+def test_bench_fleet_json(model_dir, tmp_path):
+    """The cold path's bench: a real peer process over NIXL, rows with the documented fields."""
+    out = tmp_path / "fleet.json"
+    assert main(["bench", "fleet", "--model", str(model_dir), "--k", "1,3", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["k"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert {"k", "ttft_peer_ms", "ttft_dram_ms", "ttft_text_ms", "bytes_pulled"} <= set(row)
+        assert all(row[f] > 0 for f in ("ttft_peer_ms", "ttft_dram_ms", "ttft_text_ms", "bytes_pulled"))
+    assert result["rows"][1]["bytes_pulled"] > result["rows"][0]["bytes_pulled"]  # exactly k blocks moved
+    assert {"peer_over_dram", "peer_over_text"} <= set(result["bar"])

@@ -110,15 +110,16 @@ class Cluster:
     def events(self, ns: str = TENANT) -> list[dict[str, Any]]:
         return self.list(f"/api/v1/namespaces/{ns}/events")
 
-    def add_serving_pod(self, standin: ServingPodStandIn, labels: dict[str, str] | None = None) -> None:
+    def add_serving_pod(self, standin: ServingPodStandIn, labels: dict[str, str] | None = None,
+                        pod_ip: str = "127.0.0.1", annotations: dict[str, str] | None = None) -> None:
         self.create("/api/v1/nodes", {"metadata": {"name": standin.node, "labels": {
             "kubernetes.io/hostname": standin.node, **(labels or {})}}})
         self.create(f"/api/v1/namespaces/{SERVER_NS}/pods", {
             "metadata": {"name": standin.pod, "namespace": SERVER_NS,
                          "labels": {"app.kubernetes.io/name": "inferscale", "app.kubernetes.io/component": "server"},
-                         "annotations": {"inferscale.io/endpoint": standin.endpoint}},
+                         "annotations": {"inferscale.io/endpoint": standin.endpoint, **(annotations or {})}},
             "spec": {"nodeName": standin.node, "containers": [{"name": "server", "image": "inferscale"}]},
-            "status": {"phase": "Running", "podIP": "127.0.0.1",
+            "status": {"phase": "Running", "podIP": pod_ip,
                        "conditions": [{"type": "Ready", "status": "True"}]},
         })
 

@@ -226,6 +226,7 @@ class ServingPodStandIn:
         self.fail_pulls = 0
         self.knows_source_dir = True
         self.removed_dirs: set[str] = set()
+        self.peers: list[str] = []  # what the operator published (PUT /internal/v1/peers)
         self._lock = threading.Lock()
         standin = self
 
@@ -249,6 +250,16 @@ class ServingPodStandIn:
                     users = len(standin.store)
                 self._reply(200, {"node": standin.node, "pod": standin.pod, "bytes_used": standin.used,
                                   "bytes_capacity": standin.capacity, "users": users})
+
+            def do_PUT(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path != "/internal/v1/peers":
+                    return self._reply(404, {"detail": "not found"})
+                with standin._lock:
+                    standin.auth.append(self.headers.get("Authorization"))
+                    standin.calls.append(("peers", body))
+                    standin.peers = list(body.get("peers") or [])
+                self._reply(200, {"peers": standin.peers})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -279,7 +290,9 @@ class ServingPodStandIn:
                         if not held:
                             standin.store.pop(key, None)
                         answer: dict[str, Any] = {"removed_blocks": len(gone), "removed_bytes": len(gone) * 1000}
-                        if body.get("source_dir") and standin.knows_source_dir:
+                        if body.get("source_dir") and standin.knows_source_dir and body.get("items"):
+                            answer["source_dir_removed"] = True  # only those items' blobs leave the dir
+                        elif body.get("source_dir") and standin.knows_source_dir:
                             answer["source_dir_removed"] = body["source_dir"] not in standin.removed_dirs
                             standin.removed_dirs.add(body["source_dir"])
                         return self._reply(200, answer)

@@ -7,7 +7,7 @@ import shutil
 import httpx
 
 from inferscale.engine.template import MemoryItem
-from inferscale.kvformat import save_block
+from inferscale.kvformat import SUFFIX, save_block
 
 INTERNAL = {"Authorization": "Bearer internal-secret"}
 
@@ -96,3 +96,30 @@ def test_purge_refuses_a_source_dir_outside_the_users_dir(live, tmp_path):
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == "source_dir"
     assert (root / "globex" / "other").is_dir() and outside.is_dir()
+
+
+def test_peers_are_set_by_the_operator_only(live):
+    url = live.internal_url + "/internal/v1/peers"
+    body = {"peers": ["10.0.0.7:5555", "10.0.0.8:5555"]}
+    for h in ({}, {"Authorization": "Bearer isk-acme-key"}):  # a tenant key never works on the internal plane
+        assert httpx.put(url, json=body, headers=h).status_code == 401
+    # ... and the tenant port does not serve it at all
+    assert httpx.put(live.url + "/internal/v1/peers", json=body, headers=live.headers("acme")).status_code == 404
+    r = httpx.put(url, json=body, headers=INTERNAL)
+    assert r.status_code == 200 and r.json() == body
+    assert httpx.get(url, headers=INTERNAL).json() == body
+    assert httpx.put(url, json={"peers": ["no-port"]}, headers=INTERNAL).status_code == 400
+    assert httpx.get(url, headers=INTERNAL).json() == body  # a refused list changes nothing
+    assert httpx.put(url, json={"peers": []}, headers=INTERNAL).json() == {"peers": []}
+
+
+def test_purge_of_items_removes_only_their_blobs_from_the_job_dir(live, tiny_engine, embedder):
+    src = live.settings.kv_host_path / "globex" / "melanie"
+    src.mkdir(parents=True, exist_ok=True)
+    items = [MemoryItem("e1", "melanie sings"), MemoryItem("e2", "melanie paints")]
+    for b in tiny_engine.encode(items, embed=embedder.embed):
+        save_block(b, src)
+    r = _purge(live, source_dir=str(src), items=["e1"])
+    assert r.status_code == 200 and r.json()["source_dir_removed"] is True
+    assert sorted(p.name for p in src.iterdir()) == [f"e2{SUFFIX}"]
+    shutil.rmtree(src)
