@@ -7,7 +7,9 @@ Retrieval needs the user's embeddings, then the top-k blocks. When this pod hold
    a tenant cannot name a peer), asked in turn for the user's index (op ``index``, MACed with the peer secret);
    the first that has the user is the holder, and only the top-k blocks are then leased from it over NIXL UCX,
    verified (sha256, per-block) and cached in this pod's tiers (inferscale/store/pulling.py).
-A miss everywhere is a ``NotFoundError`` naming what was asked: never an answer without the memories.
+A definite miss (this pod, its Job dir and every peer hold nothing of the user) is a ``NotFoundError``: the user
+has no memories, and chat answers it as a first conversation (items [] reported). A peer that could not be asked
+makes it a ``TransferError`` (424) instead: never an answer without memories that may exist.
 
 A user pulled partially (only some blocks) is marked on disk (``<store root>/.fleet-partial/<tenant>/<user>``) so
 that after a restart its local subset is never taken for the whole list: the index is asked of a peer again.
@@ -144,9 +146,11 @@ class Fleet:
             with self.lock:
                 self.indexes[(tenant, user, fingerprint)] = RemoteIndex(ids, matrix, peer)
             return ids, matrix
-        why = f" ({len(failures)} unreachable)" if failures else ""
+        if failures:  # a holder may be among them: never answer as if the user had no memories
+            raise TransferError(f"user {user!r} of tenant {tenant!r}: not on this pod, and {len(failures)} of its "
+                                f"{len(peers)} peer(s) could not be asked; try again")
         raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this pod or any of its "
-                            f"{len(peers)} peer(s){why}")
+                            f"{len(peers)} peer(s)")
 
     def _job_dir_name(self, tenant: str, user: str) -> str | None:
         root = getattr(self.store, "job_root", None)

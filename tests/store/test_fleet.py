@@ -5,7 +5,7 @@ miss silently."""
 import pytest
 import torch
 
-from inferscale.errors import ConfigError, NotFoundError
+from inferscale.errors import ConfigError, NotFoundError, TransferError
 from inferscale.kvformat import SUFFIX, encode_blob
 from inferscale.server.fleet import Fleet
 from inferscale.store import KVStore
@@ -61,6 +61,23 @@ def test_miss_everywhere_is_a_typed_error(open_store, peer_node):
         fleet.embeddings("acme", "bob", FP)  # no such user anywhere
     with pytest.raises(NotFoundError):
         fleet.embeddings("other", "alice", FP)  # alice exists, but in tenant acme: the peer is tenant-scoped
+
+
+def test_an_unreachable_peer_is_an_error_not_a_user_without_memories(open_store, peer_node):
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    fleet = Fleet(open_store(timeout_s=2.0))
+    fleet.set_peers([f"127.0.0.1:{free_port()}"])  # nothing listens there: it may have been alice's holder
+    with pytest.raises(TransferError, match="could not be asked"):
+        fleet.embeddings("acme", "alice", FP)
+    fleet.set_peers([f"127.0.0.1:{free_port()}", peer_node])  # the next peer answers
+    ids, _ = fleet.embeddings("acme", "alice", FP)
+    assert sorted(ids) == ITEMS
 
 
 def test_imports_its_nodes_job_dir(open_store, tmp_path):
