@@ -237,6 +237,7 @@ class KVStore:
             b = block_from_image(self.dram.lease_view(e), e.info)
             if copy:
                 b.kv = b.kv.clone()
+                b.kv_scale = None if b.kv_scale is None else b.kv_scale.clone()
             if self.gpu is not None:
                 b, ev = self.gpu.put(r.key, b, protect, cache=not e.dead)
                 changes[("gpu", 0)] += ev
