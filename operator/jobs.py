@@ -13,6 +13,8 @@ import posixpath
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from inferscale.contract import DEFAULT_KV_DTYPE
+
 from .settings import LABEL_MANAGED_BY, LABEL_TENANT, LABEL_USERMEMORY, MANAGED_BY, Settings
 from .spec import Item
 
@@ -53,6 +55,8 @@ def job_manifest(name: str, tenant: str, cr_name: str, user_id: str, model: str,
     out = kv_dir(settings, tenant, user_id)
     command = ["inferscale", "encode", f"{ITEMS_MOUNT}/{ITEMS_KEY}", "--out", out, "--model", model,
                "--only", ",".join(sorted(ids)), "--embed"]
+    if settings.kv_dtype != DEFAULT_KV_DTYPE:
+        command += ["--kv-dtype", settings.kv_dtype]
     resources: dict[str, Any] = {}
     if settings.encoder_gpus > 0:
         resources = {"limits": {"nvidia.com/gpu": str(settings.encoder_gpus)}}  # a quantity: a string
