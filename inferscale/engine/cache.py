@@ -103,13 +103,25 @@ def _place_mixed(kv: torch.Tensor, idx: list[int], sources: list[tuple[torch.Ten
                 l0, l1 = idx[j0], idx[j1 - 1] + 1
                 kv[j0:j1, :, :, offset : offset + n].copy_(t[l0:l1, :, :, skip:])
         offset += n
-    for b, skip, at, delta in compact:
-        # Moved to the device compact; only the kernel sees floats.
-        src, scale = kvquant.injectable(b.kv.to(kv.device), b.kv_scale.to(kv.device), b.kv_dtype)
-        n = b.num_tokens - skip
-        shift_and_place(src, kv, src_layers=idx, dst_layers=range(len(idx)), src_tokens=range(skip, b.num_tokens),
-                        dst_positions=range(at, at + n), deltas=torch.full((n,), delta, dtype=torch.long),
-                        inv_freq=inv_freq, scale=scale)
+    # One kernel call per format (its blocks concatenated along tokens, each token with its own scale and Δ):
+    # on CUDA that is one launch per layer group and format, whatever k is. Blocks reach the device compact.
+    layers = torch.tensor(idx, dtype=torch.long, device=kv.device)
+    by_format: dict[str, list[tuple[KVBlock, int, int, int]]] = {}
+    for entry in compact:
+        by_format.setdefault(entry[0].kv_dtype, []).append(entry)
+    for fmt, entries in by_format.items():
+        srcs, scales, positions, deltas = [], [], [], []
+        for b, skip, at, delta in entries:
+            src, scale = kvquant.injectable(b.kv.to(kv.device), b.kv_scale.to(kv.device), fmt)
+            srcs.append(src.index_select(0, layers)[:, :, :, skip:])
+            scales.append(scale.index_select(0, layers)[:, :, :, skip:])
+            n = b.num_tokens - skip
+            positions.append(torch.arange(at, at + n))
+            deltas.append(torch.full((n,), delta, dtype=torch.long))
+        src, scale = torch.cat(srcs, dim=3), torch.cat(scales, dim=3)
+        g = range(len(idx))
+        shift_and_place(src, kv, src_layers=g, dst_layers=g, src_tokens=range(src.shape[3]),
+                        dst_positions=torch.cat(positions), deltas=torch.cat(deltas), inv_freq=inv_freq, scale=scale)
 
 
 def _runs(idx: list[int]) -> list[tuple[int, int]]:
