@@ -8,7 +8,8 @@ first-token distributions, TTFT; per k: evidence recall.
 ``--kv-dtype bf16,int8,...`` runs every KV mode once per storage format (``inferscale.kvquant``): the facts are
 encoded once and each format's blocks are those blocks quantized (what ``encode --kv-dtype`` writes); modes
 other than bf16 are labelled ``<mode>/<format>`` (``kv/int8``), so each format's cost against ``text`` and
-against bf16 blocks reads off one table.
+against bf16 blocks reads off one table; compact rows also carry ``kl_vs_bf16`` and ``agree_first_token_bf16``
+(against the same mode on bf16 blocks: the cost of the format alone, with retrieval and template held fixed).
 The dataset is not shipped: snap-research/LoCoMo, data/locomo10.json (CC BY-NC 4.0).
 """
 
@@ -246,12 +247,17 @@ def run(args: argparse.Namespace) -> int:
                 got = {dia_of[i] for i in ranked[:k]}
                 recall = (sum(e in got for e in q.evidence) / len(q.evidence)) if q.evidence else None
                 ref = ref_logits = None
+                on_bf16: dict[str, tuple] = {}  # mode label on bf16 blocks -> (answer, logits)
                 for label, mode, ratio, fmt in modes:
                     chosen = [by_format[fmt][i] for i in order]
                     ans, logits = ask_with_logits(engine, q.question, chosen, mode, sampling, ratio)
                     if label == "text":
                         ref, ref_logits = ans, logits
                     kl = kl_divergence(ref_logits, logits)
+                    base = label.split("/")[0]
+                    if fmt == "bf16":
+                        on_bf16[base] = (ans, logits)
+                    base_ans, base_logits = on_bf16.get(base, (None, None))
                     bar.update()
                     rows.append({
                         "conv": q.conv, "question": q.question, "gold": q.answer, "category": q.category,
@@ -262,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
                         "memory_tokens": ans.memory_tokens, "kv_dtype": fmt,
                         "kl_first_token": None if kl is None else round(kl, 5),
                     })
+                    if fmt != "bf16" and base_ans is not None:
+                        kl_b = kl_divergence(base_logits, logits)
+                        rows[-1]["kl_vs_bf16"] = None if kl_b is None else round(kl_b, 6)
+                        rows[-1]["agree_first_token_bf16"] = ans.first_token == base_ans.first_token
         bar.clear()
         _print_summary(summarize(rows))
     bar.close()
@@ -307,6 +317,11 @@ def summarize(rows: list[dict], *, boot: int = 1000) -> dict:
             kls = [r["kl_first_token"] for r in rs if r.get("kl_first_token") is not None]
             summary["kl_first_token"] = round(statistics.mean(kls), 5) if kls else None
             summary["kv_dtype"] = rs[0].get("kv_dtype", "bf16")
+            vs = [r["kl_vs_bf16"] for r in rs if r.get("kl_vs_bf16") is not None]
+            if vs:
+                summary["kl_vs_bf16"] = round(statistics.mean(vs), 6)
+                summary["agree_first_token_bf16"] = round(
+                    statistics.mean(r["agree_first_token_bf16"] for r in rs if "agree_first_token_bf16" in r), 4)
             recalls = [r["recall"] for r in rs if r["recall"] is not None]
             summary["evidence_recall"] = round(statistics.mean(recalls), 4) if recalls else None
             out[str(k)][mode] = summary
@@ -334,10 +349,15 @@ def _bootstrap_ci(pairs, rng: random.Random, n: int) -> list[float] | None:
 
 def _print_summary(by_k: dict) -> None:
     print(f"{'k':>3} {'mode':<20} {'n':>4} {'F1':>6} {'F1/text':>8} {'95% CI':>14} {'1st tok':>8} {'answer':>7} "
-          f"{'KL':>7} {'TTFT p50':>9} {'recall':>7}")
+          f"{'KL':>7} {'TTFT p50':>9} {'recall':>7} {'KL/bf16':>8} {'1st/bf16':>8}")
     for k, modes in by_k.items():
         for mode, s in modes.items():
             ci = s["f1_ratio_ci95"]
             print(f"{k:>3} {mode:<20} {s['n']:>4} {s['f1']:>6.3f} {s['f1_ratio'] or 0:>8.3f} "
                   f"{(f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'):>14} {s['agree_first_token']:>8.2f} "
-                  f"{s['agree_answer']:>7.2f} {s.get('kl_first_token') or 0:>7.4f} {s['ttft_p50_ms']:>9.1f} {s['evidence_recall'] or 0:>7.2f}", flush=True)
+                  f"{s['agree_answer']:>7.2f} {s.get('kl_first_token') or 0:>7.4f} {s['ttft_p50_ms']:>9.1f} {s['evidence_recall'] or 0:>7.2f} "
+                  f"{_opt(s.get('kl_vs_bf16'), '.5f'):>8} {_opt(s.get('agree_first_token_bf16'), '.2f'):>8}", flush=True)
+
+
+def _opt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

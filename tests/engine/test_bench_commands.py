@@ -75,6 +75,10 @@ def test_bench_locomo_per_kv_dtype(model_dir, tmp_path):
     assert summary["text"]["kl_first_token"] == 0 and summary["text"]["agree_first_token"] == 1
     for m in ("kv", "kv/int8", "kv/int4"):
         assert summary[m]["kl_first_token"] is not None and summary[m]["kl_first_token"] >= 0
+    assert "kl_vs_bf16" not in summary["kv"]
+    for m in ("kv/int8", "kv/int4"):
+        assert summary[m]["kl_vs_bf16"] >= 0 and 0 <= summary[m]["agree_first_token_bf16"] <= 1
+    assert summary["kv/int8"]["kl_vs_bf16"] < summary["kv/int4"]["kl_vs_bf16"]
     rows = {(r["question"], r["mode"]): r for r in result["rows"]}
     q = "where did caroline go?"
     # int4 blocks differ from bf16 ones, so its first-token distribution does too (the format really is used)
