@@ -7,7 +7,8 @@ Tensors:
   ``embedding`` [dim] float32, optional                   the retrieval embedding of the item's text
 Metadata (all strings): format version, model fingerprint, the memory-prefix hash the item was encoded after,
 the item's id/text/timestamp, its token ids, the first position it was encoded at, dtype, ``kv_dtype`` (absent
-in blobs written before compact formats: bf16), and the sha256 of the tensor bytes (kv, kv_scale, embedding). One contiguous ``kv`` tensor per item keeps a transfer one region.
+in blobs written before compact formats: bf16), and the sha256 of the tensor bytes (kv, kv_scale, embedding).
+One contiguous ``kv`` tensor per item keeps a transfer one region.
 On disk a blob is sealed (AES-GCM, bound to tenant/user/item) whenever a KEK is configured; plain images are only
 for local use (``encode`` without ``--kek-file``, ``ask --blobs``). Both use ``SUFFIX``: the content says which.
 """

@@ -147,4 +147,5 @@ def check_layout(kv_dtype: str, kv_torch_dtype: torch.dtype, kv_shape: tuple[int
     else:
         ok = tuple(scale_shape) == (*lead, 1)
     if not ok:
-        raise BlobCorruptError(f"{source}: kv_scale shape {tuple(scale_shape)} does not fit {kv_dtype} kv {tuple(kv_shape)}")
+        raise BlobCorruptError(f"{source}: kv_scale shape {tuple(scale_shape)} does not fit {kv_dtype} kv "
+                               f"{tuple(kv_shape)}")

@@ -77,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--kv-dtype", default="bf16",
-                   help="comma list of KV storage formats for the kv modes (bf16, int8, fp8, int4; default %(default)s)")
+                   help="comma list of KV storage formats for the kv modes (bf16, int8, fp8, int4; "
+                        "default %(default)s)")
 
 
 # ---- LoCoMo's answer normalisation and token F1 ---------------------------------------------------------------
