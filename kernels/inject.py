@@ -97,7 +97,10 @@ def inject_reference(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_la
     sl, tok = _as_index(src_layers, dev), _as_index(src_tokens, dev)
     picked = src.index_select(0, sl).index_select(3, tok)  # [G, 2, H, T, D]
     if scale is not None:
-        sc = scale.to(dev).expand(src.shape).index_select(0, sl).index_select(3, tok)
+        # Select along the dims the scale really has; broadcasting does the rest (no src-sized float copy).
+        sc = scale.to(dev).reshape((1,) * (src.dim() - scale.dim()) + tuple(scale.shape))
+        sc = sc.index_select(0, sl) if sc.shape[0] > 1 else sc
+        sc = sc.index_select(3, tok) if sc.shape[3] > 1 else sc
         picked = picked.to(torch.float32) * sc.to(torch.float32)
     else:
         picked = picked.to(torch.float32)
