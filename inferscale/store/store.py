@@ -530,7 +530,11 @@ class KVStore:
             for r, s in zip(list(opened), sizes):
                 # r.size is the plain image; a sealed file adds its header and tag (checked when opened).
                 if s != r.size if self.keyring is None else s < r.size + sealing.TAG_BYTES:
-                    missing.append(r.item_id)  # truncated or replaced behind our back
+                    # A put of the key since the row was read explains it (a new version may differ in size:
+                    # its metadata did); its content is then verified like any replaced blob. Else the file was
+                    # truncated or swapped behind our back.
+                    if not self._replaced_since(r.key, s, gens):
+                        missing.append(r.item_id)
             if missing:
                 self._raise_corrupt(tenant, rows[0].user, missing, mark=True)
             offsets, evicted = self.dram.reserve(tenant, sizes, protect)
@@ -558,6 +562,19 @@ class KVStore:
                 self.dram.release(e)
             self._raise_corrupt(tenant, rows[0].user, bad, mark=True)
         return loaded, evicted
+
+    def _replaced_since(self, key: Key, file_size: int, gens: dict[Key, int]) -> bool:
+        """Whether a file of ``file_size`` bytes is explained by a put of ``key`` since its catalogue row was read:
+        the key changed since ``gens``, or the catalogue now holds a row of that size (the put came between the
+        row read and ``gens``). Waits out a put in progress."""
+        with self._write_lock:
+            if self.dram.generation(key) != gens[key]:
+                return True
+            rows = self.catalogue.items(key[0], key[1], key[2], [key[3]])
+            if not rows:
+                return False
+            plain = rows[0].size
+            return file_size == plain if self.keyring is None else file_size >= plain + sealing.TAG_BYTES
 
     def _changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
         """Whether an intact blob that disagrees with the catalogue row read earlier is explained by a put
