@@ -119,6 +119,8 @@ def _forged(kv, scale, kv_dtype):
             "prefix_sha256": "p" * 64, "item_id": "m0", "text": "t", "timestamp": "",
             "token_ids": str(list(range(kv.shape[3]))), "start_pos": "5", "dtype": "x", "kv_dtype": kv_dtype,
             "sha256": tensor_sha256(kv, None, scale), "extra": "{}"}
+    if kv_dtype is None:  # as written before compact formats existed
+        del meta["kv_dtype"]
     return st_save(tensors, metadata=meta)
 
 
@@ -141,9 +143,15 @@ def test_blob_whose_tensors_disagree_with_its_kv_dtype_is_corrupt():
 
 
 def test_old_blob_without_kv_dtype_reads_as_bf16():
-    block = _block(_kv())
-    image = encode_blob(block)
-    assert decode_blob(image).kv_dtype == "bf16"
+    from inferscale.store.blob import parse_header
+
+    kv = _kv()
+    image = _forged(kv, None, None)
+    got = decode_blob(image)
+    assert got.kv_dtype == "bf16" and got.kv_scale is None and torch.equal(got.kv, kv)
+    assert parse_header(image, source="x", total=len(image)).format == "bf16"
+    with pytest.raises(BlobCorruptError):  # an old-style blob holding int8 codes is still refused
+        decode_blob(_forged(kvquant.quantize(kv, "int8")[0], None, None))
 
 
 # ---- injection ----------------------------------------------------------------------------------------------
