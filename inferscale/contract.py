@@ -35,6 +35,11 @@ DEFAULT_RECOMPUTE_RATIO = 0.15
 # The operator's item hash covers the same CONTEXT_ITEMS predecessors.
 CONTEXT_ITEMS = 10
 CONTEXT_TOKENS = 256
+# How memory KV is stored and moved (``--kv-dtype``, ``INFERSCALE_KV_DTYPE``; inferscale/kvquant.py). "bf16" is the
+# uncompressed format: the model's own dtype (bf16 on GPUs); the others are compact and dequantized at injection.
+KVDtype = Literal["bf16", "int8", "fp8", "int4"]
+KV_DTYPES: tuple[str, ...] = get_args(KVDtype)
+DEFAULT_KV_DTYPE: KVDtype = "bf16"
 
 
 def is_valid_id(value: object) -> bool:

@@ -1,11 +1,14 @@
 """KV blob format: one file per memory item, a safetensors image, sealed at rest (``inferscale.sealing``).
 
 Tensors:
-  ``kv``        [layers, 2, kv_heads, tokens, head_dim]  keys (index 0) and values (index 1), model dtype
+  ``kv``        [layers, 2, kv_heads, tokens, head_dim]  keys (index 0) and values (index 1): the model dtype, or
+                the compact form of ``kv_dtype`` (``inferscale.kvquant``; int4 packs two channels a byte)
+  ``kv_scale``  float32, only for compact formats          the dequantization scales (shape per ``kvquant``)
   ``embedding`` [dim] float32, optional                   the retrieval embedding of the item's text
 Metadata (all strings): format version, model fingerprint, the memory-prefix hash the item was encoded after,
-the item's id/text/timestamp, its token ids, the first position it was encoded at, dtype, and the sha256 of
-the tensor bytes (kv, then embedding). One contiguous ``kv`` tensor per item keeps a transfer one region.
+the item's id/text/timestamp, its token ids, the first position it was encoded at, dtype, ``kv_dtype`` (absent
+in blobs written before compact formats: bf16), and the sha256 of the tensor bytes (kv, kv_scale, embedding).
+One contiguous ``kv`` tensor per item keeps a transfer one region.
 On disk a blob is sealed (AES-GCM, bound to tenant/user/item) whenever a KEK is configured; plain images are only
 for local use (``encode`` without ``--kek-file``, ``ask --blobs``). Both use ``SUFFIX``: the content says which.
 """
@@ -24,7 +27,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from inferscale import sealing
+from inferscale import kvquant, sealing
+from inferscale.contract import DEFAULT_KV_DTYPE
 from inferscale.errors import BlobCorruptError, ConfigError, FingerprintMismatchError
 
 FORMAT_VERSION = "1"
@@ -46,6 +50,10 @@ class KVBlock:
     timestamp: str | None = None
     embedding: torch.Tensor | None = None
     extra: dict[str, str] = field(default_factory=dict)
+    # Storage format (inferscale.kvquant): "bf16" = ``kv`` in the model's dtype; otherwise ``kv`` is compact and
+    # ``kv_scale`` holds its scales. Dequantized only at injection.
+    kv_dtype: str = DEFAULT_KV_DTYPE
+    kv_scale: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,12 +61,22 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """Bytes the block holds in a tier: compact kv plus its scales."""
+        n = self.kv.numel() * self.kv.element_size()
+        if self.kv_scale is not None:
+            n += self.kv_scale.numel() * self.kv_scale.element_size()
+        return n
+
+    def float_kv(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The block's K/V as float [L, 2, H, N, D] (dequantized when compact; keys as encoded, unshifted)."""
+        return kvquant.dequantize(self.kv, self.kv_scale, self.kv_dtype, dtype)
 
 
-def tensor_sha256(kv: torch.Tensor, embedding: torch.Tensor | None) -> str:
+def tensor_sha256(kv: torch.Tensor, embedding: torch.Tensor | None, kv_scale: torch.Tensor | None = None) -> str:
     h = hashlib.sha256()
     h.update(_raw_bytes(kv))
+    if kv_scale is not None:
+        h.update(_raw_bytes(kv_scale))
     if embedding is not None:
         h.update(_raw_bytes(embedding))
     return h.hexdigest()
@@ -72,7 +90,12 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 def encode_blob(block: KVBlock) -> bytes:
     """Serialise a block to safetensors bytes (with checksum)."""
     kv = block.kv.detach().contiguous().cpu()
+    scale = None if block.kv_scale is None else block.kv_scale.detach().to(kvquant.SCALE_DTYPE).contiguous().cpu()
+    kvquant.check_layout(block.kv_dtype, kv.dtype, tuple(kv.shape), None if scale is None else tuple(scale.shape),
+                         source=block.item_id)
     tensors = {"kv": kv}
+    if scale is not None:
+        tensors["kv_scale"] = scale
     emb = None
     if block.embedding is not None:
         emb = block.embedding.detach().to(torch.float32).contiguous().cpu()
@@ -88,7 +111,8 @@ def encode_blob(block: KVBlock) -> bytes:
         "token_ids": json.dumps(block.token_ids),
         "start_pos": str(block.start_pos),
         "dtype": str(kv.dtype).removeprefix("torch."),
-        "sha256": tensor_sha256(kv, emb),
+        "kv_dtype": block.kv_dtype,
+        "sha256": tensor_sha256(kv, emb, scale),
         "extra": json.dumps(block.extra),
     }
     return st_save(tensors, metadata=meta)
@@ -114,8 +138,11 @@ def decode_blob(
         raise BlobCorruptError(f"{source}: not an InferScale KV blob")
     if meta.get("format_version") != FORMAT_VERSION:
         raise BlobCorruptError(f"{source}: blob format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    kv, emb = tensors["kv"], tensors.get("embedding")
-    if verify and tensor_sha256(kv, emb) != meta.get("sha256"):
+    kv, emb, scale = tensors["kv"], tensors.get("embedding"), tensors.get("kv_scale")
+    kv_dtype = meta.get("kv_dtype", DEFAULT_KV_DTYPE)
+    kvquant.check_layout(kv_dtype, kv.dtype, tuple(kv.shape), None if scale is None else tuple(scale.shape),
+                         source=source)
+    if verify and tensor_sha256(kv, emb, scale) != meta.get("sha256"):
         raise BlobCorruptError(f"{source}: checksum mismatch (item {meta.get('item_id')!r})")
     if expect_fingerprint is not None and meta["model_fingerprint"] != expect_fingerprint:
         raise FingerprintMismatchError(
@@ -137,6 +164,8 @@ def decode_blob(
         timestamp=meta["timestamp"] or None,
         embedding=emb,
         extra=json.loads(meta.get("extra") or "{}"),
+        kv_dtype=kv_dtype,
+        kv_scale=scale,
     )
 
 

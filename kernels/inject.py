@@ -86,6 +86,20 @@ def _in_range(name: str, values, bound: int) -> None:
         raise ConfigError(f"inject: {name} outside [0, {bound})")
 
 
+def _as_slice(idx: torch.Tensor) -> slice | None:
+    """``idx`` as a slice when it is one ascending run (a view, not a gather), else None."""
+    n = idx.numel()
+    if n == 0 or int(idx[-1]) - int(idx[0]) != n - 1 or (n > 1 and not bool((idx.diff() == 1).all())):
+        return None
+    return slice(int(idx[0]), int(idx[0]) + n)
+
+
+def _take(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(dim, idx)``, as a view when ``idx`` is one ascending run."""
+    run = _as_slice(idx)
+    return t.index_select(dim, idx) if run is None else t.narrow(dim, run.start, run.stop - run.start)
+
+
 def inject_reference(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_layers, src_tokens, dst_positions,
                      deltas, inv_freq: torch.Tensor, scale: torch.Tensor | None = None, page_table=None,
                      tokens_per_page: int | None = None, move_values: bool = True) -> torch.Tensor:
@@ -95,16 +109,26 @@ def inject_reference(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_la
                       page_table=page_table, tokens_per_page=tokens_per_page)
     dev = src.device
     sl, tok = _as_index(src_layers, dev), _as_index(src_tokens, dev)
-    picked = src.index_select(0, sl).index_select(3, tok)  # [G, 2, H, T, D]
+    picked = _take(_take(src, 0, sl), 3, tok)  # [G, 2, H, T, D]
     if scale is not None:
-        sc = scale.to(dev).expand(src.shape).index_select(0, sl).index_select(3, tok)
+        # Select along the dims the scale really has; broadcasting does the rest (no src-sized float copy).
+        sc = scale.to(dev).reshape((1,) * (src.dim() - scale.dim()) + tuple(scale.shape))
+        sc = _take(sc, 0, sl) if sc.shape[0] > 1 else sc
+        sc = _take(sc, 3, tok) if sc.shape[3] > 1 else sc
         picked = picked.to(torch.float32) * sc.to(torch.float32)
     else:
-        picked = picked.to(torch.float32)
+        picked = picked.to(torch.float32, copy=True)  # never a view of src: dst may be src
     keys = rope_shift(picked[:, 0], _as_index(deltas, torch.device("cpu")), inv_freq)  # float32 in, float32 out
     vals = picked[:, 1]
     pos = _as_index(dst_positions, dst.device)
-    for j, li in enumerate(_as_index(dst_layers, torch.device("cpu")).tolist()):
+    dl = _as_index(dst_layers, torch.device("cpu"))
+    if page_table is None and (runs := (_as_slice(dl), _as_slice(pos))) and None not in runs:
+        # Contiguous layers and positions (the engine's case): one strided write instead of one per layer.
+        dst[runs[0], 0, :, runs[1]] = keys.to(dst.device, dst.dtype)
+        if move_values:
+            dst[runs[0], 1, :, runs[1]] = vals.to(dst.device, dst.dtype)
+        return dst
+    for j, li in enumerate(dl.tolist()):
         if page_table is None:
             dst[li, 0, :, pos] = keys[j].to(dst.device, dst.dtype)
             if move_values:

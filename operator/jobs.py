@@ -18,6 +18,8 @@ import posixpath
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from inferscale.contract import DEFAULT_KV_DTYPE
+
 from .settings import LABEL_MANAGED_BY, LABEL_OWNER_UID, LABEL_ROLE, LABEL_TENANT, LABEL_USERMEMORY, MANAGED_BY, \
     Settings
 from .spec import Item
@@ -157,6 +159,8 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
         volumes.append({"name": "kek", "secret": {"secretName": settings.kek_secret, "defaultMode": 0o440,
                                                   "items": [{"key": KEK_KEY, "path": KEK_KEY}]}})
         mounts.append({"name": "kek", "mountPath": KEK_MOUNT, "readOnly": True})
+    if settings.kv_dtype != DEFAULT_KV_DTYPE:
+        command += ["--kv-dtype", settings.kv_dtype]
     resources = json.loads(json.dumps(dict(settings.encoder_resources)))
     if settings.encoder_gpus > 0:
         resources.setdefault("limits", {})["nvidia.com/gpu"] = str(settings.encoder_gpus)  # a quantity: a string

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from inferscale.contract import is_valid_tenant
+from inferscale.contract import DEFAULT_KV_DTYPE, KV_DTYPES, is_valid_tenant
 from inferscale.errors import ConfigError
 
 GROUP = "inferscale.io"
@@ -59,6 +59,8 @@ class Settings:
     encoder_gpus: int = 1
     kv_host_path: str = "/var/lib/inferscale/kv"
     models: tuple[str, ...] = ("gemma-3-270m",)
+    # The KV storage format encode Jobs write (``encode --kv-dtype``): the fleet's INFERSCALE_KV_DTYPE.
+    kv_dtype: str = DEFAULT_KV_DTYPE
     recheck_seconds: float = 30.0
     # How often a waiting handler looks at its encode Job again.
     job_poll_seconds: float = 5.0
@@ -100,6 +102,7 @@ class Settings:
                 encoder_gpus=int(get("INFERSCALE_ENCODER_GPUS") or d.encoder_gpus),
                 kv_host_path=get("INFERSCALE_KV_HOST_PATH") or d.kv_host_path,
                 models=_csv(get("INFERSCALE_MODELS")) or d.models,
+                kv_dtype=get("INFERSCALE_KV_DTYPE") or d.kv_dtype,
                 recheck_seconds=float(get("INFERSCALE_RECHECK_SECONDS") or d.recheck_seconds),
                 job_poll_seconds=float(get("INFERSCALE_JOB_POLL_SECONDS") or d.job_poll_seconds),
                 http_timeout_seconds=float(get("INFERSCALE_HTTP_TIMEOUT_SECONDS") or d.http_timeout_seconds),
@@ -131,6 +134,8 @@ class Settings:
             raise ConfigError(f"INFERSCALE_KV_HOST_PATH must be absolute: {self.kv_host_path!r}")
         if not self.models:
             raise ConfigError("INFERSCALE_MODELS must name at least one model")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"INFERSCALE_KV_DTYPE {self.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
         return self
 
 

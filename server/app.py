@@ -74,7 +74,7 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
     if engine is None:
         from inferscale.engine import Engine
 
-        engine = Engine.load(settings.model, device=settings.device)
+        engine = Engine.load(settings.model, device=settings.device, kv_dtype=settings.kv_dtype)
     if embedder is None:
         from inferscale.retrieval import Embedder
 

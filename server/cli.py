@@ -10,7 +10,7 @@ import asyncio
 import logging
 import sys
 
-from inferscale.contract import MODES
+from inferscale.contract import KV_DTYPES, MODES
 from inferscale.errors import ConfigError
 
 
@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant", default="default", help="name of the tenant created when there is no tenants file")
     p.add_argument("--default-k", type=int, help="memories retrieved when a request does not say (default 20)")
     p.add_argument("--default-mode", choices=MODES, help="default memory mode (kv)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="format memories are encoded in (INFERSCALE_KV_DTYPE, default bf16)")
     p.add_argument("--console-traces", action="store_true", default=None, help="also print spans to stdout")
 
 
@@ -35,7 +36,8 @@ def settings_from_args(args: argparse.Namespace):
     return Settings.from_env(host=args.host, port=args.port, internal_port=getattr(args, "internal_port", None),
                              model=args.model, device=args.device,
                              data_dir=args.data_dir, tenants_file=args.tenants_file, default_k=args.default_k,
-                             default_mode=args.default_mode, console_traces=args.console_traces)
+                             default_mode=args.default_mode, console_traces=args.console_traces,
+                             kv_dtype=getattr(args, "kv_dtype", None))
 
 
 def run(args: argparse.Namespace) -> int:

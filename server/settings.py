@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
-from inferscale.contract import DEFAULT_MODE, DEFAULT_RECOMPUTE_RATIO, Mode
+from inferscale.contract import DEFAULT_KV_DTYPE, DEFAULT_MODE, DEFAULT_RECOMPUTE_RATIO, KVDtype, Mode
 from inferscale.errors import ConfigError
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -30,6 +30,7 @@ ENV = {
     "node_name": "INFERSCALE_NODE_NAME",
     "pod_name": "INFERSCALE_POD_NAME",
     "kv_host_path": "INFERSCALE_KV_HOST_PATH",
+    "kv_dtype": "INFERSCALE_KV_DTYPE",
     "default_k": "INFERSCALE_DEFAULT_K",
     "default_mode": "INFERSCALE_DEFAULT_MODE",
     "max_k": "INFERSCALE_MAX_K",
@@ -72,6 +73,8 @@ class Settings(BaseModel):
     pod_name: str = ""
     # The node's KV hostPath root (encoding Jobs write <root>/<tenant>/<user>): a purge may delete such a dir.
     kv_host_path: Path = Path("/var/lib/inferscale/kv")
+    # The format this server encodes memories in (inferscale.kvquant); blocks of every format are injected.
+    kv_dtype: KVDtype = DEFAULT_KV_DTYPE
     # Request defaults and the per-tenant limits a tenants-file entry does not override.
     default_k: int = Field(20, ge=0)
     default_mode: Mode = DEFAULT_MODE

@@ -3,7 +3,13 @@
 Memories are LoCoMo's ``observation`` facts (one item per fact, stamped with its session date), encoded once per
 conversation. Each question retrieves its top-k facts once; every mode then answers from the same facts with the
 same template, greedily, so the modes differ only in how the memory tokens got their KV. Metrics per mode: token
-F1 (LoCoMo's normalisation), agreement with ``text`` (first token, whole answer), TTFT; per k: evidence recall.
+F1 (LoCoMo's normalisation), agreement with ``text`` (first token, whole answer), KL(text || mode) of the
+first-token distributions, TTFT; per k: evidence recall.
+``--kv-dtype bf16,int8,...`` runs every KV mode once per storage format (``inferscale.kvquant``): the facts are
+encoded once and each format's blocks are those blocks quantized (what ``encode --kv-dtype`` writes); modes
+other than bf16 are labelled ``<mode>/<format>`` (``kv/int8``), so each format's cost against ``text`` and
+against bf16 blocks reads off one table; compact rows also carry ``kl_vs_bf16`` and ``agree_first_token_bf16``
+(against the same mode on bf16 blocks: the cost of the format alone, with retrieval and template held fixed).
 The dataset is not shipped: snap-research/LoCoMo, data/locomo10.json (CC BY-NC 4.0).
 """
 
@@ -70,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--kv-dtype", default="bf16",
+                   help="comma list of KV storage formats for the kv modes (bf16, int8, fp8, int4; "
+                        "default %(default)s)")
 
 
 # ---- LoCoMo's answer normalisation and token F1 ---------------------------------------------------------------
@@ -161,12 +170,52 @@ def parse_modes(spec: str, default_ratio: float) -> list[tuple[str, str, float]]
 
 
 # ---- run ----------------------------------------------------------------------------------------------------
+def with_kv_dtypes(modes: list[tuple[str, str, float]], formats: list[str]) -> list[tuple[str, str, float, str]]:
+    """Each mode that injects KV once per format (label ``mode/format`` unless bf16); text and none once."""
+    out = []
+    for label, mode, ratio in modes:
+        if mode in ("text", "none"):
+            out.append((label, mode, ratio, "bf16"))
+        else:
+            out += [(label if f == "bf16" else f"{label}/{f}", mode, ratio, f) for f in formats]
+    return out
+
+
+def ask_with_logits(engine, question: str, blocks, mode: str, sampling, ratio: float):
+    """engine.ask, also returning the first-token logits: its prefill is observed, not repeated (a second
+    prefill per question would double the bench's cost). None when the engine's ask does not call prefill."""
+    seen: dict[str, torch.Tensor] = {}
+    prefill = engine.prefill
+
+    def observed(*a, **kw):
+        seq = prefill(*a, **kw)
+        seen.setdefault("logits", seq.logits.detach().float().cpu().clone())
+        return seq
+
+    engine.prefill = observed
+    try:
+        ans = engine.ask(question, blocks, mode, sampling=sampling, recompute_ratio=ratio)
+    finally:
+        del engine.prefill
+    return ans, seen.get("logits")
+
+
+def kl_divergence(ref_logits: torch.Tensor | None, logits: torch.Tensor | None) -> float | None:
+    """KL(ref || other) of the next-token distributions, in nats."""
+    if ref_logits is None or logits is None:
+        return None
+    p, q = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
+    return float((p.exp() * (p - q)).sum())
+
+
 def run(args: argparse.Namespace) -> int:
     from inferscale.engine import Engine, Sampling
+    from inferscale.kvquant import compact, parse_kv_dtypes
     from inferscale.retrieval import Embedder, injection_order, top_k
 
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
-    modes = parse_modes(args.modes, args.recompute_ratio)
+    formats = parse_kv_dtypes(getattr(args, "kv_dtype", "bf16"))
+    modes = with_kv_dtypes(parse_modes(args.modes, args.recompute_ratio), formats)
     convs = load_locomo(args.data)[args.skip :]
     if args.conversations:
         convs = convs[: args.conversations]
@@ -185,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{conv.sample_id}: {len(blocks)} facts, {sum(b.num_tokens for b in blocks)} tokens encoded in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         ids = [b.item_id for b in blocks]
-        by_id = {b.item_id: b for b in blocks}
+        by_format = {f: {b.item_id: (b if f == "bf16" else compact(b, f)) for b in blocks} for f in formats}
+        by_format.setdefault("bf16", {b.item_id: b for b in blocks})
         dia_of = {f.item.id: f.dia_id for f in conv.facts}
         matrix = torch.stack([b.embedding for b in blocks])
         picked = sample_questions(conv.questions, args.questions_per_conv, rng)
@@ -194,13 +244,21 @@ def run(args: argparse.Namespace) -> int:
         for q in picked:
             ranked = [i for i, _ in top_k(embedder.embed([q.question])[0], ids, matrix, max(ks))]
             for k in ks:
-                chosen = [by_id[i] for i in injection_order(ranked[:k])]
+                order = injection_order(ranked[:k])
                 got = {dia_of[i] for i in ranked[:k]}
                 recall = (sum(e in got for e in q.evidence) / len(q.evidence)) if q.evidence else None
-                ref = None
-                for label, mode, ratio in modes:
-                    ans = engine.ask(q.question, chosen, mode, sampling=sampling, recompute_ratio=ratio)
-                    ref = ans if label == "text" else ref
+                ref = ref_logits = None
+                on_bf16: dict[str, tuple] = {}  # mode label on bf16 blocks -> (answer, logits)
+                for label, mode, ratio, fmt in modes:
+                    chosen = [by_format[fmt][i] for i in order]
+                    ans, logits = ask_with_logits(engine, q.question, chosen, mode, sampling, ratio)
+                    if label == "text":
+                        ref, ref_logits = ans, logits
+                    kl = kl_divergence(ref_logits, logits)
+                    base = label.split("/")[0]
+                    if fmt == "bf16":
+                        on_bf16[base] = (ans, logits)
+                    base_ans, base_logits = on_bf16.get(base, (None, None))
                     bar.update()
                     rows.append({
                         "conv": q.conv, "question": q.question, "gold": q.answer, "category": q.category,
@@ -208,15 +266,20 @@ def run(args: argparse.Namespace) -> int:
                         "ttft_ms": round(ans.ttft_s * 1000, 1), "recall": recall,
                         "agree_first_token": ans.first_token == ref.first_token,
                         "agree_answer": ans.token_ids == ref.token_ids,
-                        "memory_tokens": ans.memory_tokens,
+                        "memory_tokens": ans.memory_tokens, "kv_dtype": fmt,
+                        "kl_first_token": None if kl is None else round(kl, 5),
                     })
+                    if fmt != "bf16" and base_ans is not None:
+                        kl_b = kl_divergence(base_logits, logits)
+                        rows[-1]["kl_vs_bf16"] = None if kl_b is None else round(kl_b, 6)
+                        rows[-1]["agree_first_token_bf16"] = ans.first_token == base_ans.first_token
         bar.clear()
         _print_summary(summarize(rows))
     bar.close()
     result = {"model": engine.loaded.name, "dtype": str(engine.loaded.dtype).removeprefix("torch."),
               "context_tokens": engine.context_tokens,
               "conversations": [c.sample_id for c in convs], "seed": args.seed, "ks": ks,
-              "modes": [m[0] for m in modes]}
+              "modes": [m[0] for m in modes], "kv_dtypes": formats}
     by_k = summarize(rows)
     result["by_k"] = by_k
     result["summary"] = by_k[str(ks[-1])]
@@ -252,6 +315,14 @@ def summarize(rows: list[dict], *, boot: int = 1000) -> dict:
                     for c in sorted({r["category"] for r in rs})
                 },
             }
+            kls = [r["kl_first_token"] for r in rs if r.get("kl_first_token") is not None]
+            summary["kl_first_token"] = round(statistics.mean(kls), 5) if kls else None
+            summary["kv_dtype"] = rs[0].get("kv_dtype", "bf16")
+            vs = [r["kl_vs_bf16"] for r in rs if r.get("kl_vs_bf16") is not None]
+            if vs:
+                summary["kl_vs_bf16"] = round(statistics.mean(vs), 6)
+                summary["agree_first_token_bf16"] = round(
+                    statistics.mean(r["agree_first_token_bf16"] for r in rs if "agree_first_token_bf16" in r), 4)
             recalls = [r["recall"] for r in rs if r["recall"] is not None]
             summary["evidence_recall"] = round(statistics.mean(recalls), 4) if recalls else None
             out[str(k)][mode] = summary
@@ -279,10 +350,15 @@ def _bootstrap_ci(pairs, rng: random.Random, n: int) -> list[float] | None:
 
 def _print_summary(by_k: dict) -> None:
     print(f"{'k':>3} {'mode':<20} {'n':>4} {'F1':>6} {'F1/text':>8} {'95% CI':>14} {'1st tok':>8} {'answer':>7} "
-          f"{'TTFT p50':>9} {'recall':>7}")
+          f"{'KL':>7} {'TTFT p50':>9} {'recall':>7} {'KL/bf16':>8} {'1st/bf16':>8}")
     for k, modes in by_k.items():
         for mode, s in modes.items():
             ci = s["f1_ratio_ci95"]
             print(f"{k:>3} {mode:<20} {s['n']:>4} {s['f1']:>6.3f} {s['f1_ratio'] or 0:>8.3f} "
                   f"{(f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'):>14} {s['agree_first_token']:>8.2f} "
-                  f"{s['agree_answer']:>7.2f} {s['ttft_p50_ms']:>9.1f} {s['evidence_recall'] or 0:>7.2f}", flush=True)
+                  f"{s['agree_answer']:>7.2f} {s.get('kl_first_token') or 0:>7.4f} {s['ttft_p50_ms']:>9.1f} {s['evidence_recall'] or 0:>7.2f} "
+                  f"{_opt(s.get('kl_vs_bf16'), '.5f'):>8} {_opt(s.get('agree_first_token_bf16'), '.2f'):>8}", flush=True)
+
+
+def _opt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

@@ -10,7 +10,12 @@ Plus end-to-end store rows (checksums verified; pulls also written to disk) agai
 same verification, so the cost of integrity is visible rather than hidden, and ``disk+unseal``: the same cold
 get_many from a store whose blobs are sealed at rest (AES-256-GCM open into the DRAM slot, no sha256) against the
 unsealed store's ``disk+verify``: the cost of encryption at rest, side by side. Page cache is warm for both disk
-paths (both read the same files right after each other)."""
+paths (both read the same files right after each other).
+
+``--kv-dtype bf16,int8,...`` runs the whole set once per storage format (``inferscale.kvquant``): bf16 blocks
+are bfloat16 (the GPU serving dtype), compact ones are those quantized; every row carries ``kv_dtype`` and
+``bytes_per_token`` (KV plus scales, what a tier holds per token), so the formats' sizes and speeds sit side by
+side."""
 
 from __future__ import annotations
 
@@ -29,11 +34,11 @@ from typing import Any, Callable
 
 import torch
 
-# Gemma-3-270M, the default model, as the engine holds its KV on CPU: 18 layers, 1 KV head, head_dim 256, fp32.
+# Gemma-3-270M, the default model: 18 layers, 1 KV head, head_dim 256; float blocks in bf16, as a GPU holds them.
 GEMMA3_270M_LAYERS = 18
 GEMMA3_270M_KV_HEADS = 1
 GEMMA3_270M_HEAD_DIM = 256
-KV_DTYPE = torch.float32
+KV_DTYPE = torch.bfloat16
 TENANT, USER = "bench", "locomo-user"
 FINGERPRINT = "bench-" + "0" * 58
 BARS = {"disk": 0.5, "dram": 0.5, "peer": 1.0}  # NIXL path bandwidth / baseline bandwidth must reach this
@@ -47,10 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="work directory (default: a temp dir, removed after)")
+    p.add_argument("--kv-dtype", default="bf16",
+                   help="comma list of storage formats to run (bf16, int8, fp8, int4; default %(default)s)")
 
 
-def make_blocks(n: int, lo: int, hi: int, seed: int):
+def make_blocks(n: int, lo: int, hi: int, seed: int, kv_dtype: str = "bf16"):
     from inferscale.kvformat import KVBlock
+    from inferscale.kvquant import compact
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -58,9 +66,15 @@ def make_blocks(n: int, lo: int, hi: int, seed: int):
         t = int(torch.randint(lo, hi + 1, (1,), generator=g))
         kv = torch.randn(GEMMA3_270M_LAYERS, 2, GEMMA3_270M_KV_HEADS, t, GEMMA3_270M_HEAD_DIM, generator=g,
                          dtype=KV_DTYPE)
-        out.append(KVBlock(f"m{i:03d}", f"memory {i}", list(range(t)), 0, kv, FINGERPRINT, "p" * 64,
-                           embedding=torch.randn(384, generator=g)))
+        b = KVBlock(f"m{i:03d}", f"memory {i}", list(range(t)), 0, kv, FINGERPRINT, "p" * 64,
+                    embedding=torch.randn(384, generator=g))
+        out.append(b if kv_dtype == "bf16" else compact(b, kv_dtype))
     return out
+
+
+def bytes_per_token(blocks) -> float:
+    """KV bytes a tier holds per token (compact tensor plus scales; no header or embedding)."""
+    return sum(b.nbytes for b in blocks) / sum(b.num_tokens for b in blocks)
 
 
 def median_s(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None) -> float:
@@ -144,11 +158,11 @@ def socket_fetch(port: int, items: list[str], out: memoryview) -> int:
 
 
 # -- the benchmark ------------------------------------------------------------------------------------------
-def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench(work: Path, args: argparse.Namespace, kv_dtype: str = "bf16") -> list[dict[str, Any]]:
     from inferscale.store.node import child_process
     from inferscale.store.store import KVStore
 
-    blocks = make_blocks(args.blocks, args.min_tokens, args.max_tokens, args.seed)
+    blocks = make_blocks(args.blocks, args.min_tokens, args.max_tokens, args.seed, kv_dtype)
     src_root, dst_root = work / "node-a", work / "node-b"
     with KVStore(src_root, dram_budget_bytes=256 << 20, nixl=False) as w:
         for b in blocks:
@@ -254,28 +268,36 @@ def bench(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             t_sockv = median_s(sock_verify, few)
             rows.append(row("peer+verify+persist", n, total, t_pull, "tcp socket + sha256", t_sockv))
             got, _ = st.get_many(TENANT, USER, ids[:1], FINGERPRINT)
-            assert torch.equal(got[0].kv, blocks[0].kv)
-    return rows
+            assert torch.equal(got[0].kv.view(torch.uint8), blocks[0].kv.view(torch.uint8))  # fp8 has no equal
+    per_token = round(bytes_per_token(blocks), 1)
+    return [{"kv_dtype": kv_dtype, "bytes_per_token": per_token, **r} for r in rows]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = f"{'source':<22}{'blocks':>7}{'MB':>8}{'ms':>9}{'GB/s':>8}   {'baseline':<30}{'ms':>9}{'GB/s':>8}{'ratio':>7}  bar"
+    sizes = {r["kv_dtype"]: r["bytes_per_token"] for r in rows}
+    base = sizes.get("bf16")
+    for fmt, bpt in sizes.items():
+        print(f"kv_dtype {fmt:<5} {bpt:>9.1f} bytes/token" + (f"  ({bpt / base:.3f}x bf16)" if base else ""))
+    head = f"{'kv_dtype':<9}{'source':<22}{'blocks':>7}{'MB':>8}{'ms':>9}{'GB/s':>8}   {'baseline':<30}{'ms':>9}{'GB/s':>8}{'ratio':>7}  bar"
     print(head)
     print("-" * len(head))
     for r in rows:
         bar = f"{'PASS' if r['pass'] else 'FAIL'} (>= {r['bar']:.0%})" if "bar" in r else "-"
-        print(f"{r['source']:<22}{r['blocks']:>7}{r['bytes'] / 1e6:>8.1f}{r['ms']:>9.2f}{r['gbps']:>8.2f}   "
+        print(f"{r['kv_dtype']:<9}{r['source']:<22}{r['blocks']:>7}{r['bytes'] / 1e6:>8.1f}{r['ms']:>9.2f}{r['gbps']:>8.2f}   "
               f"{r['baseline']:<30}{r['baseline_ms']:>9.2f}{r['baseline_gbps']:>8.2f}{r['ratio']:>7.2f}  {bar}")
 
 
 def run(args: argparse.Namespace) -> int:
+    from inferscale.kvquant import parse_kv_dtypes
+
+    formats = parse_kv_dtypes(getattr(args, "kv_dtype", "bf16"))
     if args.dir:
         work = Path(args.dir)
         work.mkdir(parents=True, exist_ok=True)
-        rows = bench(work, args)
+        rows = [r for f in formats for r in bench(work / f, args, f)]
     else:
         with tempfile.TemporaryDirectory(prefix="inferscale-bench-store-") as d:
-            rows = bench(Path(d), args)
+            rows = [r for f in formats for r in bench(Path(d) / f, args, f)]
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

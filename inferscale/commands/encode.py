@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from inferscale.contract import DEFAULT_KV_DTYPE, KV_DTYPES
 from inferscale.errors import ConfigError, MemoryItemError
 
 
@@ -24,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, default=1024, help="tokens packed into one forward pass")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, choices=KV_DTYPES,
+                   help="how the blobs store K/V (inferscale.kvquant): bf16 = the model's dtype, uncompressed; int8/fp8 "
+                        "per token, int4 groups: compact, dequantized at injection (default %(default)s)")
     p.add_argument("--kek-file", default=None,
                    help="KEK file (<key-id>:<base64 of 32 bytes> a line): seal the blobs for --tenant/--user")
     p.add_argument("--tenant", default=None, help="the tenant the sealed blobs belong to (with --kek-file)")
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             raise MemoryItemError(f"--only names ids not in {args.input}: {', '.join(sorted(missing))}")
     if args.context_tokens is not None and args.context_tokens < 0:
         raise ConfigError(f"--context-tokens {args.context_tokens}: expected 0 or more")
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype)
     embed = None
     if args.embed:
         from inferscale.retrieval import Embedder

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from inferscale.kernels.inject import rotate_in_place  # kernel selection: Triton on CUDA, torch on CPU
+from inferscale import kvquant
+from inferscale.contract import DEFAULT_KV_DTYPE
+from inferscale.kernels.inject import rotate_in_place, shift_and_place  # Triton on CUDA, torch on CPU
 from inferscale.kvformat import KVBlock
 from inferscale.models.layout import ModelLayout
 
@@ -35,7 +37,11 @@ def injected_cache(
 
     Per group of layers sharing a type (one θ, one window), only the tokens the model can still attend to are
     gathered and rotated: on a sliding layer that is the last window-1 tokens, so the work per request stays flat
-    as k grows. ``windowed=False`` keeps every token on every layer (for passes with their own masks)."""
+    as k grows. ``windowed=False`` keeps every token on every layer (for passes with their own masks).
+
+    Compact blocks (``kv_dtype`` other than bf16) are dequantized here and nowhere earlier: each goes through
+    ``shift_and_place`` with its scale (dequantize, then rotate in float32), straight into its slot. Blocks of
+    different formats can share a request: each is read in its own format."""
     p = prefix_kv.shape[3]
     starts, pos = [], p
     for b in blocks:
@@ -48,21 +54,31 @@ def injected_cache(
         window = layout.layers[idx[0]].sliding_window if windowed else None
         keep_from = max(0, n - (window - 1)) if window else 0  # first position this layer group still needs
         sources, deltas = [], []  # (tensor [layers, 2, H, tokens, D], first token to take)
+        compact: list[tuple[KVBlock, int, int, int]] = []  # (block, first token to take, slot offset, Δ)
         if keep_from < p:
             sources.append((prefix_kv, keep_from))
         for b, start in zip(blocks, starts):
             if start + b.num_tokens <= keep_from:
                 continue
             skip = max(0, keep_from - start)
+            if b.kv_dtype != DEFAULT_KV_DTYPE:
+                compact.append((b, skip, start + skip - keep_from, start - b.start_pos))
+                delta = 0  # rotated while dequantized, below; Δ = 0 leaves its keys exactly as they are
+            else:
+                delta = start - b.start_pos
             sources.append((b.kv, skip))
-            deltas.append(torch.full((b.num_tokens - skip,), start - b.start_pos, dtype=torch.long))
+            deltas.append(torch.full((b.num_tokens - skip,), delta, dtype=torch.long))
         kept = n - keep_from
         kv = torch.empty((len(idx), *prefix_kv.shape[1:3], kept, prefix_kv.shape[4]), dtype=dtype, device=device)
-        # Copy each run of consecutive layers with one cat straight into place: no per-block intermediates.
-        for j0, j1 in _runs(idx):
-            l0, l1 = idx[j0], idx[j1 - 1] + 1
-            torch.cat([t[l0:l1, :, :, skip:].to(device=device, dtype=dtype) for t, skip in sources], dim=3, out=kv[j0:j1])
-        if deltas:
+        if not compact:
+            # Copy each run of consecutive layers with one cat straight into place: no per-block intermediates.
+            for j0, j1 in _runs(idx):
+                l0, l1 = idx[j0], idx[j1 - 1] + 1
+                torch.cat([t[l0:l1, :, :, skip:].to(device=device, dtype=dtype) for t, skip in sources], dim=3,
+                          out=kv[j0:j1])
+        else:
+            _place_mixed(kv, idx, sources, compact, inv_freq)
+        if len(deltas) > len(compact):  # some float blocks still to rotate
             delta = torch.cat(deltas)
             mem = kept - delta.numel()  # the kept prefix tokens come first and never move
             rotate_in_place(kv, mem, delta, inv_freq)  # keys of tokens mem.. only
@@ -72,6 +88,40 @@ def injected_cache(
             else:
                 cache.update(kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), li)
     return cache
+
+
+def _place_mixed(kv: torch.Tensor, idx: list[int], sources: list[tuple[torch.Tensor, int]],
+                 compact: list[tuple[KVBlock, int, int, int]], inv_freq: torch.Tensor) -> None:
+    """Fill the group buffer ``kv`` [G, 2, H, kept, D] when some blocks are compact: float sources are copied
+    into their slots; compact ones are dequantized, keys rotated by their Δ, and written by the kernel."""
+    compact_kv = {id(b.kv) for b, *_ in compact}
+    offset = 0
+    for t, skip in sources:
+        n = t.shape[3] - skip
+        if id(t) not in compact_kv:
+            for j0, j1 in _runs(idx):
+                l0, l1 = idx[j0], idx[j1 - 1] + 1
+                kv[j0:j1, :, :, offset : offset + n].copy_(t[l0:l1, :, :, skip:])
+        offset += n
+    # One kernel call per format (its blocks concatenated along tokens, each token with its own scale and Δ):
+    # on CUDA that is one launch per layer group and format, whatever k is. Blocks reach the device compact.
+    layers = torch.tensor(idx, dtype=torch.long, device=kv.device)
+    by_format: dict[str, list[tuple[KVBlock, int, int, int]]] = {}
+    for entry in compact:
+        by_format.setdefault(entry[0].kv_dtype, []).append(entry)
+    for fmt, entries in by_format.items():
+        srcs, scales, positions, deltas = [], [], [], []
+        for b, skip, at, delta in entries:
+            src, scale = kvquant.injectable(b.kv.to(kv.device), b.kv_scale.to(kv.device), fmt)
+            srcs.append(src.index_select(0, layers)[:, :, :, skip:])
+            scales.append(scale.index_select(0, layers)[:, :, :, skip:])
+            n = b.num_tokens - skip
+            positions.append(torch.arange(at, at + n))
+            deltas.append(torch.full((n,), delta, dtype=torch.long))
+        src, scale = torch.cat(srcs, dim=3), torch.cat(scales, dim=3)
+        g = range(len(idx))
+        shift_and_place(src, kv, src_layers=g, dst_layers=g, src_tokens=range(src.shape[3]),
+                        dst_positions=torch.cat(positions), deltas=torch.cat(deltas), inv_freq=inv_freq, scale=scale)
 
 
 def _runs(idx: list[int]) -> list[tuple[int, int]]:

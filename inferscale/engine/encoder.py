@@ -29,6 +29,7 @@ from inferscale.engine.masks import attention_mask_arg
 from inferscale.engine.template import MemoryItem
 from inferscale.errors import MemoryItemError
 from inferscale.kvformat import KVBlock
+from inferscale.kvquant import compact
 
 # The defaults live in inferscale.contract (the operator hashes each item with CONTEXT_ITEMS predecessors);
 # CONTEXT_TOKENS bounds the work: an item costs at most that many extra tokens to encode.
@@ -127,6 +128,9 @@ def encode_items(
                 embedding=None if embeddings is None else embeddings[i].to(torch.float32).cpu(),
                 extra={"context": ",".join(items[j].id for j in contexts[i])},
             )
+            # Stored in the deployment's format, keys as encoded (unshifted): Δ is applied after dequantization.
+            if engine.kv_dtype != blocks[i].kv_dtype:
+                blocks[i] = compact(blocks[i], engine.kv_dtype)
             offset += c + n
         if on_progress is not None:
             on_progress(len(group))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
+from inferscale.contract import DEFAULT_KV_DTYPE, DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
 from inferscale.engine.sampling import Sampling, sample
@@ -28,6 +28,7 @@ from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOK
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
 from inferscale.errors import ConfigError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
 from inferscale.kvformat import KVBlock, list_blobs, load_block
+from inferscale.kvquant import check_kv_dtype
 from inferscale.models.loader import LoadedModel, load_model
 
 
@@ -58,9 +59,12 @@ class Answer:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, template: PromptTemplate = DEFAULT_TEMPLATE, *,
-                 context_items: int = DEFAULT_CONTEXT_ITEMS, context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> None:
+                 context_items: int = DEFAULT_CONTEXT_ITEMS, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                 kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
         if context_items < 0 or context_tokens < 0:
             raise ConfigError(f"context of {context_items} items / {context_tokens} tokens: expected 0 or more")
+        # The format new blocks are stored in (kvquant); blocks of any format are injected.
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.loaded = loaded
         self.template = template
         # How much of the preceding memories each item is encoded behind (see encoder.py).
@@ -84,8 +88,9 @@ class Engine:
 
     @classmethod
     def load(cls, name_or_path: str | None = None, *, device: str | None = None, dtype: str | None = None,
-             context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> Engine:
-        return cls(load_model(name_or_path, device=device, dtype=dtype), context_tokens=context_tokens)
+             context_tokens: int = DEFAULT_CONTEXT_TOKENS, kv_dtype: str = DEFAULT_KV_DTYPE) -> Engine:
+        return cls(load_model(name_or_path, device=device, dtype=dtype), context_tokens=context_tokens,
+                   kv_dtype=kv_dtype)
 
     @property
     def device(self) -> torch.device:

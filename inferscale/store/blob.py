@@ -14,13 +14,15 @@ from pathlib import Path
 
 import torch
 
-from inferscale import sealing
+from inferscale import kvquant, sealing
+from inferscale.contract import DEFAULT_KV_DTYPE
 from inferscale.errors import BlobCorruptError
 from inferscale.kvformat import FORMAT_VERSION, SUFFIX, TEMP_SUFFIX, KVBlock, atomic_write
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a KV blob
 
@@ -36,6 +38,13 @@ class BlobInfo:
     kv_shape: tuple[int, ...]
     emb_range: tuple[int, int] | None
     emb_shape: tuple[int, ...] | None
+    scale_range: tuple[int, int] | None = None  # kv_scale of a compact format (float32)
+    scale_shape: tuple[int, ...] | None = None
+
+    @property
+    def format(self) -> str:
+        """The blob's kv storage format (``kvquant``): bf16 for blobs written before compact formats."""
+        return self.meta.get("kv_dtype", DEFAULT_KV_DTYPE)
 
     @property
     def item_id(self) -> str:
@@ -51,7 +60,9 @@ class BlobInfo:
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv_range[1] - self.kv_range[0]
+        """Bytes of the KV as stored: the compact tensor plus its scales."""
+        n = self.kv_range[1] - self.kv_range[0]
+        return n + (self.scale_range[1] - self.scale_range[0] if self.scale_range else 0)
 
     @property
     def tokens(self) -> int:
@@ -73,7 +84,11 @@ def parse_header(head: bytes | memoryview, *, source: str, total: int | None = N
         kv_range = (start + kv["data_offsets"][0], start + kv["data_offsets"][1])
         emb = header.get("embedding")
         emb_range = (start + emb["data_offsets"][0], start + emb["data_offsets"][1]) if emb else None
-        end = max([kv_range[1]] + ([emb_range[1]] if emb_range else []))
+        sc = header.get("kv_scale")
+        scale_range = (start + sc["data_offsets"][0], start + sc["data_offsets"][1]) if sc else None
+        if sc is not None and sc["dtype"] != "F32":
+            raise ValueError(f"kv_scale dtype {sc['dtype']}, expected F32")
+        end = max([kv_range[1]] + [r[1] for r in (emb_range, scale_range) if r])
         dtype = _DTYPES[kv["dtype"]]
         shape = tuple(int(s) for s in kv["shape"])
     except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -84,9 +99,11 @@ def parse_header(head: bytes | memoryview, *, source: str, total: int | None = N
         raise BlobCorruptError(f"{source}: kv shape {shape} is not [layers, 2, heads, tokens, dim]")
     if total is not None and end != total:
         raise BlobCorruptError(f"{source}: blob is {total} bytes, header describes {end}")
+    scale_shape = tuple(int(s) for s in sc["shape"]) if sc else None
+    kvquant.check_layout(meta.get("kv_dtype", DEFAULT_KV_DTYPE), dtype, shape, scale_shape, source=source)
     return BlobInfo(
         meta=meta, size=end, kv_range=kv_range, kv_dtype=dtype, kv_shape=shape, emb_range=emb_range,
-        emb_shape=tuple(emb["shape"]) if emb else None,
+        emb_shape=tuple(emb["shape"]) if emb else None, scale_range=scale_range, scale_shape=scale_shape,
     )
 
 
@@ -106,9 +123,11 @@ def read_header(path: Path) -> BlobInfo:
 
 
 def tensor_digest(image: memoryview, info: BlobInfo) -> str:
-    """sha256 of the tensor bytes (kv, then embedding), as ``kvformat.tensor_sha256`` computes it."""
+    """sha256 of the tensor bytes (kv, kv_scale, embedding), as ``kvformat.tensor_sha256`` computes it."""
     h = hashlib.sha256()
     h.update(image[info.kv_range[0] : info.kv_range[1]])  # hashlib drops the GIL on large buffers
+    if info.scale_range is not None:
+        h.update(image[info.scale_range[0] : info.scale_range[1]])
     if info.emb_range is not None:
         h.update(image[info.emb_range[0] : info.emb_range[1]])
     return h.hexdigest()
@@ -136,13 +155,10 @@ def block_from_image(image: torch.Tensor, info: BlobInfo, *, kv: torch.Tensor | 
     """A KVBlock over a uint8 blob image. ``kv`` overrides the kv tensor (e.g. a GPU copy); otherwise the kv is
     a zero-copy view of ``image`` when aligned (the caller keeps the image alive), else a copy."""
     if kv is None:
-        a, b = info.kv_range
-        raw = image[a:b]
-        itemsize = torch.empty((), dtype=info.kv_dtype).element_size()
-        if raw.data_ptr() % itemsize == 0:
-            kv = raw.view(info.kv_dtype).view(info.kv_shape)
-        else:
-            kv = raw.clone().view(info.kv_dtype).view(info.kv_shape)
+        kv = _view(image, info.kv_range, info.kv_dtype, info.kv_shape)
+    scale = None
+    if info.scale_range is not None:
+        scale = _view(image, info.scale_range, kvquant.SCALE_DTYPE, info.scale_shape)
     emb = None
     if info.emb_range is not None:
         a, b = info.emb_range
@@ -152,8 +168,16 @@ def block_from_image(image: torch.Tensor, info: BlobInfo, *, kv: torch.Tensor | 
         item_id=m["item_id"], text=m.get("text", ""), token_ids=json.loads(m.get("token_ids", "[]")),
         start_pos=int(m.get("start_pos", "0")), kv=kv, model_fingerprint=m["model_fingerprint"],
         prefix_sha256=m.get("prefix_sha256", ""), timestamp=m.get("timestamp") or None, embedding=emb,
-        extra=json.loads(m.get("extra") or "{}"),
+        extra=json.loads(m.get("extra") or "{}"), kv_dtype=info.format, kv_scale=scale,
     )
+
+
+def _view(image: torch.Tensor, byte_range: tuple[int, int], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``image[a:b]``: zero-copy when aligned, else a copy."""
+    raw = image[byte_range[0] : byte_range[1]]
+    if raw.data_ptr() % torch.empty((), dtype=dtype).element_size() == 0:
+        return raw.view(dtype).view(shape)
+    return raw.clone().view(dtype).view(shape)
 
 
 def open_image(data: bytes | memoryview, keyring: sealing.Keyring | None, *, tenant: str, user: str, item: str,

@@ -34,7 +34,11 @@ def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: s
         for r, s in zip(list(opened), sizes):
             # r.size is the plain image; a sealed file adds its header and tag (checked when opened).
             if s != r.size if store.keyring is None else s < r.size + sealing.TAG_BYTES:
-                missing.append(r.item_id)  # truncated or replaced behind our back
+                # A put of the key since the row was read explains it (a new version may differ in size: its
+                # metadata did); its content is then verified like any replaced blob. Else the file was
+                # truncated or swapped behind our back.
+                if not store._replaced_since(r.key, s, gens):
+                    missing.append(r.item_id)  # truncated or replaced behind our back
         if missing:
             store._raise_corrupt(tenant, rows[0].user, missing, mark=True)
         offsets, evicted = store.dram.reserve(tenant, sizes, protect)

@@ -211,6 +211,7 @@ class KVStore:
             b = block_from_image(self.dram.lease_view(e), e.info)
             if copy:
                 b.kv = b.kv.clone()
+                b.kv_scale = None if b.kv_scale is None else b.kv_scale.clone()
             if self.gpu is not None:
                 b, ev = self.gpu.put(r.key, b, protect, cache=not e.dead)
                 changes[("gpu", 0)] += ev
@@ -411,6 +412,19 @@ class KVStore:
             raise
         entries.update({e.key: e for e in loaded})
         return entries, loaded, evicted
+
+    def _replaced_since(self, key: Key, file_size: int, gens: dict[Key, int]) -> bool:
+        """Whether a file of ``file_size`` bytes is explained by a put of ``key`` since its catalogue row was read:
+        the key changed since ``gens``, or the catalogue now holds a row of that size (the put came between the
+        row read and ``gens``). Waits out a put in progress."""
+        with self._write_lock:
+            if self.dram.generation(key) != gens[key]:
+                return True
+            rows = self.catalogue.items(key[0], key[1], key[2], [key[3]])
+            if not rows:
+                return False
+            plain = rows[0].size
+            return file_size == plain if self.keyring is None else file_size >= plain + sealing.TAG_BYTES
 
     def _changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
         """Whether an intact blob that disagrees with the catalogue row read earlier is explained by a put

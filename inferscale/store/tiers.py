@@ -265,7 +265,8 @@ class DeviceTier:
         the device (cached or not) and the keys evicted to make room."""
         n = block.nbytes
         # Synchronous copy: the DRAM slot it comes from may be reused once the caller drops its view.
-        dev = dataclasses.replace(block, kv=block.kv.to(self.device))
+        scale = None if block.kv_scale is None else block.kv_scale.to(self.device)  # compact blocks travel compact
+        dev = dataclasses.replace(block, kv=block.kv.to(self.device), kv_scale=scale)
         evicted: list[Key] = []
         with self.lock:
             if not cache or n > self.budget or (self.quota is not None and n > self.quota):

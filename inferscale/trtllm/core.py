@@ -153,6 +153,9 @@ def fill_pool(pool: torch.Tensor, page_table: Sequence[int], plan: SpanPlan, pre
     for kv, b in zip(block_kvs, plan.blocks):
         if kv.shape[3] != b.length:
             raise ConfigError(f"a block tensor holds {kv.shape[3]} tokens, the plan {b.length}")
+        if not kv.is_floating_point() or kv.dtype == torch.float8_e4m3fn:
+            # Compact codes cat'ed with float KV would be read as values: pass ``KVBlock.float_kv()``.
+            raise ConfigError(f"a block tensor is {kv.dtype}: compact blocks go in as block.float_kv()")
     if end <= start:
         return
     if start % plan.tokens_per_block or (end % plan.tokens_per_block and end != plan.memory_end):

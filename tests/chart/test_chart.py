@@ -301,6 +301,7 @@ def test_env_contract_from_interfaces_md(values):
     assert op_env["INFERSCALE_JOB_NAMESPACE"] == "inferscale"  # Jobs run in the release namespace
     assert op_env["INFERSCALE_SERVER_NAMESPACE"] == "inferscale"
     assert op_env["INFERSCALE_MODELS"] == srv_env["INFERSCALE_MODEL"] == "gemma-3-270m"
+    assert op_env["INFERSCALE_KV_DTYPE"] == srv_env["INFERSCALE_KV_DTYPE"] == "bf16"
     json.loads(op_env["INFERSCALE_ENCODER_NODE_SELECTOR"])
     json.loads(op_env["INFERSCALE_ENCODER_TOLERATIONS"])
 
@@ -699,3 +700,10 @@ def test_readme_install_commands_match_the_chart():
             if "values-gpu" in line:
                 assert ref in names, ref
         assert "service/inferscale" in names and "svc/inferscale 8000:8000" in readme
+
+
+def test_kv_dtype_values_are_the_contract_formats():
+    from inferscale.contract import KV_DTYPES
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert tuple(schema["properties"]["model"]["properties"]["kvDtype"]["enum"]) == KV_DTYPES

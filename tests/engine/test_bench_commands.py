@@ -62,6 +62,30 @@ def test_bench_locomo_json(model_dir, tmp_path):
         assert by[(q, "kv-recompute@1")]["agree_answer"] and by[(q, "kv-recompute@0")]["answer"] == by[(q, "kv")]["answer"]
 
 
+def test_bench_locomo_per_kv_dtype(model_dir, tmp_path):
+    """--kv-dtype runs each KV mode once per format against the same text reference; KL is reported per mode."""
+    out = tmp_path / "locomo.json"
+    data = _locomo(tmp_path / "locomo.json.in")
+    assert main(["bench", "locomo", "--data", str(data), "--model", str(model_dir), "--k", "2", "--modes", "text,kv",
+                 "--kv-dtype", "bf16,int8,int4", "--max-tokens", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert list(summary) == ["text", "kv", "kv/int8", "kv/int4"] and result["kv_dtypes"] == ["bf16", "int8", "int4"]
+    assert [summary[m]["kv_dtype"] for m in summary] == ["bf16", "bf16", "int8", "int4"]
+    assert summary["text"]["kl_first_token"] == 0 and summary["text"]["agree_first_token"] == 1
+    for m in ("kv", "kv/int8", "kv/int4"):
+        assert summary[m]["kl_first_token"] is not None and summary[m]["kl_first_token"] >= 0
+    assert "kl_vs_bf16" not in summary["kv"]
+    for m in ("kv/int8", "kv/int4"):
+        assert summary[m]["kl_vs_bf16"] >= 0 and 0 <= summary[m]["agree_first_token_bf16"] <= 1
+    assert summary["kv/int8"]["kl_vs_bf16"] < summary["kv/int4"]["kl_vs_bf16"]
+    rows = {(r["question"], r["mode"]): r for r in result["rows"]}
+    q = "where did caroline go?"
+    # int4 blocks differ from bf16 ones, so its first-token distribution does too (the format really is used)
+    assert rows[(q, "kv/int4")]["kl_first_token"] != rows[(q, "kv")]["kl_first_token"]
+    assert main(["bench", "locomo", "--data", str(data), "--model", str(model_dir), "--kv-dtype", "int3"]) == 2
+
+
 def test_locomo_f1_normalisation():
     assert normalize_answer("The Beach, and a Sunset!") == "beach sunset"
     assert f1_score("painted sunsets", "Sunsets") == pytest.approx(2 / 3)

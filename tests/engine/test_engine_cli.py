@@ -106,3 +106,35 @@ def test_encode_with_a_kek_seals_for_the_tenant_and_user(model_dir, tmp_path, ca
     assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir), "--kek-file", str(kek),
                  "--tenant", "acme"]) == 2
     assert "--kek-file, --tenant and --user together" in capsys.readouterr().err
+
+
+def test_encode_kv_dtype_writes_compact_blobs_that_ask_injects(model_dir, tmp_path, capsys):
+    from inferscale.kvformat import load_block
+
+    items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"},
+                                           {"id": "b", "text": "melanie painted the beach"}])
+    plain, packed = tmp_path / "plain", tmp_path / "int8"
+    assert main(["encode", str(items), "--out", str(plain), "--model", str(model_dir)]) == 0
+    assert main(["encode", str(items), "--out", str(packed), "--model", str(model_dir), "--kv-dtype", "int8"]) == 0
+    a_plain, a_int8 = load_block(plain / f"a{SUFFIX}"), load_block(packed / f"a{SUFFIX}")
+    assert a_plain.kv_dtype == "bf16" and a_int8.kv_dtype == "int8" and a_int8.nbytes == a_plain.nbytes * (16 + 4) // (16 * a_plain.kv.element_size())
+    # head_dim 16: 16 int8 codes + a float32 scale per row; within half an int8 step of the model-dtype KV
+    assert (a_int8.float_kv() - a_plain.kv.float()).abs().max() <= a_plain.kv.float().abs().max() / 254 * 1.01
+    capsys.readouterr()
+    assert main(["ask", "where did caroline go?", "--blobs", str(packed), "--model", str(model_dir), "--json",
+                 "--max-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memories"] == 2
+    with pytest.raises(SystemExit) as e:  # argparse choices: a usage error, nothing written
+        main(["encode", str(items), "--out", str(tmp_path / "x"), "--model", str(model_dir), "--kv-dtype", "int3"])
+    assert e.value.code == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_server_setting_kv_dtype():
+    from inferscale.errors import ConfigError
+    from inferscale.server.settings import Settings
+
+    assert Settings.from_env({}).kv_dtype == "bf16"
+    assert Settings.from_env({"INFERSCALE_KV_DTYPE": "int8"}).kv_dtype == "int8"
+    with pytest.raises(ConfigError, match="INFERSCALE_KV_DTYPE"):
+        Settings.from_env({"INFERSCALE_KV_DTYPE": "int3"})

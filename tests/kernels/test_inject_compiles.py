@@ -18,6 +18,8 @@ VARIANTS = [
     ("*fp16", "*fp16", False, True, 32),  # head_dim 64
     ("*fp32", "*fp32", False, False, 64),  # the engine's in-place rotation
     ("*i8", "*bf16", True, True, 64),  # compact int8 blocks with scales
+    ("*fp8e4nv", "*bf16", True, True, 64),  # compact fp8 (e4m3) blocks with scales (kvquant "fp8", sm_89+)
+    ("*i8", "*fp32", True, True, 8),  # int8/int4 codes into a float32 cache (the CPU-shaped engine on CUDA)
 ]
 POINTERS = ("src", "scale", "dst", "src_layers", "dst_layers", "src_tokens", "dst_positions", "rot_rows", "cos_tab",
             "sin_tab", "page_table")

@@ -101,6 +101,16 @@ def test_cpu_cluster_job_requests_no_gpu() -> None:
     assert "nvidia.com/gpu" not in str(m["spec"]["template"]["spec"]["containers"][0]["resources"])
 
 
+def test_encode_job_writes_the_fleet_kv_dtype() -> None:
+    command = lambda cfg: jobs.job_manifest("j", "t", "u", "u", "gemma-3-270m", ["a"], cfg)["spec"]["template"][
+        "spec"]["containers"][0]["command"]
+    assert "--kv-dtype" not in command(Settings())  # bf16: the encoder's default
+    cfg = Settings.from_env({"INFERSCALE_KV_DTYPE": "int8"})
+    assert command(cfg)[-2:] == ["--kv-dtype", "int8"]
+    with pytest.raises(ConfigError, match="INFERSCALE_KV_DTYPE"):
+        Settings.from_env({"INFERSCALE_KV_DTYPE": "int3"})
+
+
 def pod(name: str, node: str) -> ServingPod:
     return ServingPod(name=name, namespace="ns", node=node, endpoint=f"http://{name}", peer=None)
 

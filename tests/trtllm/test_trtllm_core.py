@@ -128,6 +128,19 @@ def test_fill_pool_writes_rotated_blocks_into_the_requests_pages_only():
     assert torch.isnan(pool[untouched]).all()  # other requests' pages
 
 
+def test_fill_pool_refuses_compact_codes():
+    from inferscale.kvquant import quantize
+
+    d, tpb = 16, 4
+    prefix, block = torch.randn((1, 2, 1, 6, d)), torch.randn((1, 2, 1, 5, d))
+    plan = plan_span(6, [(5, 6)], 3, tokens_per_block=tpb)
+    pool = torch.zeros((4, 1, 2, 1, tpb, d))
+    for fmt in ("int8", "fp8", "int4"):
+        codes, _ = quantize(block, fmt)
+        with pytest.raises(ConfigError, match="float_kv"):
+            fill_pool(pool, [0, 1, 2], plan, prefix, [codes], [([0], _inv_freq(1e4, d))], 0, plan.claim_end)
+
+
 def test_fill_pool_equals_engine_injection():
     """Pages filled by the connector hold exactly what the engine injects for the same prompt (tiny llama)."""
     engine = tm.engine("llama", sliding_window=None)
