@@ -182,22 +182,10 @@ def with_kv_dtypes(modes: list[tuple[str, str, float]], formats: list[str]) -> l
 
 
 def ask_with_logits(engine, question: str, blocks, mode: str, sampling, ratio: float):
-    """engine.ask, also returning the first-token logits: its prefill is observed, not repeated (a second
-    prefill per question would double the bench's cost). None when the engine's ask does not call prefill."""
-    seen: dict[str, torch.Tensor] = {}
-    prefill = engine.prefill
-
-    def observed(*a, **kw):
-        seq = prefill(*a, **kw)
-        seen.setdefault("logits", seq.logits.detach().float().cpu().clone())
-        return seq
-
-    engine.prefill = observed
-    try:
-        ans = engine.ask(question, blocks, mode, sampling=sampling, recompute_ratio=ratio)
-    finally:
-        del engine.prefill
-    return ans, seen.get("logits")
+    """engine.ask through the serving loop, also returning the first-token logits the loop kept (not a second
+    prefill, which would double the bench's cost)."""
+    ans = engine.ask(question, blocks, mode, sampling=sampling, recompute_ratio=ratio, keep_first_logits=True)
+    return ans, ans.first_logits
 
 
 def kl_divergence(ref_logits: torch.Tensor | None, logits: torch.Tensor | None) -> float | None:

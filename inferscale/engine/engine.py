@@ -55,6 +55,7 @@ class Answer:
     prompt_tokens: int
     memory_tokens: int
     mode: str
+    first_logits: torch.Tensor | None = None  # [vocab] float32, only when asked for (keep_first_logits)
 
 
 class Engine:
@@ -219,7 +220,7 @@ class Engine:
 
     def ask(
         self, question: str | list[int], blocks: list[KVBlock], mode: str = "kv", *, sampling: Sampling | None = None,
-        recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
+        recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO, keep_first_logits: bool = False,
     ) -> Answer:
         """One request through the serving loop, the path the server runs. TTFT ends when the first token is
         chosen."""
@@ -229,8 +230,9 @@ class Engine:
         if self._loop is None:
             self._loop = self.serving_loop()
         t0 = time.perf_counter()
-        self._loop.add(GenRequest(ids=query, blocks=blocks, mode=mode, sampling=sampling, emit=events.append,
-                                  recompute_ratio=recompute_ratio))
+        req = GenRequest(ids=query, blocks=blocks, mode=mode, sampling=sampling, emit=events.append,
+                         recompute_ratio=recompute_ratio, keep_first_logits=keep_first_logits)
+        self._loop.add(req)
         self._loop.run_until_done()
         total = time.perf_counter() - t0
         if isinstance(events[-1], ErrorEvent):
@@ -247,4 +249,5 @@ class Engine:
             prompt_tokens=done.prompt_tokens,
             memory_tokens=done.memory_tokens,
             mode=mode,
+            first_logits=req.first_logits,
         )

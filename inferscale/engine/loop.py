@@ -72,6 +72,7 @@ class GenRequest:
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     tracer: Any = None  # an OpenTelemetry tracer (duck-typed: the engine imports no OTel)
     context: Any = None  # the request span's context
+    keep_first_logits: bool = False  # keep the first token's logits in ``first_logits`` (benchmarks compare them)
     # loop state
     sched: ScheduledRequest | None = None
     slot: int = -1
@@ -80,6 +81,7 @@ class GenRequest:
     output: list[int] = field(default_factory=list)  # generated tokens, stop token excluded
     last: int | None = None  # the token the next decode step feeds
     first_token: int | None = None
+    first_logits: torch.Tensor | None = None  # [vocab] float32 on the CPU, with keep_first_logits
     text: str = ""  # the decoded output so far (never ending in a partial UTF-8 character)
     sent: int = 0  # characters of ``text`` already emitted (the rest may be the start of a stop sequence)
     stops: tuple[str, ...] = ()  # the stop sequences in force (resolved by ServingLoop.add)
@@ -221,6 +223,8 @@ class ServingLoop:
         req.span.set_attribute("inferscale.query_tokens", len(req.ids))
         req.span.end()
         req.span = self._span(req, "decode")
+        if req.keep_first_logits:
+            req.first_logits = logits.detach().float().cpu().clone()
         # It decodes from now on: move it to the end of the decoding rows.
         self._swap(req, self.decoding)
         self.decoding += 1

@@ -102,7 +102,7 @@ def test_cpu_cluster_job_requests_no_gpu() -> None:
 
 
 def test_encode_job_writes_the_fleet_kv_dtype() -> None:
-    command = lambda cfg: jobs.job_manifest("j", "t", "u", "u", "gemma-3-270m", ["a"], cfg)["spec"]["template"][
+    command = lambda cfg: jobs.job_manifest("j", "t", "u", "uid-1", "u", "gemma-3-270m", ["a"], cfg)["spec"]["template"][
         "spec"]["containers"][0]["command"]
     assert "--kv-dtype" not in command(Settings())  # bf16: the encoder's default
     cfg = Settings.from_env({"INFERSCALE_KV_DTYPE": "int8"})
