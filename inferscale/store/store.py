@@ -327,7 +327,7 @@ class KVStore:
     @staticmethod
     def _item_info(tenant: str, user: str, info: BlobInfo, path: Path, created: float) -> ItemInfo:
         return ItemInfo(tenant, user, info.fingerprint, info.item_id, str(path), info.size, info.kv_bytes,
-                        info.tokens, info.sha256, [], 0.0, False, False, created)
+                        info.tokens, info.sha256, [], 0.0, False, False, created, info.context)
 
     def _store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         check_name("item", info.item_id)
