@@ -17,9 +17,12 @@ from opentelemetry import trace
 from inferscale.contract import USER_MAX_LEN, user_store_id
 from inferscale.engine.template import MemoryItem
 from inferscale.kvformat import KVBlock
-from inferscale.memories import Charge, Memory, MemoryBook
-from inferscale.store import ItemInfo
+from inferscale.engine.engine import Engine
+from inferscale.memories import Charge, EngineWorker, Memory, MemoryBook
+from inferscale.retrieval import Embedder
+from inferscale.store import ItemInfo, KVStore
 from inferscale.server.auth import Tenant, require_tenant
+from inferscale.server.genai_metrics import ServerMetrics
 from inferscale.server.httperrors import ApiError
 from inferscale.server.schemas import (ID_PATTERN, ErrorBody, MemoryInfo, MemoryList, PutMemories, PutMemoriesResult,
                                        Removed)
@@ -32,7 +35,8 @@ def _too_large(message: str, code: str, param: str = "items") -> ApiError:
 class MemoryService:
     """The memory domain (``book``) behind the routes and chat's retrieval, with the tenant's budgets and metrics."""
 
-    def __init__(self, store, embedder, worker, engine, meters=None) -> None:
+    def __init__(self, store: KVStore, embedder: Embedder, worker: EngineWorker, engine: Engine,
+                 meters: ServerMetrics | None = None) -> None:
         self.book = MemoryBook(store, embedder, worker, engine)
         self.store, self.engine, self.meters = store, engine, meters
         self.locks = self.book.locks
@@ -40,6 +44,14 @@ class MemoryService:
     @property
     def fingerprint(self) -> str:
         return self.book.fingerprint
+
+    @property
+    def embedder(self) -> Embedder:  # the book's: tests swap in a slow one to widen race windows
+        return self.book.embedder
+
+    @embedder.setter
+    def embedder(self, embedder: Embedder) -> None:
+        self.book.embedder = embedder
 
     async def put(self, tenant: Tenant, user: str, body: PutMemories) -> PutMemoriesResult:
         """Add the items to the end of the user's list; an id already stored is replaced in place (see
