@@ -159,6 +159,9 @@ class MemoryBook:
                 gone = sorted({r.item_id for r in rows} - set(new))
                 if gone:
                     removed, _ = await asyncio.to_thread(self.store.purge, tenant, user, gone)
+                # The list is the upload, in its order: a kept id must not keep its old place (it was encoded
+                # behind the upload's items before it, and the next edit reads the order from the catalogue).
+                await asyncio.to_thread(self.store.reorder, tenant, user, self.fingerprint, order)
             return PutOutcome(encoded=len(items), removed=removed, bytes=nbytes)
 
     async def delete(self, tenant: str, user: str, item_id: str | None = None) -> RemoveOutcome:

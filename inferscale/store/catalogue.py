@@ -118,6 +118,13 @@ class Catalogue:
                  info.created, CONTEXT_SEP.join(info.context)),
             )
 
+    def set_order(self, tenant: str, user: str, fingerprint: str, item_ids: list[str], start: float) -> None:
+        """Make ``item_ids`` the user's list order from ``start`` on (``created`` = start, start + 1 us, ...)."""
+        with self._lock, self._db:
+            self._db.executemany(
+                "UPDATE items SET created=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
+                [(start + n * 1e-6, tenant, user, fingerprint, i) for n, i in enumerate(item_ids)])
+
     def delete(self, keys: list[tuple[str, str, str, str]]) -> None:
         with self._lock, self._db:
             self._db.executemany("DELETE FROM items WHERE tenant=? AND user=? AND fingerprint=? AND item=?", keys)

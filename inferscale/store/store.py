@@ -254,6 +254,12 @@ class KVStore:
                         *(["dram"] if self.dram.resident(r.key) else []), "disk"])
         return rows
 
+    def reorder(self, tenant: str, user: str, fingerprint: str, item_ids: list[str]) -> None:
+        """Make ``item_ids`` (of this model) the user's list order, after every item stored before now."""
+        check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
+        with self._write_lock:
+            self.catalogue.set_order(tenant, user, fingerprint, [check_name("item", i) for i in item_ids], time.time())
+
     def usage(self, tenant: str) -> tuple[int, int]:  # (items, bytes on disk) of the tenant, every user and model
         return self.catalogue.usage(tenant)
 

@@ -112,7 +112,9 @@ def test_replace_makes_the_list_exactly_the_upload(book):
     run(book.put(T, U, items(0, 1, 2)))
     done = run(book.put(T, U, items(3, 1), replace=True))
     assert done.removed == 2
-    assert {r.item_id for r in book.store.list(T, U)} == {"m1", "m3"}
+    rows = book.ordered(book.store.list(T, U))
+    assert [r.item_id for r in rows] == ["m3", "m1"]  # the upload's order, a kept id included
+    assert [r.context for r in rows] == [(), ("m3",)]  # each behind exactly the items before it in that order
     assert {r.item_id: r.context for r in book.store.list(T, U)}["m1"] == ("m3",)
 
 
