@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -22,6 +23,11 @@ from inferscale.server.schemas import ModelCard, ModelList, ModelProfile
 from inferscale.server.settings import Settings
 from inferscale.server.logs import inject_trace_ids_into_logs
 from inferscale.server.tracing import setup as setup_telemetry
+
+if TYPE_CHECKING:  # loaded lazily below: the model and store are built only when not injected
+    from inferscale.engine import Engine
+    from inferscale.retrieval import Embedder
+    from inferscale.store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,8 @@ def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
     return app
 
 
-def create_app(settings: Settings | None = None, *, engine=None, store=None, embedder=None, tenants=None,
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None, store: KVStore | None = None,
+               embedder: Embedder | None = None, tenants: TenantRegistry | None = None,
                span_exporter=None, metric_reader=None) -> FastAPI:
     settings = settings or Settings.from_env()
     if engine is None:
@@ -84,8 +91,8 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
                                         max_in_flight=settings.max_in_flight, budgets=settings.tenant_budgets)
     # A tenant API key must never be a plane credential: refuse to start if one is (and any later file with one).
     tenants.forbid(plane_credentials(settings))
-    if hasattr(store, "set_tenant_quota"):  # each tenant's DRAM share, again after every tenants-file reload
-        tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
+    # Each tenant's DRAM share, again after every tenants-file reload.
+    tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
     worker = EngineWorker(engine, SchedulerConfig(
         max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
         max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
@@ -98,7 +105,7 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
         yield
         worker.close()
         telemetry.shutdown()
-        if owns_store and hasattr(store, "close"):
+        if owns_store:
             store.close()
 
     app = FastAPI(title="InferScale", version=__version__, lifespan=lifespan,

@@ -100,11 +100,8 @@ class MemoryService:
         return DiskBudget(tenant.max_disk_bytes, disk, {i: mine[i] for i in ids if i in mine}).charge
 
     def _count_tokens(self, texts: list[str]) -> int:
-        """Memory tokens of an upload, counted off the engine thread (a stand-in count where no tokenizer is)."""
-        tok = getattr(self.engine, "tokenizer", None)
-        if tok is None:
-            return sum(len(t.encode()) for t in texts) // 4 + len(texts)
-        return sum(len(ids) for ids in tok(texts, add_special_tokens=False).input_ids)
+        """Memory tokens of an upload, counted off the engine thread."""
+        return sum(len(ids) for ids in self.engine.tokenizer(texts, add_special_tokens=False).input_ids)
 
     async def list(self, tenant: str, user: str) -> MemoryList:
         return MemoryList(user=user, items=[to_info(m) for m in await self.book.list(tenant, user)])
