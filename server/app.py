@@ -20,6 +20,7 @@ from inferscale.server.httperrors import response as error_response
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.worker import EngineWorker
 from inferscale.server.schemas import ModelCard, ModelList, ModelProfile
+from inferscale.server.services import InternalServices, Services
 from inferscale.server.settings import Settings
 from inferscale.server.logs import inject_trace_ids_into_logs
 from inferscale.server.tracing import setup as setup_telemetry
@@ -64,7 +65,7 @@ def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
     listener (INFERSCALE_INTERNAL_PORT) over the tenant app's store. The tenant port has no such route."""
     app = FastAPI(title="InferScale internal", version=__version__, docs_url=None, redoc_url=None,
                   description="Operator -> serving pod: pull, purge, capacity.")
-    app.state.settings, app.state.store = settings, store
+    app.state = InternalServices(settings=settings, store=store)  # type: ignore[assignment]
     httperrors.install(app)
     # No tenants here: size, and the operator's token before the body is read.
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token)
@@ -110,12 +111,12 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
 
     app = FastAPI(title="InferScale", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible chat completions with per-user memories injected as KV state.")
-    st = app.state
-    st.settings, st.engine, st.store, st.embedder, st.tenants = settings, engine, store, embedder, tenants
-    st.telemetry, st.worker, st.started = telemetry, worker, time.time()
-    st.model_ids = [settings.model] + ([engine.loaded.name] if engine.loaded.name != settings.model else [])
-    st.modes = list(MODES)
-    st.memories = memories.MemoryService(store, embedder, worker, engine, telemetry.metrics)
+    st = Services(settings=settings, engine=engine, store=store, embedder=embedder, tenants=tenants,
+                  telemetry=telemetry, worker=worker,
+                  memories=memories.MemoryService(store, embedder, worker, engine, telemetry.metrics),
+                  started=time.time(), modes=list(MODES),
+                  model_ids=[settings.model] + ([engine.loaded.name] if engine.loaded.name != settings.model else []))
+    app.state = st  # type: ignore[assignment]  # typed: handlers read request.app.state.<service>
     httperrors.install(app)
     # Size, API key and in-flight slot are checked before any body byte is read (server/guard.py).
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, tenants=tenants)
