@@ -11,7 +11,7 @@ import hashlib
 import re
 from typing import Literal, get_args
 
-from inferscale.errors import ConfigError
+from inferscale.errors import InvalidInputError
 
 # A user or memory-item id. It becomes a directory or file name on every node, so it must never climb out of its
 # directory: a leading letter/digit, no '/', and no '..' anywhere. Matched with fullmatch (a trailing newline is
@@ -74,7 +74,7 @@ _HASHED_USER_RE = re.compile(r"u-[0-9a-f]{32}")
 def user_store_id(user: str) -> str:
     """The store user id for an API ``user`` string (1..USER_MAX_LEN characters; see the rule above)."""
     if not isinstance(user, str) or not 0 < len(user) <= USER_MAX_LEN:
-        raise ConfigError(f"user must be a string of 1 to {USER_MAX_LEN} characters")
+        raise InvalidInputError(f"user must be a string of 1 to {USER_MAX_LEN} characters", param="user")
     if is_valid_id(user) and _HASHED_USER_RE.fullmatch(user) is None:
         return user
     return USER_HASH_PREFIX + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]

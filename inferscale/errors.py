@@ -6,7 +6,16 @@ class InferScaleError(Exception):
 
 
 class ConfigError(InferScaleError):
-    """A setting, flag or budget is invalid."""
+    """A setting, flag or budget of the deployment is invalid (the operator's to fix, not the caller's)."""
+
+
+class InvalidInputError(InferScaleError):
+    """A value the caller passed is invalid: a name or id, a mode, a sampling or recompute value, an empty query.
+    The server answers 400 with ``param`` when it is known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(InferScaleError):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferscale.kernels.inject import _as_index, check_inject_args
+from inferscale.kernels.inject_checks import _as_index, check_inject_args
 
 BLOCK_T = 16  # tokens per program: memory blocks are tens of tokens; small tiles keep odd lengths cheap
 

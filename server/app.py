@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -19,9 +20,15 @@ from inferscale.server.httperrors import response as error_response
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.worker import EngineWorker
 from inferscale.server.schemas import ModelCard, ModelList, ModelProfile
+from inferscale.server.services import InternalServices, Services
 from inferscale.server.settings import Settings
 from inferscale.server.logs import inject_trace_ids_into_logs
 from inferscale.server.tracing import setup as setup_telemetry
+
+if TYPE_CHECKING:  # loaded lazily below: the model and store are built only when not injected
+    from inferscale.engine import Engine
+    from inferscale.retrieval import Embedder
+    from inferscale.store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +66,7 @@ def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
     listener (INFERSCALE_INTERNAL_PORT) over the tenant app's store. The tenant port has no such route."""
     app = FastAPI(title="InferScale internal", version=__version__, docs_url=None, redoc_url=None,
                   description="Operator -> serving pod: pull, purge, capacity.")
-    app.state.settings, app.state.store = settings, store
+    app.state = InternalServices(settings=settings, store=store)  # type: ignore[assignment]
     httperrors.install(app)
     # No tenants here: size, and the operator's token before the body is read.
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token)
@@ -68,7 +75,8 @@ def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
     return app
 
 
-def create_app(settings: Settings | None = None, *, engine=None, store=None, embedder=None, tenants=None,
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None, store: KVStore | None = None,
+               embedder: Embedder | None = None, tenants: TenantRegistry | None = None,
                span_exporter=None, metric_reader=None) -> FastAPI:
     settings = settings or Settings.from_env()
     if engine is None:
@@ -85,8 +93,8 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
                                         max_in_flight=settings.max_in_flight, budgets=settings.tenant_budgets)
     # A tenant API key must never be a plane credential: refuse to start if one is (and any later file with one).
     tenants.forbid(plane_credentials(settings))
-    if hasattr(store, "set_tenant_quota"):  # each tenant's DRAM share, again after every tenants-file reload
-        tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
+    # Each tenant's DRAM share, again after every tenants-file reload.
+    tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
     worker = EngineWorker(engine, SchedulerConfig(
         max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
         max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
@@ -99,17 +107,17 @@ def create_app(settings: Settings | None = None, *, engine=None, store=None, emb
         yield
         worker.close()
         telemetry.shutdown()
-        if owns_store and hasattr(store, "close"):
+        if owns_store:
             store.close()
 
     app = FastAPI(title="InferScale", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible chat completions with per-user memories injected as KV state.")
-    st = app.state
-    st.settings, st.engine, st.store, st.embedder, st.tenants = settings, engine, store, embedder, tenants
-    st.telemetry, st.worker, st.started = telemetry, worker, time.time()
-    st.model_ids = [settings.model] + ([engine.loaded.name] if engine.loaded.name != settings.model else [])
-    st.modes = list(MODES)
-    st.memories = memories.MemoryService(store, embedder, worker, engine, telemetry.metrics)
+    st = Services(settings=settings, engine=engine, store=store, embedder=embedder, tenants=tenants,
+                  telemetry=telemetry, worker=worker,
+                  memories=memories.MemoryService(store, embedder, worker, engine, telemetry.metrics),
+                  started=time.time(), modes=list(MODES),
+                  model_ids=[settings.model] + ([engine.loaded.name] if engine.loaded.name != settings.model else []))
+    app.state = st  # type: ignore[assignment]  # typed: handlers read request.app.state.<service>
     httperrors.install(app)
     # Size, API key and in-flight slot are checked before any body byte is read (server/guard.py).
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, tenants=tenants)

@@ -39,7 +39,8 @@ _TYPED: list[tuple[type, int, str, str]] = [
     (E.NotFoundError, 404, "not_found_error", "not_found"),
     (E.PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
     (E.MemoryItemError, 400, "invalid_request_error", "invalid_memory_item"),
-    (E.ConfigError, 400, "invalid_request_error", "invalid_value"),
+    (E.InvalidInputError, 400, "invalid_request_error", "invalid_value"),
+    (E.ConfigError, 500, "server_error", "configuration_error"),  # the deployment's to fix, not the caller's
     (E.UnsafePathError, 400, "invalid_request_error", "unsafe_path"),
     (E.QuotaExceededError, 429, "insufficient_quota", "quota_exceeded"),  # in-use blocks hold it: Retry-After
     (E.FingerprintMismatchError, 409, "conflict_error", "fingerprint_mismatch"),

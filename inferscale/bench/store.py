@@ -159,7 +159,7 @@ def socket_fetch(port: int, items: list[str], out: memoryview) -> int:
 
 # -- the benchmark ------------------------------------------------------------------------------------------
 def bench(work: Path, args: argparse.Namespace, kv_dtype: str = "bf16") -> list[dict[str, Any]]:
-    from inferscale.store.node import child_process
+    from inferscale.bench.node import child_process
     from inferscale.store.store import KVStore
 
     blocks = make_blocks(args.blocks, args.min_tokens, args.max_tokens, args.seed, kv_dtype)

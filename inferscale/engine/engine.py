@@ -26,7 +26,7 @@ from inferscale.engine.sampling import Sampling, sample
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS, encode_items
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
-from inferscale.errors import ConfigError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
+from inferscale.errors import ConfigError, InvalidInputError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
 from inferscale.kvformat import KVBlock, list_blobs, load_block
 from inferscale.kvquant import check_kv_dtype
 from inferscale.models.loader import LoadedModel, load_model
@@ -154,7 +154,7 @@ class Engine:
         reserve_tokens: int = 0,
     ) -> Sequence:
         if mode not in MODES:
-            raise ConfigError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+            raise InvalidInputError(f"mode {mode!r}: expected one of {', '.join(MODES)}", param="mode")
         if mode == "none":
             blocks = []
         for b in blocks:
@@ -168,7 +168,7 @@ class Engine:
                 f"{self.loaded.layout.max_positions}"
             )
         if not query_ids:
-            raise ConfigError("empty query")
+            raise InvalidInputError("empty query", param="messages")
         config = self.loaded.model.config
         if mode == "text":
             cache = cache_from_kv(self.prefix_kv, config)

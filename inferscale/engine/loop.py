@@ -26,7 +26,7 @@ from inferscale.engine.cache import injected_cache, kv_of_cache
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
-from inferscale.errors import ConfigError, EngineBusyError, PromptTooLongError
+from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongError
 from inferscale.kvformat import KVBlock
 
 if TYPE_CHECKING:
@@ -110,9 +110,9 @@ class ServingLoop:
         """Validate and queue ``req``: typed errors (bad mode, foreign block, too long, queue full) raise here."""
         eng = self.engine
         if req.mode not in MODES:
-            raise ConfigError(f"mode {req.mode!r}: expected one of {', '.join(MODES)}")
+            raise InvalidInputError(f"mode {req.mode!r}: expected one of {', '.join(MODES)}", param="mode")
         if not req.ids:
-            raise ConfigError("empty query")
+            raise InvalidInputError("empty query", param="messages")
         blocks = [] if req.mode == "none" else req.blocks
         for b in blocks:
             eng.check_block(b)

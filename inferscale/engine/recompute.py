@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
 from inferscale.engine.masks import attention_mask_arg
-from inferscale.errors import ConfigError
+from inferscale.errors import InvalidInputError
 from inferscale.kvformat import KVBlock
 
 
@@ -55,7 +55,7 @@ def prefill_with_recompute(
 def recompute_kv(engine, blocks: list[KVBlock], query_ids: list[int], ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's KV after the recompute [layers, 2, H, prompt tokens, D] and the logits of the next token."""
     if not 0.0 <= ratio <= 1.0:
-        raise ConfigError(f"recompute ratio {ratio}: expected a number in [0, 1]")
+        raise InvalidInputError(f"recompute ratio {ratio}: expected a number in [0, 1]")
     loaded = engine.loaded
     layout, model, config = loaded.layout, loaded.model, loaded.model.config
     p = len(engine.prefix_ids)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferscale.errors import ConfigError
+from inferscale.errors import InvalidInputError
 
 MAX_STOP = 4  # stop sequences per request, as OpenAI allows
 
@@ -27,15 +27,15 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: expected 1 or more")
+            raise InvalidInputError(f"max_new_tokens={self.max_new_tokens}: expected 1 or more", param="max_tokens")
         if self.min_tokens < 0:
-            raise ConfigError(f"min_tokens={self.min_tokens}: expected 0 or more")
+            raise InvalidInputError(f"min_tokens={self.min_tokens}: expected 0 or more", param="min_tokens")
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = (self.stop,)
             self.stop = tuple(self.stop)
             if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
-                raise ConfigError(f"stop: expected up to {MAX_STOP} non-empty strings")
+                raise InvalidInputError(f"stop: expected up to {MAX_STOP} non-empty strings", param="stop")
 
     def stops(self, default: tuple[str, ...]) -> tuple[str, ...]:
         """The stop sequences in force: the request's own, else the profile's ``default`` (none with ignore_eos)."""

@@ -68,6 +68,16 @@ class BlobInfo:
     def tokens(self) -> int:
         return self.kv_shape[3] if len(self.kv_shape) == 5 else 0
 
+    @property
+    def context(self) -> tuple[str, ...]:
+        """Ids of the items this block was encoded behind (the encoder's ``extra["context"]``, comma-joined)."""
+        try:
+            extra = json.loads(self.meta.get("extra") or "{}")
+        except ValueError:
+            return ()
+        context = extra.get("context", "") if isinstance(extra, dict) else ""
+        return tuple(i for i in str(context).split(",") if i)
+
 
 def parse_header(head: bytes | memoryview, *, source: str, total: int | None = None) -> BlobInfo:
     """Parse the safetensors header at the start of ``head`` (which may be just the header bytes)."""

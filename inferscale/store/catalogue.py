@@ -21,12 +21,14 @@ CREATE TABLE IF NOT EXISTS items (
   path TEXT NOT NULL, size INTEGER NOT NULL, kv_bytes INTEGER NOT NULL, tokens INTEGER NOT NULL,
   sha256 TEXT NOT NULL, dram INTEGER NOT NULL DEFAULT 0, gpu INTEGER NOT NULL DEFAULT 0,
   last_access REAL NOT NULL DEFAULT 0, pinned INTEGER NOT NULL DEFAULT 0, corrupt INTEGER NOT NULL DEFAULT 0,
-  embedding BLOB, created REAL NOT NULL,
+  embedding BLOB, created REAL NOT NULL, context TEXT NOT NULL DEFAULT '',
   PRIMARY KEY (tenant, user, fingerprint, item)
 );
 CREATE INDEX IF NOT EXISTS items_tenant_user ON items (tenant, user);
 """
-COLS = "tenant, user, fingerprint, item, path, size, kv_bytes, tokens, sha256, dram, gpu, last_access, pinned, corrupt, created"
+COLS = ("tenant, user, fingerprint, item, path, size, kv_bytes, tokens, sha256, dram, gpu, last_access, pinned, corrupt,"
+        " created, context")
+CONTEXT_SEP = ","  # context ids are valid ids (inferscale.contract), which never hold a comma
 
 
 @dataclass
@@ -46,7 +48,10 @@ class ItemInfo:
     last_access: float = 0.0
     pinned: bool = False
     corrupt: bool = False
-    created: float = 0.0
+    created: float = 0.0  # orders a user's memories: first stored first
+    # Ids of the memories this item was encoded behind (its KV depends on them): a delete re-encodes the items
+    # naming the deleted one without opening any blob. Ids only: memory text lives only in the sealed blobs.
+    context: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -54,9 +59,10 @@ class ItemInfo:
 
 
 def _info(row: tuple) -> ItemInfo:
-    t, u, fp, item, path, size, kvb, tok, sha, dram, gpu, last, pinned, corrupt, created = row
+    t, u, fp, item, path, size, kvb, tok, sha, dram, gpu, last, pinned, corrupt, created, context = row
     tiers = [name for name, on in (("gpu", gpu), ("dram", dram), ("disk", 1)) if on]
-    return ItemInfo(t, u, fp, item, path, size, kvb, tok, sha, tiers, last, bool(pinned), bool(corrupt), created)
+    return ItemInfo(t, u, fp, item, path, size, kvb, tok, sha, tiers, last, bool(pinned), bool(corrupt), created,
+                    tuple(i for i in context.split(CONTEXT_SEP) if i))
 
 
 class Catalogue:
@@ -65,6 +71,7 @@ class Catalogue:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lock = threading.RLock()
+        self._outdated = False
         fresh = not self.path.exists()
         try:
             self._db = self._open()
@@ -76,7 +83,7 @@ class Catalogue:
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
             fresh = True
             self._db = self._open()
-        self.fresh = fresh
+        self.fresh = fresh or self._outdated  # the store rebuilds a fresh catalogue from the disk tier
         with self._lock, self._db:
             self._db.execute("UPDATE items SET dram = 0, gpu = 0 WHERE dram != 0 OR gpu != 0")
 
@@ -85,6 +92,10 @@ class Catalogue:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(SCHEMA)
+        if "context" not in {r[1] for r in db.execute("PRAGMA table_info(items)")}:
+            # A catalogue from before the context column: add it, then rebuild so every row gets its context.
+            db.execute("ALTER TABLE items ADD COLUMN context TEXT NOT NULL DEFAULT ''")
+            self._outdated = True
         return db
 
     def close(self) -> None:
@@ -99,13 +110,20 @@ class Catalogue:
         with self._lock, self._db:
             self._db.execute(
                 "INSERT INTO items (tenant, user, fingerprint, item, path, size, kv_bytes, tokens, sha256, dram, gpu,"
-                " last_access, pinned, corrupt, embedding, created) VALUES (?,?,?,?,?,?,?,?,?,0,0,?,0,0,?,?)"
+                " last_access, pinned, corrupt, embedding, created, context) VALUES (?,?,?,?,?,?,?,?,?,0,0,?,0,0,?,?,?)"
                 " ON CONFLICT (tenant, user, fingerprint, item) DO UPDATE SET path=excluded.path, size=excluded.size,"
                 " kv_bytes=excluded.kv_bytes, tokens=excluded.tokens, sha256=excluded.sha256, dram=0, gpu=0,"
-                " corrupt=0, embedding=excluded.embedding",
+                " corrupt=0, embedding=excluded.embedding, context=excluded.context",
                 (*info.key, info.path, info.size, info.kv_bytes, info.tokens, info.sha256, info.last_access, emb,
-                 info.created),
+                 info.created, CONTEXT_SEP.join(info.context)),
             )
+
+    def set_order(self, tenant: str, user: str, fingerprint: str, item_ids: list[str], start: float) -> None:
+        """Make ``item_ids`` the user's list order from ``start`` on (``created`` = start, start + 1 us, ...)."""
+        with self._lock, self._db:
+            self._db.executemany(
+                "UPDATE items SET created=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
+                [(start + n * 1e-6, tenant, user, fingerprint, i) for n, i in enumerate(item_ids)])
 
     def delete(self, keys: list[tuple[str, str, str, str]]) -> None:
         with self._lock, self._db:

@@ -3,16 +3,21 @@ authenticated and opened in place) in parallel before any is committed."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from inferscale import sealing
 from inferscale.errors import BlobCorruptError
+from inferscale.store.blob import BlobInfo, verify
 from inferscale.store.catalogue import ItemInfo
 from inferscale.store.tiers import DramEntry, Key
 
 if TYPE_CHECKING:
     from inferscale.store.store import KVStore
+
+log = logging.getLogger(__name__)
 
 
 def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: set[Key]
@@ -66,6 +71,49 @@ def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: s
             store.dram.release(e)
         store._raise_corrupt(tenant, rows[0].user, bad, mark=True)
     return loaded, evicted
+
+
+def verify_slots(store: KVStore, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
+                 recheck: Callable[[str, str], bool] | None = None, sealed_for: str | None = None
+                 ) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
+    """Verify blob images in reserved arena slots, in parallel. Bad slots are given back. Returns
+    ([(offset, size, info)] of good ones in order, [item ids] of bad ones).
+
+    ``sealed_for`` (a user): the slots hold sealed files of that user; each is authenticated and opened in
+    place (the plain image then starts at the slot's offset, and the slot's tail is given back).
+    An intact blob whose checksum differs from the expected one may be a newer version written by a
+    concurrent put: ``recheck(item, sha)`` decides before calling it corrupt."""
+
+    def check(slot: tuple[int, int, str, str, str, str]) -> tuple[BlobInfo, int] | None:
+        off, size, source, sha, item, fp = slot
+        try:
+            plain = size
+            if sealed_for is not None:
+                view = store.arena.view(off, size)
+                plain = sealing.open_into(view, view, store.keyring, tenant=tenant, user=sealed_for, item=item,
+                                          fingerprint=fp, source=source).body_len
+            info = verify(store.arena.view(off, plain), source=source, expect_sha=None, expect_item=item,
+                          expect_fingerprint=fp, digest=sealed_for is None)
+            if info.sha256 != sha and (recheck is None or not recheck(item, info.sha256)):
+                raise BlobCorruptError(f"{source}: checksum {info.sha256[:12]} is not the catalogued "
+                                       f"{sha[:12]} (item {item!r})")
+            return info, plain
+        except BlobCorruptError as e:
+            log.warning("%s", e)
+            return None
+
+    checked = list(store._hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
+    good, bad = [], []
+    for (off, size, _, _, item, _), res in zip(slots, checked):
+        if res is None:
+            store.dram.abort(tenant, [off], [size])
+            bad.append(item)
+        else:
+            info, plain = res
+            store.dram.shrink(tenant, off, size, plain)
+            good.append((off, plain, info))
+    return good, bad
+
 
 
 def _pread_into(fd: int, view: memoryview) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from inferscale.contract import id_problem, is_valid_id
-from inferscale.errors import ConfigError, StorageError
+from inferscale.errors import InvalidInputError, StorageError
 from inferscale.kvformat import SUFFIX, TEMP_SUFFIX, atomic_write
 
 FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
@@ -23,16 +23,16 @@ FP_DIR_LEN = 16
 
 
 def check_name(kind: str, value: object) -> str:
-    """Return ``value`` when it is a valid tenant/user/item name, else raise ConfigError naming it."""
+    """Return ``value`` when it is a valid tenant/user/item name, else raise InvalidInputError naming it."""
     problem = id_problem(f"{kind} name", value)
     if problem:
-        raise ConfigError(f"invalid {problem}")
+        raise InvalidInputError(f"invalid {problem}")
     return value
 
 
 def check_fingerprint(value: object) -> str:
     if not isinstance(value, str) or not FINGERPRINT_RE.match(value) or ".." in value:
-        raise ConfigError(f"invalid model fingerprint {value!r}")
+        raise InvalidInputError(f"invalid model fingerprint {value!r}")
     return value
 
 

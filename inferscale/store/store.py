@@ -31,10 +31,10 @@ from inferscale.errors import (
 from inferscale.kvformat import KVBlock, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import (
-    BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, rewrap_blobs, verify,
+    BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, rewrap_blobs,
 )
 from inferscale.store.catalogue import Catalogue, ItemInfo
-from inferscale.store.diskload import load_from_disk
+from inferscale.store.diskload import load_from_disk, verify_slots
 from inferscale.store.jobdir import read_job_dir
 from inferscale.store.layout import (CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs,
                                      write_recorded)
@@ -255,6 +255,12 @@ class KVStore:
                         *(["dram"] if self.dram.resident(r.key) else []), "disk"])
         return rows
 
+    def reorder(self, tenant: str, user: str, fingerprint: str, item_ids: list[str]) -> None:
+        """Make ``item_ids`` (of this model) the user's list order, after every item stored before now."""
+        check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
+        with self._write_lock:
+            self.catalogue.set_order(tenant, user, fingerprint, [check_name("item", i) for i in item_ids], time.time())
+
     def usage(self, tenant: str) -> tuple[int, int]:  # (items, bytes on disk) of the tenant, every user and model
         return self.catalogue.usage(tenant)
 
@@ -328,7 +334,7 @@ class KVStore:
     @staticmethod
     def _item_info(tenant: str, user: str, info: BlobInfo, path: Path, created: float) -> ItemInfo:
         return ItemInfo(tenant, user, info.fingerprint, info.item_id, str(path), info.size, info.kv_bytes,
-                        info.tokens, info.sha256, [], 0.0, False, False, created)
+                        info.tokens, info.sha256, [], 0.0, False, False, created, info.context)
 
     def _store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         check_name("item", info.item_id)
@@ -438,43 +444,8 @@ class KVStore:
     def _verify_slots(self, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
                       recheck: Callable[[str, str], bool] | None = None, sealed_for: str | None = None
                       ) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
-        """Verify blob images in reserved arena slots, in parallel. Bad slots are given back. Returns
-        ([(offset, size, info)] of good ones in order, [item ids] of bad ones).
-
-        ``sealed_for`` (a user): the slots hold sealed files of that user; each is authenticated and opened in
-        place (the plain image then starts at the slot's offset, and the slot's tail is given back).
-        An intact blob whose checksum differs from the expected one may be a newer version written by a
-        concurrent put: ``recheck(item, sha)`` decides before calling it corrupt."""
-
-        def check(slot: tuple[int, int, str, str, str, str]) -> tuple[BlobInfo, int] | None:
-            off, size, source, sha, item, fp = slot
-            try:
-                plain = size
-                if sealed_for is not None:
-                    view = self.arena.view(off, size)
-                    plain = sealing.open_into(view, view, self.keyring, tenant=tenant, user=sealed_for, item=item,
-                                              fingerprint=fp, source=source).body_len
-                info = verify(self.arena.view(off, plain), source=source, expect_sha=None, expect_item=item,
-                              expect_fingerprint=fp, digest=sealed_for is None)
-                if info.sha256 != sha and (recheck is None or not recheck(item, info.sha256)):
-                    raise BlobCorruptError(f"{source}: checksum {info.sha256[:12]} is not the catalogued "
-                                           f"{sha[:12]} (item {item!r})")
-                return info, plain
-            except BlobCorruptError as e:
-                log.warning("%s", e)
-                return None
-
-        checked = list(self._hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
-        good, bad = [], []
-        for (off, size, _, _, item, _), res in zip(slots, checked):
-            if res is None:
-                self.dram.abort(tenant, [off], [size])
-                bad.append(item)
-            else:
-                info, plain = res
-                self.dram.shrink(tenant, off, size, plain)
-                good.append((off, plain, info))
-        return good, bad
+        """Verify blob images in reserved arena slots (inferscale/store/diskload.py ``verify_slots``)."""
+        return verify_slots(self, tenant, slots, recheck, sealed_for)
 
     def _remove(self, tenant: str, user: str, item_ids: list[str] | None, fingerprint: str | None
                 ) -> tuple[int, int]:

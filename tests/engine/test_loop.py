@@ -8,7 +8,7 @@ import tiny_models as tm
 from inferscale.engine import Sampling
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
 from inferscale.engine.scheduler import SchedulerConfig
-from inferscale.errors import ConfigError, EngineBusyError, PromptTooLongError
+from inferscale.errors import EngineBusyError, InvalidInputError, PromptTooLongError
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,9 @@ def req(engine, events, *, tokens=6, mode="none", tenant="default", ids=None, **
 
 def test_bad_requests_fail_at_add_with_typed_errors(engine):
     loop = ServingLoop(engine)
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidInputError):
         loop.add(req(engine, [], mode="fast"))
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidInputError):
         loop.add(req(engine, [], ids=[]))
     with pytest.raises(PromptTooLongError):
         loop.add(req(engine, [], tokens=engine.loaded.layout.max_positions))

@@ -5,7 +5,7 @@ import torch
 
 import tiny_models as tm
 from inferscale.engine import MemoryItem
-from inferscale.errors import ConfigError
+from inferscale.errors import InvalidInputError
 
 ITEMS = [
     MemoryItem("m0", "caroline went to paris in may 2023 with her sister"),
@@ -50,7 +50,7 @@ def test_partial_recompute_moves_toward_text():
 def test_bad_ratio():
     engine = tm.engine("llama")
     blocks = engine.encode(ITEMS[:1])
-    with pytest.raises(ConfigError, match="recompute ratio"):
+    with pytest.raises(InvalidInputError, match="recompute ratio"):
         engine.prefill(engine.question_ids("x"), blocks, "kv-recompute", recompute_ratio=1.5)
 
 

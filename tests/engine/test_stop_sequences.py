@@ -11,7 +11,7 @@ import tiny_models as tm
 from inferscale.engine import Sampling
 from inferscale.engine.loop import DoneEvent, GenRequest, ServingLoop, TokenEvent
 from inferscale.engine.sampling import find_stop, held_back
-from inferscale.errors import ConfigError
+from inferscale.errors import InvalidInputError
 
 SAID = "Hello the dog went to paris"  # tiny tokenizer: single characters and a few words ("▁the", "▁dog")
 
@@ -93,6 +93,6 @@ def test_matching_helpers():
 
 
 @pytest.mark.parametrize("stop", [("",), ("a", "b", "c", "d", "e"), (1,)])
-def test_bad_stops_are_config_errors(stop):
-    with pytest.raises(ConfigError):
+def test_bad_stops_are_invalid_input_errors(stop):
+    with pytest.raises(InvalidInputError):
         Sampling(stop=stop)

@@ -13,7 +13,7 @@ import pytest
 
 from inferscale.store import KVStore
 from inferscale.store import peer as peerproto
-from inferscale.store.node import child_process, serve_node
+from inferscale.bench.node import child_process, serve_node
 
 from store.helpers import FP, make_block  # tests/store/helpers.py (tests/ is on sys.path)
 

@@ -131,7 +131,7 @@ def test_replacing_or_deleting_a_memory_reencodes_the_ones_behind_it(live, tiny_
 def test_a_large_upload_is_encoded_in_chunks_once_each(live, tiny_engine, monkeypatch):
     """More items than one engine call takes: chunk boundaries change nothing, and no item is encoded twice."""
     from inferscale.engine import MemoryItem
-    from inferscale.server.memories import ENCODE_CHUNK
+    from inferscale.memories import ENCODE_CHUNK
 
     items = [{"id": f"b{i:02d}", "text": f"the user remembers thing {i}"} for i in range(ENCODE_CHUNK + 6)]
     encoded: list[str] = []

@@ -73,3 +73,20 @@ def test_bad_memories(live):
     _err(httpx.put(u + "x" * 257, json={"items": [{"id": "a", "text": "x"}]}, headers=h), 400)  # user over 256
     _err(httpx.get(u + "never-seen", headers=h), 404)
     _err(httpx.get(live.url + "/v1/nothing-here", headers=h), 404)
+
+
+def test_caller_values_are_400_and_configuration_is_500():
+    """A bad value from the request is the caller's (400, with its param); a bad setting is the deployment's."""
+    from inferscale.engine.sampling import Sampling
+    from inferscale.errors import ConfigError, InvalidInputError
+    from inferscale.server.httperrors import from_typed
+    from inferscale.store.layout import check_name
+
+    with pytest.raises(InvalidInputError) as bad_stop:
+        Sampling(stop=("",))
+    e = from_typed(bad_stop.value)
+    assert (e.status, e.code, e.param) == (400, "invalid_value", "stop")
+    with pytest.raises(InvalidInputError):
+        check_name("user", "../etc")
+    e = from_typed(ConfigError("KEK file /x: holds no key"))
+    assert (e.status, e.type, e.code) == (500, "server_error", "configuration_error")

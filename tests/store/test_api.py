@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from inferscale.kvformat import SUFFIX
-from inferscale.errors import BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError
+from inferscale.errors import BlobCorruptError, ConfigError, FingerprintMismatchError, InvalidInputError, NotFoundError
 from inferscale.kvformat import save_block
 from inferscale.store import KVStore
 
@@ -83,12 +83,12 @@ def test_unknown_names_are_typed_not_found(open_store):
 @pytest.mark.parametrize("bad", ["../etc", "a/b", ".hidden", "", "x" * 200, "a..b", None])
 def test_bad_names_rejected(open_store, bad):
     s = open_store()
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidInputError):
         s.put(bad, "alice", make_block("m1"))
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidInputError):
         s.get_many("acme", bad, ["m1"], FP)
     if bad is not None:
-        with pytest.raises(ConfigError):
+        with pytest.raises(InvalidInputError):
             s.put("acme", "alice", make_block(bad))
 
 

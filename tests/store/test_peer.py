@@ -10,7 +10,7 @@ import torch
 
 from inferscale.errors import BlobCorruptError, NotFoundError, TransferError, UnsafePathError
 from inferscale.store import KVStore
-from inferscale.store.node import child_process, serve_node
+from inferscale.bench.node import child_process, serve_node
 
 from .helpers import FP, make_block
 

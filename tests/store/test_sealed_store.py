@@ -12,7 +12,7 @@ import torch
 from inferscale import sealing
 from inferscale.errors import BlobAuthError, BlobCorruptError, ConfigError
 from inferscale.kvformat import SUFFIX, encode_blob, load_block, save_block
-from inferscale.store.node import child_process, serve_node
+from inferscale.bench.node import child_process, serve_node
 from inferscale.store import KVStore
 
 from .helpers import FP, make_block

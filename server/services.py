@@ -1,0 +1,44 @@
+"""What the apps' handlers reach through ``request.app.state``: one typed container per app instead of untyped
+attributes. ``create_app`` sets ``app.state`` to a ``Services`` (the internal app's to an ``InternalServices``), so
+``request.app.state.memories`` is a ``MemoryService`` a type checker and a reader can follow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from inferscale.engine.engine import Engine
+from inferscale.engine.worker import EngineWorker
+from inferscale.retrieval import Embedder
+from inferscale.server.auth import TenantRegistry
+from inferscale.server.memories import MemoryService
+from inferscale.server.settings import Settings
+from inferscale.server.tracing import Telemetry
+from inferscale.store import KVStore
+
+
+@dataclass
+class InternalServices:
+    """The internal plane's app (operator -> server): settings and the node's store."""
+
+    settings: Settings
+    store: KVStore
+
+
+@dataclass
+class Services:
+    """The tenant app's services, built once by ``create_app``."""
+
+    settings: Settings
+    engine: Engine
+    store: KVStore
+    embedder: Embedder
+    tenants: TenantRegistry
+    telemetry: Telemetry
+    worker: EngineWorker
+    memories: MemoryService
+    started: float  # unix time the app was built (model cards' ``created``)
+    model_ids: list[str]  # the names /v1/chat/completions answers to
+    modes: list[str]  # the injection modes this build serves
+    internal_app: FastAPI | None = None  # the internal listener's app, when INFERSCALE_INTERNAL_TOKEN is set
