@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inferscale.errors import ConfigError, NotFoundError, TransferError, UnsafePathError
+from inferscale.errors import ConfigError, InvalidInputError, NotFoundError, TransferError, UnsafePathError
 from inferscale.store.layout import check_name
 from inferscale.store.peer import parse_peer
 from inferscale.store.serving import partial_marker
@@ -58,14 +58,15 @@ class Fleet:
 
     # -- the operator's view -----------------------------------------------------------------------------------
     def set_peers(self, peers: list[str]) -> list[str]:
-        """Replace the peer list (host:port of other serving pods' NIXL control ports). ConfigError on a bad one."""
+        """Replace the peer list (host:port of other serving pods' NIXL control ports). InvalidInputError (400) on a
+        bad one; the list is then unchanged."""
         if len(peers) > MAX_PEERS:
-            raise ConfigError(f"at most {MAX_PEERS} peers")
+            raise InvalidInputError(f"at most {MAX_PEERS} peers", param="peers")
         for p in peers:
             try:
                 parse_peer(p)
             except TransferError as e:
-                raise ConfigError(str(e)) from None
+                raise InvalidInputError(str(e), param="peers") from None
         with self.lock:
             self.peers = list(dict.fromkeys(peers))
             return list(self.peers)
@@ -137,7 +138,7 @@ class Fleet:
                 ids, matrix = peer_index(self.store, tenant, user, peer, fingerprint)
             except NotFoundError:
                 continue
-            except (TransferError, UnsafePathError, ConfigError) as e:  # an unreachable peer: ask the next one
+            except (TransferError, UnsafePathError, ConfigError, InvalidInputError) as e:  # an unreachable peer: ask the next one
                 log.warning("fleet: peer %s for %s/%s: %s", peer, tenant, user, e)
                 failures.append(peer)
                 continue

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from inferscale.errors import ConfigError
     from inferscale.server.fleet import Fleet
     from inferscale.store import KVStore
-    from inferscale.store.node import child_process, serve_node
+    from inferscale.bench.node import child_process, serve_node
 
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
     if not ks or ks[0] < 1 or args.repeats < 1:

@@ -6,7 +6,7 @@ import torch
 from inferscale import kvquant, sealing
 from inferscale.kvformat import save_block
 from inferscale.store import KVStore
-from inferscale.store.node import child_process, serve_node
+from inferscale.bench.node import child_process, serve_node
 
 from .helpers import FP, make_block
 

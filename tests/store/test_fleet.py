@@ -5,11 +5,11 @@ miss silently."""
 import pytest
 import torch
 
-from inferscale.errors import ConfigError, NotFoundError, TransferError
+from inferscale.errors import InvalidInputError, NotFoundError, TransferError
 from inferscale.kvformat import SUFFIX, encode_blob
 from inferscale.server.fleet import Fleet
 from inferscale.store import KVStore
-from inferscale.store.node import child_process, serve_node
+from inferscale.bench.node import child_process, serve_node
 
 from .helpers import FP, make_block
 
@@ -106,7 +106,7 @@ def test_forget_drops_the_remote_index(open_store, peer_node):
 def test_bad_peer_addresses_are_refused(open_store):
     fleet = Fleet(open_store(nixl=False))
     for bad in (["nohost"], ["h:notaport"], ["h:1"] * 300):
-        with pytest.raises(ConfigError):
+        with pytest.raises(InvalidInputError):
             fleet.set_peers(bad)
 
 
