@@ -21,7 +21,6 @@ import math
 import random
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -76,10 +75,7 @@ class _Server:
     """create_app behind uvicorn on a free loopback port, in a thread."""
 
     def __init__(self, args: argparse.Namespace, data: Path) -> None:
-        import socket
-
-        import uvicorn
-
+        from inferscale.bench.live import LoopbackServer
         from inferscale.retrieval import Embedder
         from inferscale.server.app import create_app
         from inferscale.server.auth import hash_key
@@ -96,18 +92,8 @@ class _Server:
             engine = random_engine(args.random_weights, device=args.device, dtype=None)
         self.app = create_app(settings, engine=engine, embedder=Embedder())
         self.model = settings.model
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 120
-        while not self.server.started:
-            if time.time() > deadline:
-                raise RuntimeError("bench server did not start")
-            time.sleep(0.05)
+        self.live = LoopbackServer(self.app)
+        self.url = self.live.url
 
     def client(self, tenant: str):
         from openai import OpenAI
@@ -115,8 +101,7 @@ class _Server:
         return OpenAI(base_url=self.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=300)
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+        self.live.close()
 
 
 def ttft_ms(client, model: str, user: str, question: str, k: int) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from transformers import DynamicCache
 
@@ -33,7 +35,22 @@ def injected_cache(
     prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLayout, config, *, windowed: bool = True
 ) -> DynamicCache:
     """The cache of [prefix][block 1]...[block k], each block's keys rotated from the positions it was encoded at
-    to the positions it now occupies.
+    to the positions it now occupies (``injected_groups``, one layer group at a time)."""
+    cache = DynamicCache(config=config) if windowed else DynamicCache()
+    for idx, kv, _keep_from, n in injected_groups(prefix_kv, blocks, layout, windowed=windowed):
+        for j, li in enumerate(idx):
+            if windowed:
+                _fill(cache.layers[li], kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), n)
+            else:
+                cache.update(kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), li)
+    return cache
+
+
+def injected_groups(
+    prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLayout, *, windowed: bool = True
+) -> Iterator[tuple[list[int], torch.Tensor, int, int]]:
+    """Per group of layers sharing a type: (layer indices, kv [G, 2, H, n - keep_from, D] of positions
+    keep_from..n-1 with keys rotated into place, keep_from, n = prefix + memory tokens).
 
     Per group of layers sharing a type (one θ, one window), only the tokens the model can still attend to are
     gathered and rotated: on a sliding layer that is the last window-1 tokens, so the work per request stays flat
@@ -48,7 +65,6 @@ def injected_cache(
         starts.append(pos)
         pos += b.num_tokens
     n = pos
-    cache = DynamicCache(config=config) if windowed else DynamicCache()
     dtype, device = prefix_kv.dtype, prefix_kv.device
     for ltype, (idx, inv_freq) in layout.freq_groups().items():
         window = layout.layers[idx[0]].sliding_window if windowed else None
@@ -82,12 +98,7 @@ def injected_cache(
             delta = torch.cat(deltas)
             mem = kept - delta.numel()  # the kept prefix tokens come first and never move
             rotate_in_place(kv, mem, delta, inv_freq)  # keys of tokens mem.. only
-        for j, li in enumerate(idx):
-            if windowed:
-                _fill(cache.layers[li], kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), n)
-            else:
-                cache.update(kv[j, 0].unsqueeze(0), kv[j, 1].unsqueeze(0), li)
-    return cache
+        yield idx, kv, keep_from, n
 
 
 def _place_mixed(kv: torch.Tensor, idx: list[int], sources: list[tuple[torch.Tensor, int]],

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
-from inferscale.engine.cache import injected_cache, kv_of_cache
+from inferscale.engine.cache import injected_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
@@ -188,11 +188,11 @@ class ServingLoop:
             if req.mode == "text":
                 kv = eng.prefix_kv
                 req.pending = [t for b in req.blocks for t in b.token_ids] + list(req.ids)
-            elif req.blocks:
-                cache = injected_cache(eng.prefix_kv, req.blocks, eng.loaded.layout, eng.loaded.model.config,
-                                       windowed=False)
-                kv = kv_of_cache(cache)
+            elif req.blocks:  # straight into the slot, each layer group windowed: flat in k
+                req.length = self.slots.write_groups(req.slot, injected_groups(eng.prefix_kv, req.blocks,
+                                                                               eng.loaded.layout))
                 req.pending = list(req.ids)
+                return
             else:
                 kv = eng.prefix_kv
                 req.pending = list(req.ids)

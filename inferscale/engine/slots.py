@@ -2,8 +2,9 @@
 
 Per layer one keys and one values tensor [slots, kv_heads, capacity, head_dim]. A sequence owns one slot row and
 holds its tokens at indices 0..length-1, which are also their positions: the injected prefix and blocks (already
-rotated into place), then the prompt, then generated tokens. Every layer keeps every token; a sliding-window layer
-sees only its window through the attention mask, so injection stays exactly what the one-sequence path computes.
+rotated into place), then the prompt, then generated tokens. A sliding-window layer sees only its window through
+the attention mask, so injection writes (and rotates) on such a layer only the memory tokens the window can still
+reach: the work of a kv request stays flat in k, and what the model computes is exactly the one-sequence path's.
 
 A decode round runs rows 0..B-1 (the running sequences, kept contiguous) in one forward pass: each row writes its
 new K/V at its own length and attends to indices <= length. Rows are views into the slot tensors; nothing is
@@ -11,6 +12,8 @@ gathered per round.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from transformers import DynamicCache
@@ -82,6 +85,18 @@ class SlotCache:
         for i in range(self.num_layers):
             self.keys[i][slot, :, :n] = kv[i, 0].to(self.dtype)
             self.values[i][slot, :, :n] = kv[i, 1].to(self.dtype)
+
+    def write_groups(self, slot: int, groups: Iterable[tuple[list[int], torch.Tensor, int, int]]) -> int:
+        """Put each layer group's kv [G, 2, H, n - start, D] at indices start..n-1 of ``slot`` (``injected_groups``:
+        a sliding layer gets only the tokens its window can still reach; the mask hides the indices before them,
+        whatever they hold). Returns n."""
+        n = 0
+        for idx, kv, start, n in groups:
+            self.reserve(slot + 1, n)
+            for j, li in enumerate(idx):
+                self.keys[li][slot, :, start:n] = kv[j, 0].to(self.dtype)
+                self.values[li][slot, :, start:n] = kv[j, 1].to(self.dtype)
+        return n
 
     def swap(self, a: int, b: int, len_a: int, len_b: int) -> None:
         """Exchange slots ``a`` and ``b`` (their first len_a / len_b tokens): keeps decoding rows contiguous."""
