@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from inferscale.contract import DEFAULT_KV_DTYPE
 
-from .settings import LABEL_MANAGED_BY, LABEL_OWNER_UID, LABEL_ROLE, LABEL_TENANT, LABEL_USERMEMORY, MANAGED_BY, \
-    Settings
+from .settings import (APP_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, LABEL_OWNER_UID, LABEL_PART_OF,
+                       LABEL_ROLE, LABEL_TENANT, LABEL_USERMEMORY, MANAGED_BY, Settings)
 from .spec import Item
 
 ITEMS_MOUNT = "/memories"
@@ -81,8 +81,9 @@ def kv_dir(settings: Settings, tenant: str, user_id: str) -> str:
 
 
 def labels(tenant: str, cr_name: str, cr_uid: str, role: Role) -> dict[str, str]:
-    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_TENANT: tenant, LABEL_USERMEMORY: cr_name[:63],
-            LABEL_OWNER_UID: cr_uid, LABEL_ROLE: role}
+    # The standard app.kubernetes.io labels (component = the object's role) beside the operator's own.
+    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_NAME: APP_NAME, LABEL_COMPONENT: role, LABEL_PART_OF: APP_NAME,
+            LABEL_TENANT: tenant, LABEL_USERMEMORY: cr_name[:63], LABEL_OWNER_UID: cr_uid, LABEL_ROLE: role}
 
 
 def made_by_us(obj: Mapping[str, Any] | None, settings: Settings, tenant: str, cr_uid: str, role: Role) -> bool:

@@ -17,6 +17,10 @@ VERSION = "v1alpha1"
 PLURAL = "usermemories"
 # Label/annotation keys the operator puts on what it creates (and finds it back by).
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+APP_NAME = "inferscale"
 LABEL_TENANT = "inferscale.io/tenant"
 LABEL_USERMEMORY = "inferscale.io/usermemory"
 # The UserMemory's uid: a Job or record carries it so the operator only ever trusts what it made for that object.

@@ -597,12 +597,18 @@ def test_kv_host_path_is_prepared_for_the_fleet_user():
     assert "initContainers" not in off
 
 
-def test_image_is_shared_by_operator_server_and_encoder():
-    m = docs("values.yaml", sets=("image.repository=registry.example/inferscale", "image.tag=1.2.3"))
+def test_servers_and_encoder_share_the_serving_image_and_the_operator_runs_the_slim_one():
+    m = docs("values.yaml", sets=("image.repository=registry.example/inferscale", "image.tag=1.2.3",
+                                  "operator.image.repository=registry.example/inferscale-operator"))
     o, s = workload(m, "operator"), workload(m, "server")
     want = "registry.example/inferscale:1.2.3"
-    assert container(o)["image"] == container(s)["image"] == want
-    assert effective_env(m, o)["INFERSCALE_ENCODER_IMAGE"] == want
+    assert container(s)["image"] == want
+    assert effective_env(m, o)["INFERSCALE_ENCODER_IMAGE"] == want  # encode Jobs need torch and the model
+    assert container(o)["image"] == "registry.example/inferscale-operator:1.2.3"  # the Dockerfile's `operator` target
+    # An empty operator repository runs the operator from the serving image.
+    m = docs("values.yaml", sets=("image.repository=registry.example/inferscale", "image.tag=1.2.3",
+                                  "operator.image.repository="))
+    assert container(workload(m, "operator"))["image"] == want
 
 
 def test_config_change_rolls_pods():

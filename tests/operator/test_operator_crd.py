@@ -53,13 +53,19 @@ def test_crd_names_and_columns() -> None:
     (version,) = c["spec"]["versions"]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     assert [col["name"] for col in version["additionalPrinterColumns"]] == [
-        "Phase", "Items", "Tokens", "Bytes", "Nodes", "Age"]
-    # Every printer column points at a declared field.
+        "Ready", "Phase", "Items", "Tokens", "Bytes", "Nodes", "Age"]
+    # Every printer column points at a declared field (a filter `[?(...)]` selects list items; its field follows).
     for col in version["additionalPrinterColumns"]:
         if col["jsonPath"].startswith(".status"):
             node = schema()
-            for part in col["jsonPath"].split(".")[1:]:
-                node = node["properties"][part]
+            path = col["jsonPath"].replace('[?(@.type=="Ready")]', "[]")
+            for part in path.split(".")[1:]:
+                if part.endswith("[]"):
+                    node = node["properties"][part[:-2]]
+                    assert node["type"] == "array"
+                    node = node["items"]
+                else:
+                    node = node["properties"][part]
             assert node["type"] == col["type"]
 
 

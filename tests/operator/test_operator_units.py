@@ -212,3 +212,13 @@ def test_main_watches_only_the_tenant_namespaces(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("INFERSCALE_JOB_NAMESPACE", "platform")
     assert main([]) == 0
     assert [(r["clusterwide"], r["namespaces"]) for r in runs] == [(False, ["acme", "globex"]), (False, ["platform"])]
+
+
+def test_objects_the_operator_creates_carry_the_standard_labels() -> None:
+    job = jobs.job_manifest("j", "t", "u", "uid-1", "u", "gemma-3-270m", ["a"], Settings())
+    for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
+        lab = meta["labels"]
+        assert lab["app.kubernetes.io/name"] == "inferscale" and lab["app.kubernetes.io/component"] == "encode"
+        assert lab["app.kubernetes.io/managed-by"] == "inferscale-operator"
+        # never mistaken for a serving pod by the operator's own server selector
+        assert lab["app.kubernetes.io/component"] != "server"

@@ -64,6 +64,17 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (include "inferscale.imageTag" .) }}
 {{- end }}
 
+{{/* The operator's image: the slim `operator` target of the Dockerfile (no torch); empty repository = the serving image. */}}
+{{- define "inferscale.operatorImage" -}}
+{{- with .Values.operator.image }}
+{{- if .repository }}
+{{- printf "%s:%s" .repository (default (include "inferscale.imageTag" $) .tag) }}
+{{- else }}
+{{- include "inferscale.image" $ }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "inferscale.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "inferscale.componentName" (dict "ctx" . "suffix" "operator")) .Values.serviceAccount.name }}
