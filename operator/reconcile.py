@@ -25,7 +25,7 @@ from .kube import Kube
 from .servers import ServerCallError, ServerClient, ServingPod, serving_pods
 from .settings import Settings
 from .spec import SpecError, parse
-from .status import ENCODED, PLACED, PURGED, READY, VALID, condition, set_condition
+from .status import ENCODED, PLACED, PURGED, READY, VALID, condition, not_ready, set_condition
 
 Body = Mapping[str, Any]
 
@@ -60,7 +60,8 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         again = (status.get("phase") == "Failed" and status.get("observedGeneration") == gen
                  and (prev.get("status"), prev.get("reason"), prev.get("message")) == ("False", e.reason, e.message))
         patch.status.update(phase="Failed", message=e.message, observedGeneration=gen,
-                            conditions=set_condition(conds, VALID, False, e.reason, e.message, gen))
+                            conditions=not_ready(set_condition(conds, VALID, False, e.reason, e.message, gen),
+                                                 e.reason, e.message, gen))
         if not again:  # a retry (the timer's, for a missing reference) that fails the same way posts no new Event
             kopf.warn(body, reason=e.reason, message=e.message)
         return
@@ -88,7 +89,8 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         if not jobs.made_by_us(live, cfg, tenant, uid, "encode"):
             msg = f"Job {jns}/{jname} exists but was not created by the operator for this UserMemory; not trusted"
             patch.status.update(phase="Failed", message=msg, observedGeneration=gen,
-                                conditions=set_condition(conds, ENCODED, False, "ForeignJob", msg, gen))
+                                conditions=not_ready(set_condition(conds, ENCODED, False, "ForeignJob", msg, gen),
+                                                     "ForeignJob", msg, gen))
             kopf.warn(body, reason="ForeignJob", message=msg)
             return
         # The items file, owned by the Job (a UserMemory cannot own objects in another namespace). Created after the
@@ -108,7 +110,8 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         if phase == "Failed":
             msg = f"Job {jname} failed: {why}"
             patch.status.update(phase="Failed", message=msg, job=job_ref, observedGeneration=gen,
-                                conditions=set_condition(conds, ENCODED, False, "EncodeJobFailed", msg, gen))
+                                conditions=not_ready(set_condition(conds, ENCODED, False, "EncodeJobFailed", msg, gen),
+                                                     "EncodeJobFailed", msg, gen))
             kopf.warn(body, reason="EncodeJobFailed", message=msg)
             return
         job_pods = await asyncio.to_thread(kube.list_pods, jns, f"job-name={jname}")

@@ -40,6 +40,14 @@ def set_condition(conditions: Sequence[Mapping[str, Any]], type_: str, ok: bool 
     return sorted(out, key=lambda c: _ORDER.get(str(c.get("type")), 99))
 
 
+def not_ready(conditions: Sequence[Mapping[str, Any]], reason: str, message: str,
+              generation: int | None) -> list[dict[str, Any]]:
+    """Ready=False for this generation: a spec that failed is not ready, even while the blocks of the last good
+    version keep serving (Ready never reports an older generation as current)."""
+    return set_condition(conditions, READY, False, reason,
+                         f"{message} (the last good version, if any, keeps serving)", generation)
+
+
 def condition(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
     for cond in conditions or ():
         if cond.get("type") == type_:

@@ -259,6 +259,9 @@ def test_invalid_spec_fails_and_keeps_the_placement(cluster: Cluster, standins: 
         assert st["phase"] == "Failed"
         valid = next(c for c in st["conditions"] if c["type"] == "Valid")
         assert (valid["status"], valid["reason"]) == ("False", reason) and text in valid["message"]
+        # Ready speaks for this generation: not True from the last good one (whose blocks keep serving).
+        ready_cond = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert (ready_cond["status"], ready_cond["reason"], ready_cond["observedGeneration"]) == ("False", reason, gen)
         assert st["placements"] == good["placements"] and st["encoded"] == good["encoded"]
     assert len(cluster.jobs()) == 1, "a bad spec starts no Job"
     for s in standins:
@@ -323,6 +326,9 @@ def test_failed_job_fails_and_keeps_the_placement(cluster: Cluster, standins: li
     st = wait_for(phase_is(cluster, "Failed"), what="phase Failed")
     encoded = next(c for c in st["conditions"] if c["type"] == "Encoded")
     assert encoded["reason"] == "EncodeJobFailed" and "bad item m9" in encoded["message"]
+    ready_cond = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (ready_cond["status"], ready_cond["reason"]) == ("False", "EncodeJobFailed")
+    assert ready_cond["observedGeneration"] == st["observedGeneration"]
     assert st["placements"] == good["placements"] and "m9" not in st["encoded"]
 
 
