@@ -8,7 +8,8 @@
 # Each target installs its dependencies (from pyproject.toml, pinned by constraints.txt) before it copies the
 # sources, so a code change rebuilds only the last layers. Both run as uid/gid 10001: the chart's pods run as that
 # user (server/operator podSecurityContext), its init container hands the node's KV hostPath to 10001:10001, and
-# the encoding Jobs set no securityContext, so they write their blobs there as this image's USER.
+# the encoding Jobs run as that user too (the operator sets their securityContext), so the servers can read their
+# (0600) blobs.
 FROM python:3.11-slim AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

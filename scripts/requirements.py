@@ -26,11 +26,18 @@ def requirements(pyproject: Path, extras: list[str], core: bool = True) -> list[
     return out
 
 
+def default_pyproject() -> Path:
+    """pyproject.toml beside this script (the Dockerfile copies both into /src), else the repository root's."""
+    here = Path(__file__).resolve().parent
+    beside = here / "pyproject.toml"
+    return beside if beside.exists() else here.parent / "pyproject.toml"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("extras", nargs="*")
     p.add_argument("--no-core", action="store_true", help="leave out [project] dependencies (torch among them)")
-    p.add_argument("--pyproject", type=Path, default=Path(__file__).resolve().parents[1] / "pyproject.toml")
+    p.add_argument("--pyproject", type=Path, default=default_pyproject())
     args = p.parse_args(argv)
     print("\n".join(requirements(args.pyproject, args.extras, core=not args.no_core)))
     return 0

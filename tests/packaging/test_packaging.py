@@ -220,3 +220,16 @@ def test_nothing_the_dockerfile_copies_is_dockerignored():
 def test_readme_names_the_build_targets():
     readme = (ROOT / "README.md").read_text()
     assert "docker build --target operator" in readme and "docker build --target server" in readme
+
+
+def test_requirements_script_runs_where_the_dockerfile_puts_it(tmp_path):
+    """The Dockerfile copies scripts/requirements.py beside pyproject.toml into /src and runs it there."""
+    import shutil
+    import subprocess
+    import sys
+
+    for name in ("pyproject.toml", "scripts/requirements.py"):
+        shutil.copy(ROOT / name, tmp_path / Path(name).name)
+    out = subprocess.run([sys.executable, "requirements.py", "--no-core", "operator"], cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out and all("torch" not in r for r in out) and any(r.startswith("kopf") for r in out)
