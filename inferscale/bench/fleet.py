@@ -21,18 +21,16 @@ from pathlib import Path
 
 import torch
 
+from inferscale.bench.args import add_model_arguments
+
 TENANT, USER = "bench", "fleet-user"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model name or path (default: embedded gemma-3-270m)")
+    add_model_arguments(p)
     p.add_argument("--k", default="5,20,50", help="comma-separated numbers of memories")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None, help="write results here")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--random-weights", default=None, metavar="SHAPE",
-                   help="time a random-weight model of this shape instead of --model (llama3-8b, llama-tiny)")
 
 
 def run(args: argparse.Namespace) -> int:

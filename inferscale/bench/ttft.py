@@ -22,20 +22,17 @@ from pathlib import Path
 
 import torch
 
+from inferscale.bench.args import add_model_arguments
 from inferscale.bench.progress import progress
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model name or path (default: embedded gemma-3-270m)")
+    add_model_arguments(p)
     p.add_argument("--k", default="5,10,20,50", help="comma-separated numbers of memories")
     p.add_argument("--memories", default=None, help="JSONL of memories (default: built-in synthetic LoCoMo-like set)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of TTFT vs k")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--random-weights", default=None, metavar="SHAPE",
-                   help="time a random-weight model of this shape instead of --model (llama3-8b, llama-tiny)")
 
 
 def run(args: argparse.Namespace) -> int:
