@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -74,3 +76,35 @@ def engine(family: str, **kw):
     from inferscale.models.loader import from_model
 
     return Engine(from_model(model(family, **kw), tokenizer(), name=f"tiny-{family}"))
+
+
+@contextlib.contextmanager
+def logit_hook(engine, hook: Callable) -> Iterator[None]:
+    """Run ``hook(module, args, kwargs, output)`` after every forward pass of the engine's model while inside."""
+    handle = engine.loaded.model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def forced_output(engine, text: str, then_newlines: bool = False) -> Iterator[None]:
+    """Make the tiny model say ``text`` token by token (each forward pass strongly prefers the next token), then
+    line breaks when ``then_newlines``, else the text again: a known output to cut with stop sequences. Requests
+    must run one at a time (a prompt pass restarts the text)."""
+    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    newline = engine.tokenizer.convert_tokens_to_ids("\n")
+    passes = [0]
+
+    def hook(_module, _args, kwargs, output):
+        if kwargs["input_ids"].shape[1] > 1:  # a prompt pass: a new request starts the text again
+            passes[0] = 0
+        n = passes[0]
+        passes[0] += 1
+        token = newline if then_newlines and n >= len(ids) else ids[n % len(ids)]
+        output.logits[..., token] += 1e4
+        return output
+
+    with logit_hook(engine, hook):
+        yield

@@ -3,8 +3,6 @@ while it is undecided), the earliest of several wins, a held-back prefix that tu
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 import tiny_models as tm
@@ -21,32 +19,12 @@ def engine():
     return tm.engine("gemma3")
 
 
-@contextlib.contextmanager
-def saying(engine, text: str):
-    """Each forward pass strongly prefers the next token of ``text`` (a prompt pass restarts it)."""
-    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
-    n = [0]
-
-    def hook(_module, _args, kwargs, output):
-        if kwargs["input_ids"].shape[1] > 1:
-            n[0] = 0
-        output.logits[..., ids[n[0] % len(ids)]] += 1e4
-        n[0] += 1
-        return output
-
-    handle = engine.loaded.model.register_forward_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def run(engine, **sampling) -> tuple[list[TokenEvent], DoneEvent]:
     events: list = []
     loop = ServingLoop(engine)
     loop.add(GenRequest(ids=engine.question_ids("hi"), blocks=[], mode="none", emit=events.append,
                         sampling=Sampling(**{"max_new_tokens": 12, "ignore_eos": True, **sampling})))
-    with saying(engine, SAID):
+    with tm.forced_output(engine, SAID):
         loop.run_until_done()
     return [e for e in events if isinstance(e, TokenEvent)], events[-1]
 

@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 
+import tiny_models as tm
 from conftest import MODEL
 
 QUESTIONS = ["Describe Ilse's life in Porto", "What are Ilse's hobbies? Explain each of them."]
@@ -24,11 +25,8 @@ def opens_with_newline(engine):
         output.logits[..., newline] += 1000.0 if kwargs["input_ids"].shape[1] > 1 else -1000.0
         return output
 
-    handle = engine.loaded.model.register_forward_hook(hook, with_kwargs=True)
-    try:
+    with tm.logit_hook(engine, hook):
         yield
-    finally:
-        handle.remove()
 
 
 @pytest.mark.parametrize("mode", ["kv", "text", "none", "kv-recompute"])

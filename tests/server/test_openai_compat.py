@@ -5,42 +5,22 @@ a first conversation without memories, and a free-form ``user`` (an e-mail)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import httpx
 import openai
 import pytest
 
+import tiny_models as tm
 from conftest import MODEL
 
 Q = [{"role": "user", "content": "What does Caroline like?"}]
 FORCED = "Hello the dog went to paris"  # the tiny tokenizer: characters and a few words ("▁the", "▁dog")
 
 
-@contextlib.contextmanager
 def forced_output(engine, text: str = FORCED, then_newlines: bool = False):
-    """Make the tiny model say ``text`` token by token (each forward pass strongly prefers the next token), then
-    line breaks when ``then_newlines``, else the text again: a known output to cut with stop sequences. Requests
-    must run one at a time (a prompt pass restarts the text)."""
-    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
-    newline = engine.tokenizer.convert_tokens_to_ids("\n")
-    passes = [0]
-
-    def hook(_module, _args, kwargs, output):
-        if kwargs["input_ids"].shape[1] > 1:  # a prompt pass: a new request starts the text again
-            passes[0] = 0
-        n = passes[0]
-        passes[0] += 1
-        token = newline if then_newlines and n >= len(ids) else ids[n % len(ids)]
-        output.logits[..., token] += 1e4
-        return output
-
-    handle = engine.loaded.model.register_forward_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
+    """``tiny_models.forced_output`` saying FORCED unless told otherwise."""
+    return tm.forced_output(engine, text, then_newlines)
 
 
 def ask(client, **kw):
