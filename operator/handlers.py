@@ -53,6 +53,9 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
         # Events, or every "waiting for Job" retry would post one.
         settings.posting.level = logging.INFO
         settings.posting.loggers = False
+        # A deletion that lands while the recheck timer runs waits for the timer to exit before the finalizer goes;
+        # Kopf re-checks that every 60 s by default, which held such a deletion up for a whole minute.
+        settings.background.cancellation_polling = 1.0
         memo.cfg = cfg
         memo.kube = Kube(await asyncio.to_thread(api_client))
         memo.locks = {}
