@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create ./.venv with InferScale and everything its tests need. CPU machines get the CPU build of torch.
+# Create ./.venv with InferScale and everything its tests need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # operator/ (installed as inferscale.operator) would shadow the standard library's `operator` for any
@@ -8,10 +8,6 @@ export PYTHONSAFEPATH=1
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  # An unpinned torch would pull a multi-GB CUDA build; the version in constraints.txt has a CPU wheel.
-  .venv/bin/python -m pip install -q -c constraints.txt torch
-fi
 # constraints.txt pins every package to the versions the tests ran with (scripts/freeze-constraints.py writes it).
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[server,operator,bench,test]"
 echo "set up: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
