@@ -71,3 +71,16 @@ class PlanRegistry:
 
     def discard(self, key: str) -> None:
         (self.dir / f"{key}.pt").unlink(missing_ok=True)
+        (self.dir / f"{key}.failed").unlink(missing_ok=True)
+
+    # A load the connector could not make (plan gone, salt refused): TensorRT-LLM already counts those tokens as
+    # matched, so the connector zeroes the pages and leaves a marker; the serving side fails that request alone.
+    def mark_failed(self, key: str, reason: str) -> None:
+        (self.dir / f"{key}.failed").write_text(reason)
+
+    def failure(self, key: str) -> str | None:
+        path = self.dir / f"{key}.failed"
+        try:
+            return path.read_text() or "failed"
+        except FileNotFoundError:
+            return None
