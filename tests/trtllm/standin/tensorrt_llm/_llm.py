@@ -116,6 +116,7 @@ class LLM:
         self._running: list[_Running] = []
         self._cv = threading.Condition()
         self._stop = False
+        self.first_logits: dict[int, torch.Tensor] = {}  # stand-in only: each request's first logits, for tests
         self._thread = threading.Thread(target=self._run, name="trtllm-standin-executor", daemon=True)
         self._thread.start()
 
@@ -177,6 +178,7 @@ class LLM:
                                          self.slots.values[i][r.slot, :, :r.length]))
                             for i in range(len(self.slots.keys))])
         self.executor.pool.write(r.req.pages, full, start, r.length)  # the pages hold the prompt for reuse
+        self.first_logits[r.req.request_id] = logits.clone()
         if r.params.seed is not None:
             r.generator = torch.Generator().manual_seed(r.params.seed)
         self._emit(r, logits)
