@@ -132,8 +132,11 @@ def engine_live(request):
 
 @pytest.fixture
 def engine_memories(engine_live):
-    """User 'caroline' of tenant acme with five memories, on ``engine_live``."""
-    return _upload(engine_live)
+    """User 'caroline' of tenant acme with five memories, on ``engine_live`` (uploaded once per server)."""
+    if not getattr(engine_live, "sample_uploaded", False):
+        _upload(engine_live)
+        engine_live.sample_uploaded = True
+    return SAMPLE
 
 
 SAMPLE = [
