@@ -168,3 +168,25 @@ def test_a_changed_method_or_signature_fails_the_contract(connector, change):
         assert contract_violations(worker, scheduler, row)
         return
     assert contract_violations(worker, scheduler, PINNED)
+
+
+def test_an_installed_tensorrt_llm_matches_a_supported_release():
+    """Where TensorRT-LLM really is installed (scripts/gpu-check.sh): its connector API is one of the rows."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if "tensorrt_llm" in sys.modules or importlib.util.find_spec("tensorrt_llm") is None:
+        pytest.skip("TensorRT-LLM is not installed here (the stand-in covers the CPU tests)")
+    for row in RELEASES:
+        try:
+            abcs = importlib.import_module(row["module"])
+        except ModuleNotFoundError:
+            continue
+        worker, scheduler = abcs.KvCacheConnectorWorker, abcs.KvCacheConnectorScheduler
+        assert {n: params(getattr(worker, n)) for n in row["worker"]} == row["worker"]
+        assert {n: params(getattr(scheduler, n)) for n in row["scheduler"]} == row["scheduler"]
+        assert worker.__abstractmethods__ <= set(row["worker"]) | {"register_kv_caches"}
+        assert scheduler.__abstractmethods__ <= set(row["scheduler"])
+        return
+    pytest.fail(f"the installed TensorRT-LLM has none of {[r['module'] for r in RELEASES]}")
