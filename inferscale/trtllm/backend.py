@@ -31,9 +31,8 @@ from typing import TypeVar
 
 from inferscale.engine.engine import Engine
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
-from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, _PromptSide
-from inferscale.errors import (ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError,
-                               TransferError)
+from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, _PromptSide
+from inferscale.errors import ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError, TransferError
 from inferscale.trtllm.core import cache_salt
 from inferscale.trtllm.plans import InjectionEntry, PlanRegistry, prompt_key
 
@@ -78,7 +77,7 @@ class TrtllmBackend:
         self._secret = os.urandom(32)  # salts live as long as this process's KV pages do
         self.max_prompt_chars = engine.loaded.layout.max_positions * CHARS_PER_TOKEN_LIMIT
         self._prompt_side = _PromptSide(engine)
-        self._tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-tokenize")
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-tokenize")
         self._model_calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-engine")
         self._lock = threading.Lock()
         self._plans: Counter[str] = Counter()  # plan key -> requests in flight that use it
@@ -106,17 +105,9 @@ class TrtllmBackend:
     def queued(self) -> int:
         return self._calls  # TensorRT-LLM queues its requests itself; what waits here is memory encoding
 
-    def check_chars(self, texts: list[str]) -> None:
-        chars = sum(len(t) for t in texts)
-        if chars > self.max_prompt_chars:
-            raise PromptTooLongError(f"prompt of {chars} characters exceeds the limit of {self.max_prompt_chars} "
-                                     f"(the model's context is {self.engine.loaded.layout.max_positions} tokens)")
-
-    async def prompt_ids(self, turns: list[tuple[str, str]]) -> list[int]:
-        self.check_chars([t for _, t in turns])
-        side = self._prompt_side
-        build = (lambda: side.question_ids(turns[0][1])) if len(turns) == 1 else (lambda: side.chat_ids(turns))
-        return await asyncio.wrap_future(self._tokenize.submit(build))
+    # The prompt side is the PyTorch worker's: the same character bound, the same template, its own tokenizer.
+    check_chars = EngineWorker.check_chars
+    prompt_ids = EngineWorker.prompt_ids
 
     def submit(self, req: GenRequest) -> None:
         if self._closed:
@@ -145,7 +136,7 @@ class TrtllmBackend:
         self.llm.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
-        self._tokenize.shutdown(wait=False)
+        self._tokenize_pool.shutdown(wait=False)
         self._model_calls.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._plan_dir, ignore_errors=True)
 
