@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import importlib.util
 import os
 import shutil
@@ -67,10 +68,11 @@ class TrtllmBackend:
         from tensorrt_llm import LLM, SamplingParams
         from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig
 
-        from inferscale.trtllm.connector import PLAN_DIR_ENV
+        from inferscale.trtllm.connector import PLAN_DIR_ENV, SALT_ID_MODULE
 
         self.engine, self.options = engine, options
         self._sampling_params = SamplingParams
+        self._salt_id = importlib.import_module(SALT_ID_MODULE).get_cache_salt_id  # TensorRT-LLM's salt -> id
         self._plan_dir = Path(tempfile.mkdtemp(prefix="inferscale-plans-", dir=_shared_memory_dir()))
         os.environ[PLAN_DIR_ENV] = str(self._plan_dir)  # TensorRT-LLM's executor processes inherit it
         self.registry = PlanRegistry(self._plan_dir)
@@ -165,11 +167,13 @@ class TrtllmBackend:
                                       cache_salt(self._secret, req.tenant))
 
     def _hold(self, prompt: list[int], entry: InjectionEntry) -> str:
-        """Write the plan (once for identical prompts in flight); ``_release`` removes it after the last."""
-        key = prompt_key(prompt)
+        """Write the plan (once for a tenant's identical prompts in flight); ``_release`` removes it after the
+        last. Keyed by the tokens and the salt's id, as the connector looks it up."""
+        salt_id = self._salt_id(entry.salt)
+        key = prompt_key(prompt, salt_id)
         with self._lock:
             if not self._plans[key]:
-                self.registry.put(prompt, entry)
+                self.registry.put(prompt, entry, salt_id)
             self._plans[key] += 1
         return key
 
@@ -193,7 +197,9 @@ class TrtllmBackend:
 
     # ---- the driver loop (one asyncio loop on its own thread) -------------------------------------------------
     async def _drive(self, req: GenRequest, prompt: list[int], key: str | None, salt: str) -> None:
+        """Stream one request's outputs as typed events. Its plan is withdrawn before its final event goes out."""
         memory = sum(b.num_tokens for b in req.blocks)
+        final: DoneEvent | ErrorEvent | None = None
         try:
             out = self.llm.generate_async(prompt, self._params(req), streaming=True, cache_salt=salt)
             seen, first = 0, None
@@ -204,8 +210,8 @@ class TrtllmBackend:
                 failure = self.registry.failure(key) if key is not None else None
                 if failure is not None:  # the connector zeroed our pages: no answer from unfilled memory
                     out.abort()
-                    req.emit(ErrorEvent(TransferError(f"the memory pages of this request could not be filled "
-                                                      f"({failure}); retry")))
+                    final = ErrorEvent(TransferError(f"the memory pages of this request could not be filled "
+                                                     f"({failure}); retry"))
                     return
                 done = update.outputs[0]
                 new = list(done.token_ids[seen:])
@@ -215,12 +221,15 @@ class TrtllmBackend:
                     req.emit(TokenEvent(new[-1] if new else None, done.text_diff, time.perf_counter()))
                 if update.finished:
                     reason = "length" if done.finish_reason == "length" else "stop"
-                    req.emit(DoneEvent(reason, len(prompt), memory, seen, first if first is not None else -1))
+                    final = DoneEvent(reason, len(prompt), memory, seen, first if first is not None else -1)
                     return
+            final = ErrorEvent(RuntimeError("TensorRT-LLM ended the request without a final output"))
         except Exception as e:  # noqa: BLE001 - reported to the request, the engine keeps serving
-            req.emit(ErrorEvent(e))
+            final = ErrorEvent(e)
         finally:
             self._release(req, key)
+            if final is not None:
+                req.emit(final)
 
 
 def _shared_memory_dir() -> str | None:

@@ -93,8 +93,9 @@ class InferScaleConnectorScheduler(KvCacheConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = list(request.get_tokens(0))
-        entry = self.registry.get(tokens)
-        if entry is None or not salt_allows(entry.salt, getattr(request, "cache_salt_id", None), self.salt_id):
+        salt_id = getattr(request, "cache_salt_id", None)
+        entry = self.registry.get(tokens, salt_id)  # plans are keyed by the tokens and the salt id
+        if entry is None or not salt_allows(entry.salt, salt_id, self.salt_id):
             self.pending.pop(request.request_id, None)
             return 0, False
         memory_end = entry.prefix_kv.shape[3] + sum(n for n, _ in entry.blocks)
@@ -103,7 +104,7 @@ class InferScaleConnectorScheduler(KvCacheConnectorScheduler):
         plan = plan_span(entry.prefix_kv.shape[3], entry.blocks, len(tokens) - memory_end, self.tokens_per_block)
         n = plan.num_new_matched_tokens(num_computed_tokens)
         if n:
-            self.pending[request.request_id] = LoadOrder(prompt_key(tokens), plan.question_len, [],
+            self.pending[request.request_id] = LoadOrder(prompt_key(tokens, salt_id), plan.question_len, [],
                                                          num_computed_tokens, num_computed_tokens + n, entry.salt)
         else:
             self.pending.pop(request.request_id, None)

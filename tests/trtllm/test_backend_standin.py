@@ -133,13 +133,22 @@ def test_another_tenant_sending_the_same_tokens_gets_no_pages(backend, eng, bloc
     backend._release(GenRequest(ids=[1], blocks=[], mode="kv", sampling=Sampling(), emit=print, tenant="acme"), key)
 
 
+def test_two_tenants_with_the_same_prompt_each_get_their_own_plan(backend, eng, blocks, tmp_path):
+    """Same memories, same question, two tenants, at once: two plans (keyed by the salt id), two fills."""
+    runs = [_run(backend, eng, blocks, tenant=t, max_new=20) for t in ("acme", "globex")]
+    finals = [ev.wait() for _, ev in runs]
+    assert all(isinstance(f, DoneEvent) for f in finals), finals
+    assert len(_fills(tmp_path)) == 2, _fills(tmp_path)
+    assert list(backend.registry.dir.iterdir()) == []
+
+
 def test_a_vanished_plan_fails_that_request_and_the_engine_keeps_serving(backend, eng, blocks):
     scheduler = backend.llm.executor.scheduler
     build = scheduler.build_connector_meta
 
     def withdraw_then_build(output):
         for r in output.new_requests:
-            backend.registry.discard(prompt_key(r.new_tokens))
+            backend.registry.discard(prompt_key(r.new_tokens, backend._salt_id(r.cache_salt)))
         return build(output)
 
     scheduler.build_connector_meta = withdraw_then_build

@@ -56,8 +56,17 @@ def _plan(eng, blocks, prompt, tenant="acme"):
                            cache_salt(SECRET, tenant))
     import os
 
-    PlanRegistry(os.environ["INFERSCALE_TRTLLM_PLAN_DIR"]).put(prompt, entry)
+    from tensorrt_llm.inputs.utils import get_cache_salt_id
+
+    PlanRegistry(os.environ["INFERSCALE_TRTLLM_PLAN_DIR"]).put(prompt, entry, get_cache_salt_id(entry.salt))
     return entry
+
+
+def _key(prompt, tenant="acme"):
+    """The plan's key: the tokens and the id of the tenant's salt (as the connector looks it up)."""
+    from tensorrt_llm.inputs.utils import get_cache_salt_id
+
+    return prompt_key(prompt, get_cache_salt_id(cache_salt(SECRET, tenant)))
 
 
 def _request(rid, prompt, tenant="acme", salt=None):
@@ -94,7 +103,7 @@ def test_a_plan_that_vanished_before_the_load_zeroes_the_pages_and_fails_only_th
     build = ex.scheduler.build_connector_meta
 
     def withdraw_then_build(output):  # the server withdrew the plan between the match and the load
-        ex.worker.registry.discard(prompt_key(prompt))
+        ex.worker.registry.discard(_key(prompt))
         return build(output)
 
     ex.scheduler.build_connector_meta = withdraw_then_build
@@ -102,7 +111,7 @@ def test_a_plan_that_vanished_before_the_load_zeroes_the_pages_and_fails_only_th
     ex.admit(req)  # no exception: the executor keeps serving everyone else
     claim = _claim(eng, blocks, question)
     assert torch.equal(ex.pool.read(req.pages, claim), torch.zeros_like(ex.pool.read(req.pages, claim)))
-    assert ex.worker.registry.failure(prompt_key(prompt)) == "vanished"
+    assert ex.worker.registry.failure(_key(prompt)) == "vanished"
 
 
 def test_another_tenants_salt_gets_no_pages(setup, trt):
@@ -113,7 +122,24 @@ def test_another_tenants_salt_gets_no_pages(setup, trt):
     ex.admit(req)
     assert req.matched == 0
     assert torch.isnan(ex.pool.read(req.pages, len(prompt))).all()  # untouched: TensorRT-LLM prefills them
-    assert ex.worker.registry.failure(prompt_key(prompt)) is None
+    assert ex.worker.registry.failure(_key(prompt)) is None
+    assert _key(prompt, "globex") != _key(prompt)  # the salt id is part of the plan's identifier
+
+
+def test_a_plan_keyed_under_another_salt_id_is_still_refused_by_its_salt(setup, trt):
+    """A plan file reachable under a request's key but carrying another tenant's salt gives no pages."""
+    import os
+
+    from tensorrt_llm.inputs.utils import get_cache_salt_id
+
+    eng, blocks, _, prompt, _ = setup
+    ex = _executor(eng)
+    entry = _plan(eng, blocks, prompt, tenant="acme")
+    PlanRegistry(os.environ["INFERSCALE_TRTLLM_PLAN_DIR"]).put(prompt, entry,
+                                                                get_cache_salt_id(cache_salt(SECRET, "globex")))
+    req = _request(1, prompt, tenant="globex")
+    ex.admit(req)
+    assert req.matched == 0
 
 
 def test_a_salt_string_that_differs_at_scheduling_is_refused_and_zeroed(setup, trt):
@@ -127,7 +153,7 @@ def test_a_salt_string_that_differs_at_scheduling_is_refused_and_zeroed(setup, t
     claim = _claim(eng, blocks, question)
     assert req.matched == claim
     assert torch.equal(ex.pool.read(req.pages, claim), torch.zeros_like(ex.pool.read(req.pages, claim)))
-    assert ex.worker.registry.failure(prompt_key(prompt)) == "salt"
+    assert ex.worker.registry.failure(_key(prompt)) == "salt"
 
 
 def test_pages_partly_held_are_kept_and_the_connector_fills_from_there(setup, trt):
