@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from inferscale.engine.engine import Engine
-from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
+from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
 from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, _PromptSide
 from inferscale.errors import ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError, TransferError
 from inferscale.trtllm.core import cache_salt
@@ -84,6 +84,7 @@ class TrtllmBackend:
         self._lock = threading.Lock()
         self._plans: Counter[str] = Counter()  # plan key -> requests in flight that use it
         self._tenants: Counter[str] = Counter()
+        self._inflight: set[GenRequest] = set()
         self._closed = False
         self._calls = 0
         self.llm = LLM(model=options.model, kv_cache_config=KvCacheConfig(
@@ -120,7 +121,12 @@ class TrtllmBackend:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {self._tenants[req.tenant]} requests in flight "
                                       f"on the engine; retry later", retry_after_s=1)
             self._tenants[req.tenant] += 1
-        key = self._hold(prompt, entry) if entry is not None else None
+            self._inflight.add(req)
+        try:
+            key = self._hold(prompt, entry) if entry is not None else None
+        except BaseException:
+            self._release(req, None)
+            raise
         salt = cache_salt(self._secret, req.tenant)
         asyncio.run_coroutine_threadsafe(self._drive(req, prompt, key, salt), self._loop)
 
@@ -135,6 +141,11 @@ class TrtllmBackend:
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
+        with self._lock:
+            left = list(self._inflight)
+        for req in left:  # as the PyTorch worker does: every request in flight hears why it ends
+            req.cancel()
+            req.emit(ErrorEvent(RuntimeError("server shutting down")))
         self.llm.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
@@ -180,6 +191,7 @@ class TrtllmBackend:
     def _release(self, req: GenRequest, key: str | None) -> None:
         with self._lock:
             self._tenants[req.tenant] -= 1
+            self._inflight.discard(req)
             if key is not None:
                 self._plans[key] -= 1
                 if not self._plans[key]:
@@ -200,6 +212,8 @@ class TrtllmBackend:
         """Stream one request's outputs as typed events. Its plan is withdrawn before its final event goes out."""
         memory = sum(b.num_tokens for b in req.blocks)
         final: DoneEvent | ErrorEvent | None = None
+        span = ServingLoop._span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks),
+                                                    "inferscale.engine": "trtllm"})
         try:
             out = self.llm.generate_async(prompt, self._params(req), streaming=True, cache_salt=salt)
             seen, first = 0, None
@@ -216,7 +230,12 @@ class TrtllmBackend:
                 done = update.outputs[0]
                 new = list(done.token_ids[seen:])
                 seen = len(done.token_ids)
-                first = first if first is not None else (new[0] if new else None)
+                if first is None and new:
+                    first = new[0]
+                    span.set_attribute("inferscale.prompt_tokens", len(prompt))
+                    span.set_attribute("inferscale.memory_tokens", memory)
+                    span.end()
+                    span = ServingLoop._span(req, "decode")
                 if new or done.text_diff:
                     req.emit(TokenEvent(new[-1] if new else None, done.text_diff, time.perf_counter()))
                 if update.finished:
@@ -227,8 +246,11 @@ class TrtllmBackend:
         except Exception as e:  # noqa: BLE001 - reported to the request, the engine keeps serving
             final = ErrorEvent(e)
         finally:
+            if isinstance(final, ErrorEvent):
+                span.record_exception(final.error)
+            span.end()  # before the client hears of it: its trace is complete when the answer is
             self._release(req, key)
-            if final is not None:
+            if final is not None and not self._closed:
                 req.emit(final)
 
 
