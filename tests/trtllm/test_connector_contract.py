@@ -56,17 +56,13 @@ PINNED = {
     "salt_id": ("tensorrt_llm.inputs.utils", "get_cache_salt_id"),
     "connector_config": ("connector_module", "connector_scheduler_class", "connector_worker_class"),
 }
-EARLIER = {
+EARLIER = {  # same constructor, abstract methods, salt id and config fields as PINNED; elsewhere, no salt field
+    **PINNED,
     "release": "1.2.0rc0",
     "commit": "00fdcbff5ad82a6438b3e0c9dbc5480b6ee52bdc",
     "file": "tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py",
     "module": "tensorrt_llm._torch.pyexecutor.kv_cache_connector",
-    "init": ("self", "llm_args"),
-    "worker": WORKER_ABSTRACT,
-    "scheduler": SCHEDULER_ABSTRACT,
     "request_data": REQUEST_DATA,
-    "salt_id": ("tensorrt_llm.inputs.utils", "get_cache_salt_id"),
-    "connector_config": ("connector_module", "connector_scheduler_class", "connector_worker_class"),
 }
 RELEASES = [PINNED, EARLIER]
 
