@@ -3,6 +3,8 @@
 #   docker build --target server -t inferscale/inferscale:<version> .                          # serving pods, encode and
 #   docker build --target server --build-arg DEVICE=cpu -t inferscale/inferscale:<version> .   # cleanup Jobs (CUDA/CPU torch)
 #   docker build --target operator -t inferscale/inferscale-operator:<version> .               # the operator: no torch
+#   docker build --target server-trtllm --build-arg TRTLLM_BASE=<TensorRT-LLM release image> \
+#       -t inferscale/inferscale-trtllm:<version> .                                          # engine=trtllm pods
 #
 # The tag is the version in inferscale/__init__.py (`inferscale --version`), the chart's appVersion.
 # Each target installs its dependencies (from pyproject.toml, pinned by constraints.txt) before it copies the
@@ -10,6 +12,10 @@
 # user (server/operator podSecurityContext), its init container hands the node's KV hostPath to 10001:10001, and
 # the encoding Jobs run as that user too (the operator sets their securityContext), so the servers can read their
 # (0600) blobs.
+# The TensorRT-LLM release image the server-trtllm target builds on (it brings CUDA, torch and tensorrt_llm); only
+# that target uses it. Pass the release the connector is pinned to (tests/trtllm/test_connector_contract.py).
+ARG TRTLLM_BASE=tensorrt-llm-release-image
+
 FROM python:3.11-slim AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -43,6 +49,43 @@ USER 10001:10001
 
 ENTRYPOINT ["inferscale"]
 CMD ["operator"]
+
+
+# Serving pods of a TensorRT-LLM fleet (chart value engine=trtllm): InferScale on the base image's torch and
+# TensorRT-LLM, `inferscale serve --engine trtllm`. Encoding Jobs keep the `server` image.
+FROM ${TRTLLM_BASE} AS server-trtllm
+
+ENV INFERSCALE_CACHE_DIR=/opt/inferscale/cache \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_VERBOSITY=error \
+    PIP_NO_CACHE_DIR=1
+
+RUN (getent group 10001 || groupadd --gid 10001 inferscale) \
+ && (getent passwd 10001 || useradd --uid 10001 --gid 10001 --home-dir /home/inferscale --create-home \
+                                    --shell /usr/sbin/nologin inferscale)
+WORKDIR /src
+COPY pyproject.toml constraints.txt scripts/requirements.py ./
+# The base image's torch and triton stay: TensorRT-LLM is built against them.
+RUN grep -v '^torch==\|^triton==' constraints.txt > /tmp/constraints.txt \
+ && python requirements.py server > /tmp/requirements.txt \
+ && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt
+
+COPY README.md LICENSE ./
+COPY inferscale/ inferscale/
+COPY kernels/ kernels/
+COPY server/ server/
+COPY operator/ operator/
+RUN pip install --no-deps . \
+ && cd / && rm -rf /src /tmp/requirements.txt /tmp/constraints.txt \
+ && mkdir -p "$INFERSCALE_CACHE_DIR" \
+ && python -c "from inferscale.models.loader import load_model; load_model()" \
+ && chmod -R a+rX /opt/inferscale
+
+WORKDIR /home/inferscale
+USER 10001:10001
+
+ENTRYPOINT ["inferscale"]
+CMD ["serve", "--engine", "trtllm"]
 
 
 # The serving pods and the operator's encoding (and node-cleanup) Jobs.

@@ -29,6 +29,11 @@ _TENANT_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 Mode = Literal["text", "kv", "kv-recompute", "none"]
 MODES: tuple[str, ...] = get_args(Mode)
 DEFAULT_MODE: Mode = "kv"
+# What serves questions (``inferscale serve --engine``, INFERSCALE_ENGINE, chart value ``engine``;
+# inferscale/engine/backend.py): the project's PyTorch loop, or TensorRT-LLM with the InferScale connector.
+EngineName = Literal["pytorch", "trtllm"]
+ENGINES: tuple[str, ...] = get_args(EngineName)
+DEFAULT_ENGINE: EngineName = "pytorch"
 # kv-recompute: the fraction of memory tokens re-run with the question (README, "kv-recompute").
 DEFAULT_RECOMPUTE_RATIO = 0.15
 # Each memory is encoded behind up to CONTEXT_ITEMS items before it, whole items within CONTEXT_TOKENS tokens.

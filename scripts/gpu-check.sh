@@ -6,15 +6,17 @@
 # Needs: an NVIDIA GPU with a driver (nvidia-smi), Python >= 3.11, and either network access to the Python package
 # index or a virtual environment that already holds a CUDA build of torch (CUDA torch wheels ship triton). Nothing
 # comes from a model hub: the TTFT model is random-weight and Llama-3-8B-shaped (~16 GB of bf16 on the GPU), the
-# tokenizer is the embedded default model's. TensorRT-LLM is optional: its smoke test runs only where
-# `import tensorrt_llm` works (it cannot be installed on the CPU machines).
+# tokenizer is the embedded default model's. TensorRT-LLM is optional: its step runs only where
+# `import tensorrt_llm` works (it cannot be installed on the CPU machines): the installed release against the
+# pinned connector contract, then the smoke test (the connector, and the engine seam `serve --engine trtllm` runs).
 #
-# Steps (each under its own time limit; the whole run stays under 8 minutes on an H100/H200):
+# Steps (each under its own time limit, 475 s in all: the whole run fits in 10 minutes on an H100/H200):
 #   1. install     CUDA torch + triton if torch has no CUDA; pip install -e ".[test]" if inferscale does not import
 #   2. kernels     tests/kernels compiled (TRITON_INTERPRET=0): Triton == torch reference on the GPU
 #   3. engine      tests/kernels/test_engine_cuda.py: the engine on CUDA takes the Triton path, kv == text
 #   4. ttft        inferscale bench ttft --random-weights llama3-8b --device cuda --k 5,20,50 (goal: text/kv >= 6 at 50)
-#   5. trtllm      scripts/trtllm_smoke.py where tensorrt_llm imports
+#   5. trtllm      where tensorrt_llm imports: tests/trtllm/test_connector_contract.py (the installed release is a
+#                  supported row), then scripts/trtllm_smoke.py (connector fills pages; TrtllmBackend answers)
 # Output: $OUT/gpu-check.json (step status and seconds, the TTFT summary) + ttft-llama3-8b.json + trtllm-smoke.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +48,7 @@ declare -A CMD=(
   [kernels]="TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_inject.py"
   [engine]="TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_engine_cuda.py"
   [ttft]="$PY -m inferscale.cli bench ttft --random-weights llama3-8b --device cuda --dtype bfloat16 --k 5,20,50 --repeats 3 --json '$OUT_DIR/ttft-llama3-8b.json'"
-  [trtllm]="$PY -c 'import tensorrt_llm' >/dev/null 2>&1 || { echo 'tensorrt_llm not importable: smoke test skipped'; exit 77; }; $PY scripts/trtllm_smoke.py '$OUT_DIR/trtllm-smoke.json'"
+  [trtllm]="$PY -c 'import tensorrt_llm' >/dev/null 2>&1 || { echo 'tensorrt_llm not importable: smoke test skipped'; exit 77; }; $PY -m pytest -q -p no:cacheprovider tests/trtllm/test_connector_contract.py -k installed && $PY scripts/trtllm_smoke.py '$OUT_DIR/trtllm-smoke.json'"
 )
 
 if [ "$DRY" = 1 ]; then

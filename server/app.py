@@ -12,13 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferscale import __version__
-from inferscale.contract import MODES
 from inferscale.server import chat, httperrors, internal, memories
 from inferscale.server.auth import TenantRegistry, require_tenant
 from inferscale.server.guard import TenantGuard
 from inferscale.server.httperrors import response as error_response
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.worker import EngineWorker
+from inferscale.engine.backend import EngineBackend
 from inferscale.server.schemas import ModelCard, ModelList, ModelProfile
 from inferscale.server.services import InternalServices, Services
 from inferscale.server.settings import Settings
@@ -55,6 +55,27 @@ def open_store(settings: Settings):
                    job_root=settings.kv_host_path, ucx_port_range=settings.ucx_port_range, keyring=keyring)
 
 
+def check_engine(settings: Settings) -> None:
+    """Refuse, before anything loads, an engine this install cannot run (``ConfigError``, one line)."""
+    if settings.engine == "trtllm":
+        from inferscale.trtllm.backend import require_tensorrt_llm
+
+        require_tensorrt_llm()
+
+
+def open_backend(settings: Settings, engine: Engine) -> EngineBackend:
+    """The engine seam's backend ``settings.engine`` names (inferscale/engine/backend.py)."""
+    if settings.engine == "trtllm":
+        from inferscale.trtllm.backend import TrtllmBackend, TrtllmOptions
+
+        return TrtllmBackend(engine, TrtllmOptions(
+            model=settings.trtllm_model or settings.model, tokens_per_block=settings.trtllm_tokens_per_block,
+            max_in_flight_per_tenant=settings.max_active + settings.max_queued_per_tenant))
+    return EngineWorker(engine, SchedulerConfig(
+        max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
+        max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
+
+
 def plane_credentials(settings: Settings) -> dict[str, str]:
     """The internal token and peer secret that are set, by the variable that holds them."""
     creds = {"INFERSCALE_INTERNAL_TOKEN": settings.internal_token, "INFERSCALE_PEER_SECRET": settings.peer_secret}
@@ -79,6 +100,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                embedder: Embedder | None = None, tenants: TenantRegistry | None = None,
                span_exporter=None, metric_reader=None) -> FastAPI:
     settings = settings or Settings.from_env()
+    check_engine(settings)
     if engine is None:
         from inferscale.engine import Engine
 
@@ -95,9 +117,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     tenants.forbid(plane_credentials(settings))
     # Each tenant's DRAM share, again after every tenants-file reload.
     tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
-    worker = EngineWorker(engine, SchedulerConfig(
-        max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
-        max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
+    worker = open_backend(settings, engine)
     telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
                                 metric_reader=metric_reader, load=lambda: (worker.active, worker.queued))
     inject_trace_ids_into_logs()
@@ -115,7 +135,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     st = Services(settings=settings, engine=engine, store=store, embedder=embedder, tenants=tenants,
                   telemetry=telemetry, worker=worker,
                   memories=memories.MemoryService(store, embedder, worker, engine, telemetry.metrics),
-                  started=time.time(), modes=list(MODES),
+                  started=time.time(), modes=list(worker.modes),
                   model_ids=[settings.model] + ([engine.loaded.name] if engine.loaded.name != settings.model else []))
     app.state = st  # type: ignore[assignment]  # typed: handlers read request.app.state.<service>
     httperrors.install(app)
@@ -160,4 +180,4 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     return app
 
 
-__all__ = ["create_app", "create_internal_app", "open_store", "JSONResponse"]
+__all__ = ["check_engine", "create_app", "create_internal_app", "open_backend", "open_store", "JSONResponse"]

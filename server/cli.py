@@ -10,7 +10,7 @@ import asyncio
 import logging
 import sys
 
-from inferscale.contract import KV_DTYPES, MODES
+from inferscale.contract import ENGINES, KV_DTYPES, MODES
 from inferscale.errors import ConfigError
 
 
@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--internal-port", type=int,
                    help="internal API port, served only with INFERSCALE_INTERNAL_TOKEN (INFERSCALE_INTERNAL_PORT, 8001)")
     p.add_argument("--model", help="model name or path (INFERSCALE_MODEL, default gemma-3-270m)")
+    p.add_argument("--engine", choices=ENGINES,
+                   help="what serves questions (INFERSCALE_ENGINE, default pytorch): the project's PyTorch loop, or "
+                        "TensorRT-LLM in-process with the InferScale KV connector (needs tensorrt_llm)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="INFERSCALE_DEVICE (default: cuda when available)")
     p.add_argument("--data-dir", help="store and tenants file live here (INFERSCALE_DATA_DIR)")
     p.add_argument("--tenants-file", help="hashed API keys, JSON (INFERSCALE_TENANTS_FILE; default DATA_DIR/tenants.json)")
@@ -34,7 +37,7 @@ def settings_from_args(args: argparse.Namespace):
     from inferscale.server.settings import Settings
 
     return Settings.from_env(host=args.host, port=args.port, internal_port=getattr(args, "internal_port", None),
-                             model=args.model, device=args.device,
+                             model=args.model, device=args.device, engine=getattr(args, "engine", None),
                              data_dir=args.data_dir, tenants_file=args.tenants_file, default_k=args.default_k,
                              default_mode=args.default_mode, console_traces=args.console_traces,
                              kv_dtype=getattr(args, "kv_dtype", None))
@@ -43,11 +46,12 @@ def settings_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from inferscale.server.app import create_app
+    from inferscale.server.app import check_engine, create_app
     from inferscale.server.auth import TENANT_RE, create_tenants_file
     from inferscale.server.logs import uvicorn_log_config
 
     settings = settings_from_args(args)
+    check_engine(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     path = settings.tenants_path
     if not path.exists():

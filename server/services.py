@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from inferscale.engine.engine import Engine
-from inferscale.engine.worker import EngineWorker
+from inferscale.engine.backend import EngineBackend
 from inferscale.retrieval import Embedder
 from inferscale.server.auth import TenantRegistry
 from inferscale.server.memories import MemoryService
@@ -36,7 +36,7 @@ class Services:
     embedder: Embedder
     tenants: TenantRegistry
     telemetry: Telemetry
-    worker: EngineWorker
+    worker: EngineBackend  # the engine seam: the PyTorch loop's worker or the TensorRT-LLM backend
     memories: MemoryService
     started: float  # unix time the app was built (model cards' ``created``)
     model_ids: list[str]  # the names /v1/chat/completions answers to

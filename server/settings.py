@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
 from pydantic import BaseModel, Field, ValidationError
 
-from inferscale.contract import DEFAULT_KV_DTYPE, DEFAULT_MODE, DEFAULT_RECOMPUTE_RATIO, KVDtype, Mode
+from inferscale.contract import (DEFAULT_ENGINE, DEFAULT_KV_DTYPE, DEFAULT_MODE, DEFAULT_RECOMPUTE_RATIO, EngineName,
+                                 KVDtype, Mode)
 from inferscale.errors import ConfigError
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -46,6 +48,9 @@ ENV = {
     "tenant_dram_bytes": "INFERSCALE_TENANT_DRAM_BYTES",
     "tenant_encode_tokens_per_minute": "INFERSCALE_TENANT_ENCODE_TOKENS_PER_MINUTE",
     "console_traces": "INFERSCALE_CONSOLE_TRACES",
+    "engine": "INFERSCALE_ENGINE",
+    "trtllm_model": "INFERSCALE_TRTLLM_MODEL",
+    "trtllm_tokens_per_block": "INFERSCALE_TRTLLM_TOKENS_PER_BLOCK",
 }
 
 
@@ -54,6 +59,11 @@ class Settings(BaseModel):
 
     data_dir: Path = Path("~/.local/share/inferscale").expanduser()
     model: str = DEFAULT_MODEL
+    # What serves questions (inferscale.engine.backend): the project's PyTorch loop, or TensorRT-LLM in-process
+    # with the InferScale connector; memories are encoded by the project's model either way.
+    engine: EngineName = DEFAULT_ENGINE
+    trtllm_model: str | None = None  # what TensorRT-LLM loads (HF dir or name); None = ``model``
+    trtllm_tokens_per_block: int = Field(32, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     tenants_file: Path | None = None  # default: <data_dir>/tenants.json

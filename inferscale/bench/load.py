@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from inferscale.contract import DEFAULT_ENGINE, ENGINES
 from inferscale.errors import ConfigError
 
 QUESTION = "What did Maya do last summer, and with whom?"
@@ -38,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of aggregate tokens/s vs N")
     p.add_argument("--device", default=None)
+    p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
+                   help="the server's engine backend (inferscale serve --engine): pytorch or trtllm")
 
 
 @dataclass
@@ -57,7 +60,7 @@ def _pct(values: list[float], q: float) -> float:
 class LiveServer:
     """The production app on a free loopback port, in a thread of this process."""
 
-    def __init__(self, model: str | None, device: str | None, max_tokens: int) -> None:
+    def __init__(self, model: str | None, device: str | None, max_tokens: int, engine: str = DEFAULT_ENGINE) -> None:
         from inferscale.bench.live import LoopbackServer
         from inferscale.server.app import create_app
         from inferscale.server.auth import hash_key
@@ -70,7 +73,7 @@ class LiveServer:
         overrides = {"model": model} if model else {}
         settings = Settings(data_dir=self.data, tenants_file=tenants, device=device, max_tokens=max_tokens,
                             max_in_flight=128, max_active=128, max_queued_per_tenant=128, queue_timeout_s=600,
-                            **overrides)
+                            engine=engine, **overrides)
         self.app = create_app(settings)
         self.live = LoopbackServer(self.app)
         self.url = self.live.url
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n {args.n!r}: expected positive integers")
     if args.tokens < 2 or args.k < 0:
         raise ConfigError("--tokens must be 2 or more and -k 0 or more")
-    server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4)
+    server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine)
     try:
         _load_memories(server, args.k)
         rows = [asyncio.run(_concurrent(server.url, server.model, mode, n, args.k, args.tokens))

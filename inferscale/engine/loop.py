@@ -90,7 +90,10 @@ class GenRequest:
     generator: torch.Generator | None = None
     span: Any = None
 
+    cancelled: bool = False  # set by cancel(); a backend without a ScheduledRequest polls it
+
     def cancel(self) -> None:
+        self.cancelled = True
         if self.sched is not None:
             self.sched.cancelled = True
 

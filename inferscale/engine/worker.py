@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferscale.contract import MODES
 from inferscale.engine.engine import Engine
 from inferscale.engine.loop import ErrorEvent, GenRequest
 from inferscale.engine.scheduler import SchedulerConfig
@@ -45,6 +46,10 @@ class _PromptSide:
 
 
 class EngineWorker:
+    """The PyTorch backend of the engine seam (``inferscale.engine.backend.EngineBackend``)."""
+
+    modes = MODES
+
     def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
         self.engine = engine
         self.loop = engine.serving_loop(config)

@@ -137,6 +137,17 @@ def pool_view(kv_cache_tensor: torch.Tensor, kv_heads: int, head_dim: int, token
     return kv_cache_tensor.view(nb, nl, 2, kv_heads, tokens_per_block, head_dim)
 
 
+def zero_pages(kv_cache_tensor: torch.Tensor, page_table: Sequence[int], start: int, end: int,
+               tokens_per_block: int) -> None:
+    """Zero the pages that hold positions start..end-1 (a claim the connector cannot fill): TensorRT-LLM will
+    attend to them as matched tokens, so they must not keep what an earlier request, maybe another tenant's, left
+    there. Works on the registered tensor in any layout (pages first)."""
+    first, last = start // tokens_per_block, -(-end // tokens_per_block)
+    pages = list(page_table[first:last])
+    if pages:
+        kv_cache_tensor[torch.tensor(pages, device=kv_cache_tensor.device)] = 0
+
+
 def fill_pool(pool: torch.Tensor, page_table: Sequence[int], plan: SpanPlan, prefix_kv: torch.Tensor,
               block_kvs: Sequence[torch.Tensor], groups: Sequence[tuple[Sequence[int], torch.Tensor]],
               start: int, end: int) -> None:

@@ -33,8 +33,12 @@ class InjectionEntry:
         return [(kv.shape[3], at) for kv, at in zip(self.block_kvs, self.encoded_at)]
 
 
-def prompt_key(token_ids: Sequence[int]) -> str:
-    return hashlib.sha256(torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
+def prompt_key(token_ids: Sequence[int], salt_id: int | None = None) -> str:
+    """sha256 of the token ids, with TensorRT-LLM's id of the request's cache salt mixed in when given: two tenants
+    sending the same token ids have two plans (the connector sees the salt id with the tokens at match time)."""
+    h = hashlib.sha256(b"" if salt_id is None else b"salt-id:%d\x00" % salt_id)
+    h.update(torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
 
 
 class PlanRegistry:
@@ -45,10 +49,10 @@ class PlanRegistry:
         if not self.dir.is_dir():
             raise ConfigError(f"plan directory {self.dir} does not exist")
 
-    def put(self, token_ids: Sequence[int], entry: InjectionEntry) -> str:
+    def put(self, token_ids: Sequence[int], entry: InjectionEntry, salt_id: int | None = None) -> str:
         if len(entry.block_kvs) != len(entry.encoded_at):
             raise ConfigError("one encoded position per block")
-        key = prompt_key(token_ids)
+        key = prompt_key(token_ids, salt_id)
         payload = {"prefix_kv": entry.prefix_kv.cpu(), "block_kvs": [b.cpu() for b in entry.block_kvs],
                    "encoded_at": list(entry.encoded_at),
                    "groups": [(list(layers), f.cpu()) for layers, f in entry.groups], "salt": entry.salt}
@@ -58,8 +62,8 @@ class PlanRegistry:
         os.replace(tmp, self.dir / f"{key}.pt")  # atomic: a reader never sees half a plan
         return key
 
-    def get(self, token_ids: Sequence[int]) -> InjectionEntry | None:
-        return self.load(prompt_key(token_ids))
+    def get(self, token_ids: Sequence[int], salt_id: int | None = None) -> InjectionEntry | None:
+        return self.load(prompt_key(token_ids, salt_id))
 
     def load(self, key: str) -> InjectionEntry | None:
         path = self.dir / f"{key}.pt"
@@ -71,3 +75,16 @@ class PlanRegistry:
 
     def discard(self, key: str) -> None:
         (self.dir / f"{key}.pt").unlink(missing_ok=True)
+        (self.dir / f"{key}.failed").unlink(missing_ok=True)
+
+    # A load the connector could not make (plan gone, salt refused): TensorRT-LLM already counts those tokens as
+    # matched, so the connector zeroes the pages and leaves a marker; the serving side fails that request alone.
+    def mark_failed(self, key: str, reason: str) -> None:
+        (self.dir / f"{key}.failed").write_text(reason)
+
+    def failure(self, key: str) -> str | None:
+        path = self.dir / f"{key}.failed"
+        try:
+            return path.read_text() or "failed"
+        except FileNotFoundError:
+            return None

@@ -64,15 +64,14 @@ class Live:
         return {"Authorization": f"Bearer {KEYS[tenant]}"}
 
 
-@pytest.fixture(scope="session")
-def live(tmp_path_factory, tiny_engine, embedder):
+def _serve(data, engine, embedder, engine_name: str = "pytorch"):
+    """A live app (tenant and internal listeners) over ``engine``, served by the ``engine_name`` backend."""
     import uvicorn
 
     from inferscale.server.app import create_app
     from inferscale.store import KVStore
     from inferscale.server.settings import Settings
 
-    data = tmp_path_factory.mktemp("data")
     tenants = data / "tenants.json"
     tenants.write_text(json.dumps({
         "acme": [hash_key(KEYS["acme"])],
@@ -83,10 +82,10 @@ def live(tmp_path_factory, tiny_engine, embedder):
     }))
     settings = Settings(data_dir=data, tenants_file=tenants, model=MODEL, internal_token="internal-secret",
                         default_max_tokens=8, max_tokens=64, max_k=50, node_name="node-a", pod_name="pod-a",
-                        kv_host_path=data / "kv")
+                        kv_host_path=data / "kv", engine=engine_name, trtllm_tokens_per_block=8)
     spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
     store = KVStore(settings.store_dir, dram_budget_bytes=64 << 20, node="node-a", nixl=False)
-    app = create_app(settings, engine=tiny_engine, embedder=embedder, store=store, span_exporter=spans,
+    app = create_app(settings, engine=engine, embedder=embedder, store=store, span_exporter=spans,
                      metric_reader=metrics)
     port, internal_port = free_port(), free_port()
     servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")),
@@ -107,6 +106,39 @@ def live(tmp_path_factory, tiny_engine, embedder):
     store.close()
 
 
+@pytest.fixture(scope="session")
+def live(tmp_path_factory, tiny_engine, embedder):
+    yield from _serve(tmp_path_factory.mktemp("data"), tiny_engine, embedder)
+
+
+@pytest.fixture(scope="session")
+def live_trtllm(tmp_path_factory, embedder):
+    """The same server with ``--engine trtllm``: TensorRT-LLM's stand-in (tests/trtllm/standin) runs the forward
+    pass with a tiny model of its own, the InferScale connector filling the memory pages."""
+    import tiny_models
+    import trtllm_standin
+
+    engine = tiny_models.engine("gemma3")
+    with trtllm_standin.installed() as trt:
+        trt.register_model(MODEL, engine)
+        yield from _serve(tmp_path_factory.mktemp("data-trtllm"), engine, embedder, "trtllm")
+
+
+@pytest.fixture(params=["pytorch", "trtllm"])
+def engine_live(request):
+    """The live server of each engine backend: a test using it runs once per engine."""
+    return request.getfixturevalue("live" if request.param == "pytorch" else "live_trtllm")
+
+
+@pytest.fixture
+def engine_memories(engine_live):
+    """User 'caroline' of tenant acme with five memories, on ``engine_live`` (uploaded once per server)."""
+    if not getattr(engine_live, "sample_uploaded", False):
+        _upload(engine_live)
+        engine_live.sample_uploaded = True
+    return SAMPLE
+
+
 SAMPLE = [
     {"id": "m1", "text": "caroline went to a support group in may", "timestamp": "2023-05-08"},
     {"id": "m2", "text": "melanie painted the beach at sunset"},
@@ -119,6 +151,10 @@ SAMPLE = [
 @pytest.fixture(scope="session")
 def memories(live):
     """User 'caroline' of tenant acme with five memories."""
+    return _upload(live)
+
+
+def _upload(live):
     import httpx
 
     r = httpx.put(f"{live.url}/v1/memories/caroline", json={"items": SAMPLE}, headers=live.headers("acme"), timeout=60)

@@ -7,18 +7,18 @@ import httpx
 from conftest import MODEL
 
 
-def test_models_and_health(live):
-    models = live.client().models.list()
+def test_models_and_health(engine_live):
+    models = engine_live.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert httpx.get(live.url + "/healthz").json()["status"] == "ok"
-    assert httpx.get(live.url + "/readyz").status_code == 200
-    m = httpx.get(live.url + "/metrics")
+    assert httpx.get(engine_live.url + "/healthz").json()["status"] == "ok"
+    assert httpx.get(engine_live.url + "/readyz").status_code == 200
+    m = httpx.get(engine_live.url + "/metrics")
     # /v1/models above was recorded by the HTTP instrumentation (GenAI histograms appear after a chat: test_otel.py).
     assert m.status_code == 200 and 'http_route="/v1/models"' in m.text
 
 
-def test_chat_non_stream_with_memories(live, memories):
-    client = live.client()
+def test_chat_non_stream_with_memories(engine_live, engine_memories):
+    client = engine_live.client()
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, user="caroline", max_tokens=6,
         messages=[{"role": "user", "content": "where did caroline move?"}],
@@ -35,9 +35,9 @@ def test_chat_non_stream_with_memories(live, memories):
     assert ext["memory_tokens"] > 0
 
 
-def test_chat_stream_with_memories(live, memories):
-    client = live.client()
-    for mode in live.app.state.modes:  # kv-recompute only once the engine ships it
+def test_chat_stream_with_memories(engine_live, engine_memories):
+    client = engine_live.client()
+    for mode in engine_live.app.state.modes:  # kv-recompute only once the engine ships it
         stream = client.chat.completions.create(
             model=MODEL, user="caroline", max_tokens=5, stream=True, stream_options={"include_usage": True},
             messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "who went camping?"}],
@@ -50,8 +50,8 @@ def test_chat_stream_with_memories(live, memories):
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 5
 
 
-def test_same_answer_stream_and_not(live, memories):
-    client = live.client()
+def test_same_answer_stream_and_not(engine_live, engine_memories):
+    client = engine_live.client()
     kw = dict(model=MODEL, user="caroline", max_tokens=6, messages=[{"role": "user", "content": "who painted the beach?"}],
               extra_body={"inferscale": {"k": 2}})
     full = client.chat.completions.create(**kw).choices[0].message.content

@@ -54,22 +54,22 @@ def test_stop_string_and_list_cut_the_answer(live, tiny_engine, stop):
     assert "".join(deltas).count("e") == 1, deltas
 
 
-def test_stop_not_said_lets_the_answer_run_to_length(live, tiny_engine):
-    c = live.client()
-    with forced_output(tiny_engine):
+def test_stop_not_said_lets_the_answer_run_to_length(engine_live):
+    c = engine_live.client()
+    with forced_output(engine_live.app.state.engine):
         text, _, reason = streamed(c, stop=["zzz"], max_completion_tokens=6, extra_body={"ignore_eos": True})
     assert reason == "length" and text.strip() == "Hello the"
 
 
-def test_default_stop_is_the_profiles_visible_and_overridable(live, tiny_engine):
-    card = live.client().models.list().data[0]
+def test_default_stop_is_the_profiles_visible_and_overridable(engine_live):
+    card = engine_live.client().models.list().data[0]
     assert card.model_extra["inferscale"]["default_stop"] == ["\n"]
-    assert live.client().models.retrieve(MODEL).model_extra["inferscale"]["default_stop"] == ["\n"]
-    c = live.client()
-    with forced_output(tiny_engine, "Hi", then_newlines=True):
+    assert engine_live.client().models.retrieve(MODEL).model_extra["inferscale"]["default_stop"] == ["\n"]
+    c = engine_live.client()
+    with forced_output(engine_live.app.state.engine, "Hi", then_newlines=True):
         text, _, reason = streamed(c, max_completion_tokens=5)
     assert (text, reason) == ("Hi", "stop")  # the default: a line break ends the answer
-    with forced_output(tiny_engine, "Hi", then_newlines=True):
+    with forced_output(engine_live.app.state.engine, "Hi", then_newlines=True):
         text, _, reason = streamed(c, max_completion_tokens=5, stop=["zzz"])
     assert reason == "length" and text.startswith("Hi\n")  # a request's own stop replaces the default
 
@@ -82,15 +82,15 @@ def test_too_many_or_empty_stop_sequences_are_400(live):
 
 
 # ---- lengths and usage --------------------------------------------------------------------------------------------
-def test_max_completion_tokens_bounds_the_answer_and_wins_over_max_tokens(live, tiny_engine):
-    c = live.client()
-    with forced_output(tiny_engine):
+def test_max_completion_tokens_bounds_the_answer_and_wins_over_max_tokens(engine_live):
+    c = engine_live.client()
+    with forced_output(engine_live.app.state.engine):
         r = ask(c, max_completion_tokens=3, max_tokens=10, stop=["zzz"])
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
-def test_include_usage_sends_usage_null_before_the_last_chunk(live):
-    c = live.client()
+def test_include_usage_sends_usage_null_before_the_last_chunk(engine_live):
+    c = engine_live.client()
     with c.chat.completions.with_streaming_response.create(
             model=MODEL, messages=Q, max_completion_tokens=4, stream=True,
             stream_options={"include_usage": True}) as resp:
@@ -101,8 +101,8 @@ def test_include_usage_sends_usage_null_before_the_last_chunk(live):
 
 
 @pytest.mark.parametrize("mode", ["kv", "text"])
-def test_cached_tokens_are_the_injected_memory_tokens(live, memories, mode):
-    r = ask(live.client(), user="caroline", extra_body={"inferscale": {"k": 3, "mode": mode}})
+def test_cached_tokens_are_the_injected_memory_tokens(engine_live, engine_memories, mode):
+    r = ask(engine_live.client(), user="caroline", extra_body={"inferscale": {"k": 3, "mode": mode}})
     memory_tokens = r.model_extra["inferscale"]["memory_tokens"]
     assert memory_tokens > 0
     expected = memory_tokens if mode == "kv" else 0  # text mode computes its memory tokens: none are cached
@@ -184,25 +184,25 @@ def test_x_request_id_is_echoed_and_on_the_span(live):
 
 
 # ---- users ------------------------------------------------------------------------------------------------------
-def test_first_conversation_without_memories_is_answered(live):
-    r = ask(live.client(), user="brand-new-user-7", extra_body={"inferscale": {"k": 5, "mode": "kv"}})
+def test_first_conversation_without_memories_is_answered(engine_live):
+    r = ask(engine_live.client(), user="brand-new-user-7", extra_body={"inferscale": {"k": 5, "mode": "kv"}})
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.model_extra["inferscale"]["items"] == [] and r.model_extra["inferscale"]["memory_tokens"] == 0
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_an_email_user_stores_memories_and_chats_with_them(live):
+def test_an_email_user_stores_memories_and_chats_with_them(engine_live):
     from inferscale.contract import user_store_id
 
     user = "ann@example.com"
-    r = httpx.put(f"{live.url}/v1/memories/{user}", headers=live.headers(), timeout=60,
+    r = httpx.put(f"{engine_live.url}/v1/memories/{user}", headers=engine_live.headers(), timeout=60,
                   json={"items": [{"id": "a1", "text": "ann keeps bees in her garden"}]})
     assert r.status_code == 200, r.text
     assert r.json()["user"] == user_store_id(user)
-    chat = ask(live.client(), user=user, extra_body={"inferscale": {"k": 2}})
+    chat = ask(engine_live.client(), user=user, extra_body={"inferscale": {"k": 2}})
     assert chat.model_extra["inferscale"]["items"] == ["a1"]
     assert chat.usage.prompt_tokens_details.cached_tokens > 0
-    listed = httpx.get(f"{live.url}/v1/memories/{user}", headers=live.headers()).json()
+    listed = httpx.get(f"{engine_live.url}/v1/memories/{user}", headers=engine_live.headers()).json()
     assert [i["id"] for i in listed["items"]] == ["a1"]
 
 

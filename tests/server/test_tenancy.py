@@ -25,38 +25,38 @@ def test_wrong_or_missing_key_is_401(live):
         openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_other_tenants_user_is_404_and_no_data(live, memories):
+def test_other_tenants_user_is_404_and_no_data(engine_live, engine_memories):
     # caroline belongs to acme; globex asks for her.
-    h = live.headers("globex")
-    r = httpx.get(f"{live.url}/v1/memories/caroline", headers=h)
+    h = engine_live.headers("globex")
+    r = httpx.get(f"{engine_live.url}/v1/memories/caroline", headers=h)
     assert r.status_code == 404 and "caroline" not in r.json().get("items", "")
     assert "support group" not in r.text
-    assert httpx.delete(f"{live.url}/v1/memories/caroline", headers=h).status_code == 404
-    assert httpx.delete(f"{live.url}/v1/memories/caroline/m1", headers=h).status_code == 404
+    assert httpx.delete(f"{engine_live.url}/v1/memories/caroline", headers=h).status_code == 404
+    assert httpx.delete(f"{engine_live.url}/v1/memories/caroline/m1", headers=h).status_code == 404
     # Chat answers as for any user without memories yet: none of hers are injected.
-    r = live.client("globex").chat.completions.create(model=MODEL, user="caroline", messages=Q,
+    r = engine_live.client("globex").chat.completions.create(model=MODEL, user="caroline", messages=Q,
                                                       extra_body={"inferscale": {"k": 3}})
     assert r.model_extra["inferscale"]["items"] == [] and r.model_extra["inferscale"]["memory_tokens"] == 0
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     # ...and acme still has her, untouched.
-    assert len(httpx.get(f"{live.url}/v1/memories/caroline", headers=live.headers("acme")).json()["items"]) == 5
+    assert len(httpx.get(f"{engine_live.url}/v1/memories/caroline", headers=engine_live.headers("acme")).json()["items"]) == 5
 
 
-def test_same_user_id_in_two_tenants_is_two_users(live):
+def test_same_user_id_in_two_tenants_is_two_users(engine_live):
     for tenant, text in (("acme", "the user likes paris"), ("globex", "the user likes london")):
-        r = httpx.put(f"{live.url}/v1/memories/shared-id", json={"items": [{"id": "x", "text": text}]},
-                      headers=live.headers(tenant))
+        r = httpx.put(f"{engine_live.url}/v1/memories/shared-id", json={"items": [{"id": "x", "text": text}]},
+                      headers=engine_live.headers(tenant))
         assert r.status_code == 200
     for tenant, text in (("acme", "paris"), ("globex", "london")):
-        items = httpx.get(f"{live.url}/v1/memories/shared-id", headers=live.headers(tenant)).json()["items"]
+        items = httpx.get(f"{engine_live.url}/v1/memories/shared-id", headers=engine_live.headers(tenant)).json()["items"]
         assert [i["text"] for i in items] == [f"the user likes {text}"]
-    httpx.delete(f"{live.url}/v1/memories/shared-id", headers=live.headers("globex"))
-    assert httpx.get(f"{live.url}/v1/memories/shared-id", headers=live.headers("acme")).status_code == 200
+    httpx.delete(f"{engine_live.url}/v1/memories/shared-id", headers=engine_live.headers("globex"))
+    assert httpx.get(f"{engine_live.url}/v1/memories/shared-id", headers=engine_live.headers("acme")).status_code == 200
 
 
-def test_limits_are_400(live):
+def test_limits_are_400(engine_live):
     """Over a tenant's limit is a bad request (the SDK would retry a 429 for nothing); 429 is for rate only."""
-    c = live.client("tight")
+    c = engine_live.client("tight")
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=Q, extra_body={"inferscale": {"k": 4}})
     assert e.value.body["code"] == "k_limit_exceeded"

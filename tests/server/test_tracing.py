@@ -5,13 +5,13 @@ from __future__ import annotations
 from conftest import MODEL
 
 
-def test_span_tree_and_ttft(live, memories):
-    live.spans.clear()
-    resp = live.client().chat.completions.create(
+def test_span_tree_and_ttft(engine_live, engine_memories):
+    engine_live.spans.clear()
+    resp = engine_live.client().chat.completions.create(
         model=MODEL, user="caroline", max_tokens=4, messages=[{"role": "user", "content": "where did caroline move?"}],
         extra_body={"inferscale": {"k": 3, "mode": "kv"}})
     assert resp.choices
-    spans = live.spans.get_finished_spans()
+    spans = engine_live.spans.get_finished_spans()
     roots = [s for s in spans if s.name == f"chat {MODEL}"]
     assert len(roots) == 1
     root = roots[0]

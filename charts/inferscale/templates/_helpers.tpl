@@ -64,6 +64,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (include "inferscale.imageTag" .) }}
 {{- end }}
 
+{{/* The serving pods' image: the trtllm image when engine=trtllm (TensorRT-LLM inside), else the serving image. */}}
+{{- define "inferscale.serverImage" -}}
+{{- if eq .Values.engine "trtllm" }}
+{{- printf "%s:%s" .Values.trtllm.image.repository (default (include "inferscale.imageTag" .) .Values.trtllm.image.tag) }}
+{{- else }}
+{{- include "inferscale.image" . }}
+{{- end }}
+{{- end }}
+
 {{/* The operator's image: the slim `operator` target of the Dockerfile (no torch); empty repository = the serving image. */}}
 {{- define "inferscale.operatorImage" -}}
 {{- with .Values.operator.image }}

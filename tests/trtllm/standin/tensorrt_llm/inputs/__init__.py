@@ -1,0 +1,1 @@
+"""Stand-in of ``tensorrt_llm.inputs`` (tests only): just the salt id the connector needs."""
