@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from inferscale.contract import DEFAULT_KV_DTYPE
 
+from .names import label_value
 from .settings import (APP_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, LABEL_OWNER_UID, LABEL_PART_OF,
                        LABEL_ROLE, LABEL_TENANT, LABEL_USERMEMORY, MANAGED_BY, Settings)
 from .spec import Item
@@ -83,7 +84,7 @@ def kv_dir(settings: Settings, tenant: str, user_id: str) -> str:
 def labels(tenant: str, cr_name: str, cr_uid: str, role: Role) -> dict[str, str]:
     # The standard app.kubernetes.io labels (component = the object's role) beside the operator's own.
     return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_NAME: APP_NAME, LABEL_COMPONENT: role, LABEL_PART_OF: APP_NAME,
-            LABEL_TENANT: tenant, LABEL_USERMEMORY: cr_name[:63], LABEL_OWNER_UID: cr_uid, LABEL_ROLE: role}
+            LABEL_TENANT: tenant, LABEL_USERMEMORY: label_value(cr_name), LABEL_OWNER_UID: cr_uid, LABEL_ROLE: role}
 
 
 def made_by_us(obj: Mapping[str, Any] | None, settings: Settings, tenant: str, cr_uid: str, role: Role) -> bool:

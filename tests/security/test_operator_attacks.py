@@ -258,3 +258,15 @@ def test_a_purge_that_cannot_succeed_ends_in_a_warning_not_a_stuck_finalizer(
         wait_for(lambda: cluster.um("caroline") is None, timeout=20, what="the finalizer released after the deadline")
     warned = [e for e in cluster.events() if e.get("reason") == "PurgeTimedOut"]
     assert warned and warned[-1]["type"] == "Warning" and "acme/caroline" in warned[-1]["message"]
+
+
+# -- issue 24 #5: a long name whose 63rd character is `-` ------------------------------------------------------------
+def test_a_long_name_cut_at_a_dash_still_gets_valid_labels(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                          operator: Any) -> None:
+    for s in standins:
+        cluster.add_serving_pod(s)
+    name = "a" * 62 + "-b"  # a valid object name; its first 63 characters end in "-" (KMock answers 422 on that)
+    cluster.apply_um(user_memory(name, "longname"))
+    job = wait_for(lambda: all_jobs(cluster), what="the encode Job (its labels accepted by the API)")[0]
+    cluster.finish_job(job, node="node-1")
+    wait_for(lambda: cluster.status(name).get("phase") == "Ready", what="Ready")
