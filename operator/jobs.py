@@ -32,6 +32,10 @@ OUT_MOUNT = "/var/run/inferscale/out"
 KEK_MOUNT = "/var/run/inferscale/kek"
 KEK_KEY = "kek"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+# The API server's limit on a ConfigMap's data (keys and values together).
+CONFIGMAP_MAX_BYTES = 1 << 20
+# How many items an encode Job encodes: the per-tenant cap on pending encode work counts these (quota.py).
+ANNOTATION_ITEMS = "inferscale.io/items"
 
 JobPhase = Literal["Running", "Succeeded", "Failed"]
 Role = Literal["encode", "cleanup", "items", "user-record"]
@@ -108,20 +112,30 @@ def pods_of(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> list[M
                     for o in (p.get("metadata") or {}).get("ownerReferences") or [])]
 
 
-def configmap_manifest(name: str, settings: Settings, tenant: str, cr_name: str, cr_uid: str, items: Iterable[Item],
-                       owner_job: Mapping[str, Any]) -> dict[str, Any]:
-    """The Job's items file, owned by the Job (garbage-collected with it; a UserMemory cannot own across namespaces)."""
+def configmap_manifest(name: str, settings: Settings, tenant: str, cr_name: str, cr_uid: str,
+                       items: Iterable[Item]) -> dict[str, Any]:
+    """The Job's items file. Created before the Job (a file too large for a ConfigMap fails before any GPU is held),
+    then owned by it (`owner_reference`: garbage-collected with it; a UserMemory cannot own across namespaces)."""
     jsonl = "".join(json.dumps(item.as_json(), ensure_ascii=False) + "\n" for item in items)
-    jmeta = owner_job.get("metadata") or {}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": name, "namespace": settings.job_namespace,
-                     "labels": labels(tenant, cr_name, cr_uid, "items"),
-                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": jmeta.get("name", name),
-                                          "uid": jmeta.get("uid", ""), "blockOwnerDeletion": False}]},
+                     "labels": labels(tenant, cr_name, cr_uid, "items")},
         "data": {ITEMS_KEY: jsonl},
     }
+
+
+def configmap_bytes(cm: Mapping[str, Any]) -> int:
+    """What the API server counts against a ConfigMap's size limit: its data, keys and values, in bytes."""
+    return sum(len(k.encode()) + len(str(v).encode()) for k, v in (cm.get("data") or {}).items())
+
+
+def owner_reference(owner_job: Mapping[str, Any]) -> dict[str, Any]:
+    """A merge patch making the Job the owner of its items ConfigMap."""
+    jmeta = owner_job.get("metadata") or {}
+    return {"metadata": {"ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": jmeta.get("name", ""),
+                                              "uid": jmeta.get("uid", ""), "blockOwnerDeletion": False}]}}
 
 
 def restricted_container_context() -> dict[str, Any]:
@@ -143,6 +157,7 @@ def _user_volume(settings: Settings, tenant: str, user_id: str) -> dict[str, Any
 
 def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str, model: str,
                  ids: Iterable[str], settings: Settings) -> dict[str, Any]:
+    ids = sorted(ids)
     command = ["inferscale", "encode", f"{ITEMS_MOUNT}/{ITEMS_KEY}", "--out", OUT_MOUNT, "--model", model,
                "--only", ",".join(sorted(ids)), "--embed"]
     volumes: list[dict[str, Any]] = [{"name": "memories", "configMap": {"name": name}},
@@ -201,7 +216,7 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
         "initContainers": [owner_init],
         "containers": [container],
         "volumes": volumes,
-    })
+    }, {ANNOTATION_ITEMS: str(len(ids))})
 
 
 def job_phase(job: Mapping[str, Any]) -> tuple[JobPhase, str]:
@@ -257,13 +272,15 @@ def cleanup_job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, node
 
 
 def _job(name: str, tenant: str, cr_name: str, cr_uid: str, role: Role, settings: Settings,
-         job_spec: dict[str, Any], pod_spec: dict[str, Any]) -> dict[str, Any]:
+         job_spec: dict[str, Any], pod_spec: dict[str, Any],
+         annotations: dict[str, str] | None = None) -> dict[str, Any]:
     """A batch/v1 Job in the platform namespace, labelled for its UserMemory; its pods never restart in place."""
     pod_labels = labels(tenant, cr_name, cr_uid, role)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": settings.job_namespace, "labels": pod_labels},
+        "metadata": {"name": name, "namespace": settings.job_namespace, "labels": pod_labels,
+                     "annotations": annotations or {}},
         "spec": {**job_spec, "template": {"metadata": {"labels": pod_labels}, "spec": {
             "restartPolicy": "Never", "automountServiceAccountToken": False, "enableServiceLinks": False,
             "securityContext": _pod_context(settings), **pod_spec}}},

@@ -18,7 +18,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from .settings import GROUP, PLURAL, VERSION
+from .settings import GROUP, LABEL_MEMORIES_SOURCE, PLURAL, VERSION
 from .spec import SpecError
 
 
@@ -42,7 +42,8 @@ class Kube:
         self.batch = client.BatchV1Api(api)
 
     def read_key(self, namespace: str, kind: str, name: str, key: str) -> str:
-        """The text under `key` of a ConfigMap or Secret; SpecError names what is missing."""
+        """The text under `key` of a ConfigMap or Secret that opted in (LABEL_MEMORIES_SOURCE); SpecError names what
+        is missing or not opted in."""
         try:
             if kind == "ConfigMap":
                 obj = _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
@@ -52,6 +53,10 @@ class Kube:
             if e.status == 404:
                 raise SpecError("ReferenceNotFound", f"{kind} {namespace}/{name} not found") from None
             raise
+        if ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_MEMORIES_SOURCE) != "true":
+            raise SpecError("ReferenceNotOptedIn", f"{kind} {namespace}/{name} is not labelled "
+                                                   f"{LABEL_MEMORIES_SOURCE}=true; only objects so labelled are read "
+                                                   "as memoriesFrom")
         data = obj.get("data") or {}
         if key not in data:
             raise SpecError("ReferenceNotFound", f"{kind} {namespace}/{name} has no key {key!r}")
@@ -89,6 +94,10 @@ class Kube:
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return _read(lambda: self.batch.read_namespaced_job(name, namespace, _preload_content=False))
 
+    def list_jobs(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        resp = self.batch.list_namespaced_job(namespace, label_selector=label_selector, _preload_content=False)
+        return list(_json(resp).get("items") or [])
+
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         if namespace:
             resp = self.core.list_namespaced_pod(namespace, label_selector=label_selector, _preload_content=False)
@@ -105,6 +114,11 @@ class Kube:
                 return None
             raise
         return dict((node.get("metadata") or {}).get("labels") or {})
+
+    def read_usermemory(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A UserMemory, or None when it is gone."""
+        return _read(lambda: client.CustomObjectsApi(self.core.api_client).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch a UserMemory's status now (Kopf's own `patch` lands only when the handler ends)."""

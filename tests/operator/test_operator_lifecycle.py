@@ -246,7 +246,7 @@ def test_invalid_spec_fails_and_keeps_the_placement(cluster: Cluster, standins: 
          "ReferenceNotFound", "ConfigMap acme/missing not found"),
     ]
     cluster.create(f"/api/v1/namespaces/{TENANT}/configmaps", {
-        "metadata": {"name": "bad-lines", "namespace": TENANT},
+        "metadata": {"name": "bad-lines", "namespace": TENANT, "labels": {"inferscale.io/memories-source": "true"}},
         "data": {"m.jsonl": '{"id": "x1", "text": "fine"}\n{"id": "x2", "text": \n'}})
     cases.append(({"memoriesFrom": {"configMapKeyRef": {"name": "bad-lines", "key": "m.jsonl"}}},
                   "InvalidMemory", "line 2: malformed JSON"))
@@ -298,7 +298,8 @@ def test_missing_reference_is_retried_until_it_appears(cluster: Cluster, standin
 
     # The ConfigMap appears without the key: still Failed, now saying so.
     cluster.create(f"/api/v1/namespaces/{TENANT}/configmaps", {
-        "metadata": {"name": "later", "namespace": TENANT}, "data": {"other": ""}})
+        "metadata": {"name": "later", "namespace": TENANT, "labels": {"inferscale.io/memories-source": "true"}},
+        "data": {"other": ""}})
     wait_for(lambda: warnings("has no key 'items.jsonl'"), what="the missing key reported")
     assert cluster.status("caroline")["phase"] == "Failed"
     # The key appears: encoded, placed, Ready, with no spec change.
@@ -363,7 +364,7 @@ def _secret_reference_and_inline_items_merge(cluster: Cluster, standins: list[Se
         cluster.add_serving_pod(s)
     jsonl = '{"id": "s1", "text": "from the secret"}\n{"id": "m1", "text": "overridden inline"}\n'
     cluster.create(f"/api/v1/namespaces/{TENANT}/secrets", {
-        "metadata": {"name": "mem", "namespace": TENANT},
+        "metadata": {"name": "mem", "namespace": TENANT, "labels": {"inferscale.io/memories-source": "true"}},
         "data": {"items.jsonl": base64.b64encode(jsonl.encode()).decode()}})
     um = caroline(replicas=1)
     um["spec"]["memoriesFrom"] = {"secretKeyRef": {"name": "mem", "key": "items.jsonl"}}
