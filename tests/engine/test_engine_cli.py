@@ -90,6 +90,7 @@ def test_encode_with_a_kek_seals_for_the_tenant_and_user(model_dir, tmp_path, ca
 
     kek = tmp_path / "kek"
     kek.write_text(new_key_line("k1"))
+    kek.chmod(0o600)
     items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"},
                                           {"id": "b", "text": "melanie painted the beach"}])
     out = tmp_path / "kv" / "acme" / "alice"
