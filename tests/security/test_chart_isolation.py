@@ -53,7 +53,7 @@ def test_network_policy_guards_the_internal_and_peer_ports(values: str, sets: tu
     assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"], "the tenant Service exposes only 8000"
     pol = next(p for p in m if p["kind"] == "NetworkPolicy"
                and p["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "server")
-    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    assert pol["spec"]["policyTypes"] == ["Ingress", "Egress"]
     by_port = {r["ports"][0]["port"]: r for r in pol["spec"]["ingress"]}
     assert set(by_port) == {8000, 8001, 5555}
     assert "from" not in by_port[8000]  # tenant API: open by default (networkPolicy.tenantApiFrom restricts it)
@@ -65,7 +65,45 @@ def test_network_policy_guards_the_internal_and_peer_ports(values: str, sets: tu
     assert {"port": 5556, "endPort": 5599, "protocol": "TCP"} in by_port[5555]["ports"]
     env = chart.effective_env(m, server)
     assert (env["INFERSCALE_INTERNAL_PORT"], env["INFERSCALE_UCX_PORT_RANGE"]) == ("8001", "5556-5599")
-    assert env["INFERSCALE_PEER_SECRET"]["secretKeyRef"]["key"] == "peer-secret"
+    assert env["INFERSCALE_PEER_SECRET_FILE"] == "/var/run/inferscale/internal/peer-secret"
+
+
+def _policy_for(m: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, Any]:
+    """The one NetworkPolicy whose podSelector matches a pod with these labels."""
+    (pol,) = [p for p in m if p["kind"] == "NetworkPolicy"
+              and all(labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items())]
+    return pol
+
+
+def _egress_ports(pol: dict[str, Any]) -> set[tuple[str, int]]:
+    return {(p["protocol"], p["port"]) for rule in pol["spec"].get("egress") or [] for p in rule["ports"]}
+
+
+@pytest.mark.parametrize("values,sets", VARIANTS)
+def test_egress_is_denied_but_for_what_each_pod_needs(values: str, sets: tuple[str, ...]) -> None:
+    """Issue 24 #3: default-deny egress for servers, Jobs and the operator (checkov CKV2_K8S_6: every pod has a
+    policy), each allowed only DNS, the API server (operator), the peer ports (servers) and the internal port."""
+    from inferscale.operator import jobs
+    from inferscale.operator.settings import Settings
+
+    m = rendered(values, sets)
+    for obj in m:
+        if pod_spec(obj) is not None:
+            pol = _policy_for(m, obj["spec"]["template"]["metadata"]["labels"])
+            assert "Egress" in pol["spec"]["policyTypes"], f"{obj['kind']} {obj['metadata']['name']}: egress open"
+    server = _policy_for(m, chart.workload(m, "server")["spec"]["template"]["metadata"]["labels"])
+    assert _egress_ports(server) == {("UDP", 53), ("TCP", 53), ("TCP", 5555), ("TCP", 5556)}
+    peer_rule = next(r for r in server["spec"]["egress"] if r["ports"][0]["port"] == 5555)
+    assert [t["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for t in peer_rule["to"]] == ["server"]
+    op = _policy_for(m, chart.workload(m, "operator")["spec"]["template"]["metadata"]["labels"])
+    assert _egress_ports(op) == {("UDP", 53), ("TCP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", 8001)}
+    internal = next(r for r in op["spec"]["egress"] if r["ports"][0]["port"] == 8001)
+    assert [t["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for t in internal["to"]] == ["server"]
+    # The operator's Jobs (rendered by its own code) fall under the Jobs' policy: no egress at all.
+    job = jobs.job_manifest("j", "acme", "u", "uid", "u", "gemma-3-270m", ["a"], Settings())
+    pol = _policy_for(m, job["spec"]["template"]["metadata"]["labels"])
+    assert pol["spec"]["policyTypes"] == ["Ingress", "Egress"] and not pol["spec"].get("egress")
+    assert not pol["spec"].get("ingress")
 
 
 def test_tenant_api_can_be_restricted() -> None:
