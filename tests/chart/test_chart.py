@@ -650,7 +650,13 @@ def test_otel_settings():
         assert env["OTEL_SDK_DISABLED"] == "false"
         assert env["OTEL_SERVICE_NAME"] == f"inferscale-{comp}"
         assert env["OTEL_RESOURCE_ATTRIBUTES"] == "k8s.namespace.name=inferscale,team=ml"
-        assert env["OTEL_EXPORTER_OTLP_HEADERS"] == {"secretKeyRef": {"name": "otlp-auth", "key": "headers"}}
+        assert "OTEL_EXPORTER_OTLP_HEADERS" not in env, "a secret is a mounted file, never an env var"
+    srv = workload(m, "server")
+    assert effective_env(m, srv)["INFERSCALE_OTEL_HEADERS_FILE"] == "/var/run/inferscale/otel/headers"
+    (vol,) = [v for v in srv["spec"]["template"]["spec"]["volumes"] if v["name"] == "otel-headers"]
+    assert vol["secret"]["secretName"] == "otlp-auth" and vol["secret"]["items"] == [{"key": "headers",
+                                                                                     "path": "headers"}]
+    assert "INFERSCALE_OTEL_HEADERS_FILE" not in effective_env(m, workload(m, "operator")), "it exports nothing"
     off = effective_env(docs("values.yaml"), workload(docs("values.yaml"), "server"))
     assert off["OTEL_SDK_DISABLED"] == "true" and "OTEL_EXPORTER_OTLP_ENDPOINT" not in off
 

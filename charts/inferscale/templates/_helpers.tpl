@@ -150,16 +150,13 @@ OTEL_SDK_DISABLED: "true"
 {{- end }}
 {{- end }}
 
-{{/* Optional OTLP headers from a Secret (env entry). */}}
-{{- define "inferscale.otelHeadersEnv" -}}
-{{- if and .Values.otel.enabled .Values.otel.headersSecret.name }}
-- name: OTEL_EXPORTER_OTLP_HEADERS
-  valueFrom:
-    secretKeyRef:
-      name: {{ .Values.otel.headersSecret.name }}
-      key: {{ .Values.otel.headersSecret.key }}
+{{/* Optional OTLP headers from a Secret, as a file of the server (INFERSCALE_OTEL_HEADERS_FILE; never an env var).
+The operator exports no telemetry, so only the servers mount it. */}}
+{{- define "inferscale.otelHeaders" -}}
+{{- if and .Values.otel.enabled .Values.otel.headersSecret.name }}true{{ end }}
 {{- end }}
-{{- end }}
+
+{{- define "inferscale.otelHeadersFile" -}}/var/run/inferscale/otel/headers{{- end }}
 
 {{/* Where servers and the operator see the internal Secret's keys as files (INFERSCALE_*_FILE; never env vars). */}}
 {{- define "inferscale.internalMount" -}}/var/run/inferscale/internal{{- end }}
