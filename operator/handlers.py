@@ -82,10 +82,13 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
         async with _lock(memo, body):
             await purge.purge(memo.cfg, memo.kube, body, patch, logger)
 
-    @kopf.on.event(*RESOURCE, registry=registry, id="gone", when=is_tenant)
-    async def on_event(type: str | None, memo: kopf.Memo, **_: Any) -> None:
-        if type == "DELETED":  # with or without our purge: the sweeper finds out which, from the records
-            memo.sweeper.wake()
+    def is_deletion(type: str | None, namespace: str | None, **_: Any) -> bool:
+        # Only DELETED events call the handler (Kopf logs every call: one per status patch would be noise).
+        return type == "DELETED" and is_tenant(namespace)
+
+    @kopf.on.event(*RESOURCE, registry=registry, id="gone", when=is_deletion)
+    async def on_event(memo: kopf.Memo, **_: Any) -> None:
+        memo.sweeper.wake()  # with or without our purge: the sweeper finds out which, from the records
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

@@ -61,3 +61,17 @@ def test_operator_token_comes_from_a_file(tmp_path: Path) -> None:
     token.chmod(0o644)
     with pytest.raises(ConfigError, match="mode 0644"):
         OperatorSettings.from_env({"INFERSCALE_INTERNAL_TOKEN_FILE": str(token)})
+
+
+def test_otlp_headers_come_from_a_private_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inferscale.server import tracing
+
+    headers = _file(tmp_path / "headers", "authorization=Bearer abc\n", 0o440)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS", raising=False)
+    monkeypatch.setenv("INFERSCALE_OTEL_HEADERS_FILE", str(headers))
+    tracing._headers_from_file()
+    assert os.environ["OTEL_EXPORTER_OTLP_HEADERS"] == "authorization=Bearer abc"
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS")
+    headers.chmod(0o644)
+    with pytest.raises(ConfigError, match="INFERSCALE_OTEL_HEADERS_FILE"):
+        tracing._headers_from_file()
