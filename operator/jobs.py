@@ -38,7 +38,7 @@ CONFIGMAP_MAX_BYTES = 1 << 20
 ANNOTATION_ITEMS = "inferscale.io/items"
 
 JobPhase = Literal["Running", "Succeeded", "Failed"]
-Role = Literal["encode", "cleanup", "items", "user-record"]
+Role = Literal["encode", "cleanup", "items", "key", "user-record"]
 
 # Run by the cleanup Job as the non-root fleet user: empty the mounted user directory (symlinks are removed, never
 # followed). The directory itself stays (an empty dir holds no data); removing it would need its parent mounted.
@@ -126,13 +126,26 @@ def configmap_manifest(name: str, settings: Settings, tenant: str, cr_name: str,
     }
 
 
+def key_secret_manifest(name: str, settings: Settings, tenant: str, cr_name: str, cr_uid: str,
+                        tenant_keys: str) -> dict[str, Any]:
+    """The Job's key file (inferscale/tenantkey.py: its tenant's derived keys), created before it, then owned by it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": name, "namespace": settings.job_namespace,
+                     "labels": labels(tenant, cr_name, cr_uid, "key")},
+        "stringData": {KEK_KEY: tenant_keys},
+    }
+
+
 def configmap_bytes(cm: Mapping[str, Any]) -> int:
     """What the API server counts against a ConfigMap's size limit: its data, keys and values, in bytes."""
     return sum(len(k.encode()) + len(str(v).encode()) for k, v in (cm.get("data") or {}).items())
 
 
 def owner_reference(owner_job: Mapping[str, Any]) -> dict[str, Any]:
-    """A merge patch making the Job the owner of its items ConfigMap."""
+    """A merge patch making the Job the owner of its items ConfigMap (and key Secret)."""
     jmeta = owner_job.get("metadata") or {}
     return {"metadata": {"ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": jmeta.get("name", ""),
                                               "uid": jmeta.get("uid", ""), "blockOwnerDeletion": False}]}}
@@ -170,10 +183,12 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
     mounts: list[dict[str, Any]] = [{"name": "memories", "mountPath": ITEMS_MOUNT, "readOnly": True},
                                     {"name": "kv", "mountPath": OUT_MOUNT},
                                     {"name": "tmp", "mountPath": "/tmp"}]
-    if settings.kek_secret:
-        # Blobs are sealed with a data key wrapped by the KEK and bound to this tenant and user.
+    key_secret = name if settings.kek_file else settings.kek_secret
+    if key_secret:
+        # Blobs are sealed with a data key wrapped for this tenant and bound to it and the user; with kek_file the
+        # Job's own Secret (key_secret_manifest) holds only this tenant's derived keys, never the KEK.
         command += ["--kek-file", f"{KEK_MOUNT}/{KEK_KEY}", "--tenant", tenant, "--user", user_id]
-        volumes.append({"name": "kek", "secret": {"secretName": settings.kek_secret, "defaultMode": 0o440,
+        volumes.append({"name": "kek", "secret": {"secretName": key_secret, "defaultMode": 0o440,
                                                   "items": [{"key": KEK_KEY, "path": KEK_KEY}]}})
         mounts.append({"name": "kek", "mountPath": KEK_MOUNT, "readOnly": True})
     if settings.kv_dtype != DEFAULT_KV_DTYPE:

@@ -88,6 +88,25 @@ class Kube:
             if e.status != 404:
                 raise
 
+    def create_secret(self, body: dict[str, Any]) -> bool:
+        return _create(self.core.create_namespaced_secret, body)
+
+    def list_secret_names(self, namespace: str, label_selector: str) -> list[str]:
+        """Names only: the operator never needs the data of the Secrets it lists."""
+        resp = self.core.list_namespaced_secret(namespace, label_selector=label_selector, _preload_content=False)
+        return [str((s.get("metadata") or {}).get("name")) for s in _json(resp).get("items") or []]
+
+    def patch_secret(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        self.core.patch_namespaced_secret(name, namespace, body, _preload_content=False,
+                                          _content_type="application/merge-patch+json")
+
+    def delete_secret(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_secret(name, namespace, _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
     def create_job(self, body: dict[str, Any]) -> bool:
         return _create(self.batch.create_namespaced_job, body)
 

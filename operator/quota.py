@@ -53,13 +53,17 @@ def why_wait(cfg: Settings, running: list[Mapping[str, Any]], items: int) -> str
     return ""
 
 
-def start_encode(kube: Kube, cfg: Settings, tenant: str, items_cm: dict[str, Any], job: dict[str, Any]) -> str:
-    """Create the items ConfigMap, then the Job, if the tenant has room: "" when created (or already there), else
-    why it waits. The ConfigMap goes first: one too large for the API fails here, before any Job holds a GPU."""
+def start_encode(kube: Kube, cfg: Settings, tenant: str, items_cm: dict[str, Any], job: dict[str, Any],
+                 key_secret: dict[str, Any] | None = None) -> str:
+    """Create the items ConfigMap (and the Job's key Secret), then the Job, if the tenant has room: "" when created
+    (or already there), else why it waits. The ConfigMap goes first: one too large for the API fails here, before
+    any Job holds a GPU."""
     with _tenant_lock(tenant):
         why = why_wait(cfg, running_encodes(kube, cfg, tenant), _items(job))
         if why:
             return why
         kube.create_configmap(items_cm)  # 409: a crash after this; same content-derived name, same content
+        if key_secret is not None:
+            kube.create_secret(key_secret)
         kube.create_job(job)
     return ""

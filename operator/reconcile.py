@@ -18,6 +18,9 @@ from typing import Any
 
 import kopf
 
+from inferscale import tenantkey
+from inferscale.sealing import Keyring
+
 from . import fleet, jobs, placement, quota, records
 from .kube import Kube
 from .servers import ServerCallError, ServerClient, ServingPod, serving_pods
@@ -85,13 +88,16 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
                 msg = (f"the items file is {jobs.configmap_bytes(items_cm)} bytes, more than a ConfigMap holds "
                        f"({jobs.CONFIGMAP_MAX_BYTES}); encode fewer or shorter items per UserMemory")
                 return _fail(patch, body, conds, gen, ENCODED, "ItemsTooLarge", msg)
-            why = await asyncio.to_thread(quota.start_encode, kube, cfg, tenant, items_cm, job)
+            key = await asyncio.to_thread(_key_secret, cfg, jname, tenant, name, uid)
+            why = await asyncio.to_thread(quota.start_encode, kube, cfg, tenant, items_cm, job, key)
             if why:
                 return await _queued(cfg, body, patch, status, conds, gen, why)
             kopf.info(body, reason="EncodeStarted", message=f"Job {jname} encodes {len(changed)} item(s)")
             live = await asyncio.to_thread(kube.read_job, jns, jname)
             if live is not None and jobs.made_by_us(live, cfg, tenant, uid, "encode"):
                 await asyncio.to_thread(kube.patch_configmap, jns, jname, jobs.owner_reference(live))
+                if key is not None:
+                    await asyncio.to_thread(kube.patch_secret, jns, jname, jobs.owner_reference(live))
         if live is None:  # deleted right behind our back: the next try re-creates it
             raise kopf.TemporaryError(f"Job {jname} vanished", delay=cfg.job_poll_seconds)
         if not jobs.made_by_us(live, cfg, tenant, uid, "encode"):
@@ -106,6 +112,7 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
             raise kopf.TemporaryError(f"waiting for Job {jname}", delay=cfg.job_poll_seconds)
         # The Job is done with its items file: no ConfigMap of memory texts outlives it (nor any older one).
         await asyncio.to_thread(fleet.delete_items_configmaps, kube, cfg, uid)
+        await asyncio.to_thread(fleet.delete_key_secrets, kube, cfg, uid)
         if phase == "Failed":
             return _fail(patch, body, conds, gen, ENCODED, "EncodeJobFailed", f"Job {jname} failed: {why}", job=job_ref)
         job_pods = await asyncio.to_thread(kube.list_pods, jns, f"job-name={jname}")
@@ -137,6 +144,14 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         **placed_fields(placed, len(encoded), counts),
         conditions=_placed_conditions(conds, placed, gen),
     )
+
+
+def _key_secret(cfg: Settings, jname: str, tenant: str, cr_name: str, uid: str) -> dict[str, Any] | None:
+    """The Job's Secret of its tenant's derived keys (with INFERSCALE_KEK_FILE), else None."""
+    if not cfg.kek_file:
+        return None
+    tenant_keys = tenantkey.derive_text(Keyring.load(cfg.kek_file), tenant)
+    return jobs.key_secret_manifest(jname, cfg, tenant, cr_name, uid, tenant_keys)
 
 
 def _fail(patch: kopf.Patch, body: Body, conds: list[dict[str, Any]], gen: int | None, cond: str, reason: str,

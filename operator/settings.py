@@ -26,7 +26,7 @@ LABEL_TENANT = "inferscale.io/tenant"
 LABEL_USERMEMORY = "inferscale.io/usermemory"
 # The UserMemory's uid: a Job or record carries it so the operator only ever trusts what it made for that object.
 LABEL_OWNER_UID = "inferscale.io/owner-uid"
-# What an object in the platform namespace is to the operator: "encode", "cleanup", "items", "user-record".
+# What an object in the platform namespace is to the operator: "encode", "cleanup", "items", "key", "user-record".
 LABEL_ROLE = "inferscale.io/role"
 MANAGED_BY = "inferscale-operator"
 # A ConfigMap/Secret in a tenant namespace opts in to being read as `memoriesFrom` with this label set to "true": the
@@ -63,6 +63,9 @@ class Settings:
     max_encode_items_per_tenant: int = 2000
     # The chart's KEK Secret (key `kek`), mounted into encode Jobs; empty: blobs are not sealed (development only).
     kek_secret: str = ""
+    # The KEK file, mounted on the operator: each encode Job then gets a Secret of its own holding only its tenant's
+    # derived keys (inferscale/tenantkey.py), never the KEK. Set this or kek_secret, not both.
+    kek_file: str = ""
     # The uid/gid the image runs as; Jobs run as this (non-root) user.
     run_as_user: int = 10001
     encoder_image: str = "inferscale/inferscale:latest"
@@ -114,6 +117,7 @@ class Settings:
                 max_encode_items_per_tenant=int(get("INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT")
                                                 or d.max_encode_items_per_tenant),
                 kek_secret=env.get("INFERSCALE_KEK_SECRET", d.kek_secret),
+                kek_file=env.get("INFERSCALE_KEK_FILE", d.kek_file),
                 run_as_user=int(get("INFERSCALE_RUN_AS_USER") or d.run_as_user),
                 encoder_image=get("INFERSCALE_ENCODER_IMAGE") or d.encoder_image,
                 encoder_node_selector=_json_dict(get("INFERSCALE_ENCODER_NODE_SELECTOR"), "INFERSCALE_ENCODER_NODE_SELECTOR"),
@@ -136,6 +140,9 @@ class Settings:
         if self.max_encode_jobs_per_tenant < 1 or self.max_encode_items_per_tenant < 1:
             raise ConfigError("INFERSCALE_MAX_ENCODE_JOBS_PER_TENANT and INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT "
                               "must be >= 1")
+        if self.kek_file and self.kek_secret:
+            raise ConfigError("set INFERSCALE_KEK_FILE (Jobs get their tenant's derived keys) or INFERSCALE_KEK_SECRET "
+                              "(Jobs mount the KEK), not both")
         if self.encoder_gpus < 0:
             raise ConfigError("INFERSCALE_ENCODER_GPUS must be >= 0")
         if self.recheck_seconds <= 0 or self.job_poll_seconds <= 0 or self.cleanup_timeout_seconds <= 0:
@@ -224,6 +231,7 @@ _FLAGS: dict[str, str] = {
     "--encode-deadline-seconds": "INFERSCALE_ENCODE_DEADLINE_SECONDS",
     "--encoder-resources": "INFERSCALE_ENCODER_RESOURCES",
     "--kek-secret": "INFERSCALE_KEK_SECRET",
+    "--kek-file": "INFERSCALE_KEK_FILE",
     "--max-encode-jobs-per-tenant": "INFERSCALE_MAX_ENCODE_JOBS_PER_TENANT",
     "--max-encode-items-per-tenant": "INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT",
     "--purge-timeout-seconds": "INFERSCALE_PURGE_TIMEOUT_SECONDS",

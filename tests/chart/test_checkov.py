@@ -34,6 +34,8 @@ RENDERINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] 
     **{v.removesuffix(".yaml"): ((v,), PINNED, ()) for v in chart.VALUES_FILES},
     "daemonset-secrets": (("values.yaml",), (*PINNED, "server.kind=DaemonSet", "operator.readTenantSecrets=true"),
                           ()),
+    "jobs-namespace": (("values.yaml",), (*PINNED, "encoder.namespace=inferscale-jobs", "encoder.createNamespace=true"),
+                       ()),
     "otel-monitor": (("values.yaml",), (*PINNED, "serviceMonitor.enabled=true", "otel.enabled=true",
                                         "otel.endpoint=http://otel:4318", "otel.headersSecret.name=otlp-auth",
                                         "internalToken.existingSecret=tok", "apiKeys.existingSecret=keys"),

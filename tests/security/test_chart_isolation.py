@@ -186,3 +186,33 @@ def test_every_container_but_the_root_steps_meets_pod_security_restricted(values
     assert len(specs) >= 5
     problems = {name: p for name, spec in specs.items() if (p := _restricted_problems(spec))}
     assert not problems, problems
+
+
+def test_jobs_can_have_a_namespace_of_their_own_with_no_platform_secret() -> None:
+    """Issue 24 #1/#2: with encoder.namespace the operator cannot create Jobs where the platform Secrets are, and the
+    Jobs' namespace holds none (each Job gets its tenant's derived keys from the operator, which mounts the KEK)."""
+    jobs_ns = "inferscale-jobs"
+    m = rendered("values.yaml", ("tenants={acme,globex}", f"encoder.namespace={jobs_ns}", "encoder.createNamespace=true"))
+    assert chart.one(m, "Namespace", jobs_ns)
+    roles = {o["metadata"]["namespace"]: o for o in m if o["kind"] == "Role"}
+    assert set(roles) == {RELEASE_NS, jobs_ns, *TENANTS}
+    release_rules = {(g, r): set(rule["verbs"]) for rule in roles[RELEASE_NS]["rules"]
+                     for g in rule["apiGroups"] for r in rule["resources"]}
+    assert release_rules == {("", "pods"): {"get", "list", "watch"}}, "no Jobs, ConfigMaps or Secrets where the KEK is"
+    job_rules = {r for rule in roles[jobs_ns]["rules"] for r in rule["resources"]}
+    assert {"jobs", "pods", "configmaps", "secrets"} <= job_rules
+    assert not [o for o in m if o["kind"] == "Secret" and o["metadata"]["namespace"] == jobs_ns]
+    op = chart.workload(m, "operator")
+    env = chart.effective_env(m, op)
+    assert env["INFERSCALE_JOB_NAMESPACE"] == jobs_ns and env["INFERSCALE_KEK_FILE"] == "/var/run/inferscale/kek/kek"
+    assert "INFERSCALE_KEK_SECRET" not in env, "Jobs no longer mount the KEK Secret"
+    (kek,) = [v for v in op["spec"]["template"]["spec"]["volumes"] if v["name"] == "kek"]
+    assert kek["secret"]["secretName"] == chart.one(m, "Secret", "-kek")["metadata"]["name"]
+    (jobs_policy,) = [p for p in m if p["kind"] == "NetworkPolicy" and p["metadata"]["name"].endswith("-jobs")]
+    assert jobs_policy["metadata"]["namespace"] == jobs_ns
+    bad = chart.helm(*chart.template_args("values.yaml", sets=(f"tenants={{{jobs_ns}}}", f"encoder.namespace={jobs_ns}")),
+                     check=False)
+    assert bad.returncode != 0 and "Jobs' namespace" in bad.stderr
+    # Default: the release namespace, as before (the Jobs mount the KEK Secret).
+    default = rendered("values.yaml", ("tenants={acme,globex}",))
+    assert "INFERSCALE_KEK_SECRET" in chart.effective_env(default, chart.workload(default, "operator"))

@@ -397,3 +397,35 @@ def test_items_too_large_for_a_configmap_fail_before_any_job(cluster: Cluster, s
     assert all_jobs(cluster) == [], "no Job (and no GPU held) for items that cannot reach it"
     assert not [cm for cm in cluster.list(f"/api/v1/namespaces/{JOB_NS}/configmaps")
                 if cm["metadata"]["labels"].get("inferscale.io/role") == "items"]
+
+
+# -- issue 24 #2: an encode Job holds its tenant's derived keys, never the fleet KEK --------------------------------
+def test_an_encode_job_gets_only_its_tenants_derived_keys(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                          monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from inferscale.sealing import Keyring, new_key_line
+    from inferscale.tenantkey import derive_text, from_text
+
+    kek = tmp_path / "kek"
+    kek.write_text(new_key_line("k1"))
+    kek.chmod(0o600)
+    monkeypatch.setenv("INFERSCALE_KEK_FILE", str(kek))  # mounted on the operator; no KEK Secret for the Jobs
+    fleet = Keyring.load(kek)
+    with running_operator():
+        for s in standins:
+            cluster.add_serving_pod(s)
+        cluster.apply_um(user_memory("caroline", "caroline"))
+        job = wait_for(lambda: jobs_for(cluster, "caroline"), what="caroline's encode Job")[0]
+        name = job["metadata"]["name"]
+        pod = job["spec"]["template"]["spec"]
+        (kek_vol,) = [v for v in pod["volumes"] if v["name"] == "kek"]
+        assert kek_vol["secret"]["secretName"] == name, "the Job's own Secret, not the fleet's KEK Secret"
+        secret = cluster.get(f"/api/v1/namespaces/{JOB_NS}/secrets/{name}")
+        assert secret is not None and secret["metadata"]["labels"]["inferscale.io/role"] == "key"
+        text = (secret.get("stringData") or {}).get("kek") or base64.b64decode(secret["data"]["kek"]).decode()
+        assert text == derive_text(fleet, "acme")
+        assert base64.b64encode(fleet.keys["k1"]).decode() not in text, "the KEK itself is not in it"
+        assert from_text(text, "job").tenant == "acme"
+        cluster.finish_job(job, node="node-1")
+        wait_for(lambda: cluster.status("caroline").get("phase") == "Ready", what="Ready")
+        wait_for(lambda: cluster.get(f"/api/v1/namespaces/{JOB_NS}/secrets/{name}") is None,
+                 what="the Job's key Secret deleted once the Job is done")

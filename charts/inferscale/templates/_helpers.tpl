@@ -216,3 +216,26 @@ controller-revision-hash label: 52). Call with (dict "ctx" $ "suffix" "server").
   to:
     {{- toYaml .Values.networkPolicy.dns | nindent 4 }}
 {{- end }}
+
+{{/* The namespace of the encode/cleanup Jobs and the operator's records (encoder.namespace, else the release's). */}}
+{{- define "inferscale.jobNamespace" -}}
+{{- .Values.encoder.namespace | default .Release.Namespace }}
+{{- end }}
+
+{{/* "true" when the Jobs have a namespace of their own (no platform Secret there; Jobs get derived keys). */}}
+{{- define "inferscale.jobsSeparate" -}}
+{{- if ne (include "inferscale.jobNamespace" .) .Release.Namespace }}true{{ end }}
+{{- end }}
+
+{{/* The operator's rules where its Jobs live: run them, read their pods, keep items ConfigMaps and records. */}}
+{{- define "inferscale.jobRules" -}}
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["create", "get", "list", "watch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create", "get", "list", "watch", "patch", "delete"]
+{{- end }}
