@@ -82,11 +82,7 @@ class Kube:
                                               _content_type="application/merge-patch+json")
 
     def delete_configmap(self, namespace: str, name: str) -> None:
-        try:
-            self.core.delete_namespaced_config_map(name, namespace, _preload_content=False)
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        _delete(lambda: self.core.delete_namespaced_config_map(name, namespace, _preload_content=False))
 
     def create_secret(self, body: dict[str, Any]) -> bool:
         return _create(self.core.create_namespaced_secret, body)
@@ -101,11 +97,7 @@ class Kube:
                                           _content_type="application/merge-patch+json")
 
     def delete_secret(self, namespace: str, name: str) -> None:
-        try:
-            self.core.delete_namespaced_secret(name, namespace, _preload_content=False)
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        _delete(lambda: self.core.delete_namespaced_secret(name, namespace, _preload_content=False))
 
     def create_job(self, body: dict[str, Any]) -> bool:
         return _create(self.batch.create_namespaced_job, body)
@@ -169,6 +161,15 @@ def _read(call) -> dict[str, Any] | None:
         if e.status == 404:
             return None
         raise
+
+
+def _delete(call) -> None:
+    """Delete; already gone (404) is done."""
+    try:
+        call()
+    except ApiException as e:
+        if e.status != 404:
+            raise
 
 
 def _create(create, body: dict[str, Any]) -> bool:

@@ -68,9 +68,10 @@ def test_apply_encodes_then_places(cluster: Cluster, standins: list[ServingPodSt
     assert volumes["memories"]["configMap"]["name"] == job["metadata"]["name"]
     assert job["metadata"]["namespace"] == JOB_NS
     assert job["metadata"]["labels"]["inferscale.io/owner-uid"] == um["metadata"]["uid"]
-    cm = wait_for(lambda: cluster.get(f"/api/v1/namespaces/{JOB_NS}/configmaps/{job['metadata']['name']}"),
-                  what="the items ConfigMap")
-    assert cm["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]  # collected with its Job
+    # Made before the Job (an oversized one fails before a GPU is held), then owned by it: collected with its Job.
+    cm = wait_for(lambda: (c := cluster.get(f"/api/v1/namespaces/{JOB_NS}/configmaps/{job['metadata']['name']}"))
+                  and c["metadata"].get("ownerReferences") and c, what="the items ConfigMap, owned by the Job")
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     assert [json.loads(line)["id"] for line in cm["data"]["items.jsonl"].splitlines()] == ["m1", "m2", "m3"]
     wait_for(phase_is(cluster, "Encoding"), what="phase Encoding")
     assert not any(s.calls_of("pull") for s in standins), "nothing is pulled before the Job succeeded"
