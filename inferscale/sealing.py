@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from inferscale.errors import BlobAuthError, BlobCorruptError, ConfigError
+from inferscale.secretfile import check_private
 
 MAGIC = b"ISKVSEAL"
 SEAL_VERSION = 1
@@ -86,6 +87,7 @@ class Keyring:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Keyring:
+        check_private(path, "KEK file")  # a KEK others can read is refused at start (issue 24)
         try:
             text = Path(path).read_text()
         except (OSError, UnicodeDecodeError) as e:

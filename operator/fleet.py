@@ -8,7 +8,8 @@
   date by the pulls themselves.
 - Job dirs: the blobs of removed items (and of changed items on nodes other than the new Job's) leave the Job
   output dirs on the nodes the operator's record names, so no import brings back an old version.
-- Items ConfigMaps (every memory text) are deleted once their Job is done, and any superseded one of the object.
+- Items ConfigMaps (every memory text) are deleted once their Job is done, and any superseded one of the object;
+  so are the Jobs' key Secrets.
 """
 
 from __future__ import annotations
@@ -91,3 +92,11 @@ def delete_items_configmaps(kube: Kube, cfg: Settings, uid: str, keep: str | Non
             kube.delete_configmap(cfg.job_namespace, name)
             n += 1
     return n
+
+
+def delete_key_secrets(kube: Kube, cfg: Settings, uid: str) -> int:
+    """Delete the object's Job key Secrets (its tenant's derived keys) once its Job is done."""
+    names = kube.list_secret_names(cfg.job_namespace, f"{LABEL_OWNER_UID}={uid},{LABEL_ROLE}=key")
+    for name in names:
+        kube.delete_secret(cfg.job_namespace, name)
+    return len(names)

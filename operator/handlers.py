@@ -8,12 +8,14 @@ still finds them in the default registry (see __init__).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
 import kopf
 
-from . import reconcile
+from . import purge, reconcile
+from .orphans import Sweeper
 from .kube import Kube, api_client, connection_info
 from .settings import FINALIZER, GROUP, PLURAL, VERSION, Settings
 
@@ -59,6 +61,9 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
         memo.cfg = cfg
         memo.kube = Kube(await asyncio.to_thread(api_client))
         memo.locks = {}
+        # Objects gone without their finalizer (orphans.py): swept now, on every DELETED event, and periodically.
+        memo.sweeper = Sweeper(cfg, memo.kube, logger)
+        memo.sweep_task = asyncio.create_task(memo.sweeper.run(), name="inferscale-orphan-sweep")
         logger.info(f"inferscale operator: models={','.join(cfg.models)} image={cfg.encoder_image} "
                     f"tenants={','.join(cfg.tenants) or '(none)'} jobs in {cfg.job_namespace}")
 
@@ -75,7 +80,23 @@ def register(registry: kopf.OperatorRegistry, cfg: Settings) -> kopf.OperatorReg
     async def on_delete(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
                         **_: Any) -> None:
         async with _lock(memo, body):
-            await reconcile.purge(memo.cfg, memo.kube, body, patch, logger)
+            await purge.purge(memo.cfg, memo.kube, body, patch, logger)
+
+    def is_deletion(type: str | None, namespace: str | None, **_: Any) -> bool:
+        # Only DELETED events call the handler (Kopf logs every call: one per status patch would be noise).
+        return type == "DELETED" and is_tenant(namespace)
+
+    @kopf.on.event(*RESOURCE, registry=registry, id="gone", when=is_deletion)
+    async def on_event(memo: kopf.Memo, **_: Any) -> None:
+        memo.sweeper.wake()  # with or without our purge: the sweeper finds out which, from the records
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        task = getattr(memo, "sweep_task", None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     @kopf.timer(*RESOURCE, registry=registry, id="recheck", interval=cfg.recheck_seconds,
                 initial_delay=cfg.recheck_seconds, when=is_tenant)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from inferscale.contract import DEFAULT_KV_DTYPE
 
+from .names import label_value
 from .settings import (APP_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, LABEL_OWNER_UID, LABEL_PART_OF,
                        LABEL_ROLE, LABEL_TENANT, LABEL_USERMEMORY, MANAGED_BY, Settings)
 from .spec import Item
@@ -31,9 +32,13 @@ OUT_MOUNT = "/var/run/inferscale/out"
 KEK_MOUNT = "/var/run/inferscale/kek"
 KEK_KEY = "kek"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+# The API server's limit on a ConfigMap's data (keys and values together).
+CONFIGMAP_MAX_BYTES = 1 << 20
+# How many items an encode Job encodes: the per-tenant cap on pending encode work counts these (quota.py).
+ANNOTATION_ITEMS = "inferscale.io/items"
 
 JobPhase = Literal["Running", "Succeeded", "Failed"]
-Role = Literal["encode", "cleanup", "items", "user-record"]
+Role = Literal["encode", "cleanup", "items", "key", "user-record"]
 
 # Run by the cleanup Job as the non-root fleet user: empty the mounted user directory (symlinks are removed, never
 # followed). The directory itself stays (an empty dir holds no data); removing it would need its parent mounted.
@@ -83,7 +88,7 @@ def kv_dir(settings: Settings, tenant: str, user_id: str) -> str:
 def labels(tenant: str, cr_name: str, cr_uid: str, role: Role) -> dict[str, str]:
     # The standard app.kubernetes.io labels (component = the object's role) beside the operator's own.
     return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_NAME: APP_NAME, LABEL_COMPONENT: role, LABEL_PART_OF: APP_NAME,
-            LABEL_TENANT: tenant, LABEL_USERMEMORY: cr_name[:63], LABEL_OWNER_UID: cr_uid, LABEL_ROLE: role}
+            LABEL_TENANT: tenant, LABEL_USERMEMORY: label_value(cr_name), LABEL_OWNER_UID: cr_uid, LABEL_ROLE: role}
 
 
 def made_by_us(obj: Mapping[str, Any] | None, settings: Settings, tenant: str, cr_uid: str, role: Role) -> bool:
@@ -107,20 +112,43 @@ def pods_of(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> list[M
                     for o in (p.get("metadata") or {}).get("ownerReferences") or [])]
 
 
-def configmap_manifest(name: str, settings: Settings, tenant: str, cr_name: str, cr_uid: str, items: Iterable[Item],
-                       owner_job: Mapping[str, Any]) -> dict[str, Any]:
-    """The Job's items file, owned by the Job (garbage-collected with it; a UserMemory cannot own across namespaces)."""
+def configmap_manifest(name: str, settings: Settings, tenant: str, cr_name: str, cr_uid: str,
+                       items: Iterable[Item]) -> dict[str, Any]:
+    """The Job's items file. Created before the Job (a file too large for a ConfigMap fails before any GPU is held),
+    then owned by it (`owner_reference`: garbage-collected with it; a UserMemory cannot own across namespaces)."""
     jsonl = "".join(json.dumps(item.as_json(), ensure_ascii=False) + "\n" for item in items)
-    jmeta = owner_job.get("metadata") or {}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": name, "namespace": settings.job_namespace,
-                     "labels": labels(tenant, cr_name, cr_uid, "items"),
-                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": jmeta.get("name", name),
-                                          "uid": jmeta.get("uid", ""), "blockOwnerDeletion": False}]},
+                     "labels": labels(tenant, cr_name, cr_uid, "items")},
         "data": {ITEMS_KEY: jsonl},
     }
+
+
+def key_secret_manifest(name: str, settings: Settings, tenant: str, cr_name: str, cr_uid: str,
+                        tenant_keys: str) -> dict[str, Any]:
+    """The Job's key file (inferscale/tenantkey.py: its tenant's derived keys), created before it, then owned by it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": name, "namespace": settings.job_namespace,
+                     "labels": labels(tenant, cr_name, cr_uid, "key")},
+        "stringData": {KEK_KEY: tenant_keys},
+    }
+
+
+def configmap_bytes(cm: Mapping[str, Any]) -> int:
+    """What the API server counts against a ConfigMap's size limit: its data, keys and values, in bytes."""
+    return sum(len(k.encode()) + len(str(v).encode()) for k, v in (cm.get("data") or {}).items())
+
+
+def owner_reference(owner_job: Mapping[str, Any]) -> dict[str, Any]:
+    """A merge patch making the Job the owner of its items ConfigMap (and key Secret)."""
+    jmeta = owner_job.get("metadata") or {}
+    return {"metadata": {"ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": jmeta.get("name", ""),
+                                              "uid": jmeta.get("uid", ""), "blockOwnerDeletion": False}]}}
 
 
 def restricted_container_context() -> dict[str, Any]:
@@ -142,6 +170,7 @@ def _user_volume(settings: Settings, tenant: str, user_id: str) -> dict[str, Any
 
 def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str, model: str,
                  ids: Iterable[str], settings: Settings) -> dict[str, Any]:
+    ids = sorted(ids)
     command = ["inferscale", "encode", f"{ITEMS_MOUNT}/{ITEMS_KEY}", "--out", OUT_MOUNT, "--model", model,
                "--only", ",".join(sorted(ids)), "--embed"]
     volumes: list[dict[str, Any]] = [{"name": "memories", "configMap": {"name": name}},
@@ -154,10 +183,12 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
     mounts: list[dict[str, Any]] = [{"name": "memories", "mountPath": ITEMS_MOUNT, "readOnly": True},
                                     {"name": "kv", "mountPath": OUT_MOUNT},
                                     {"name": "tmp", "mountPath": "/tmp"}]
-    if settings.kek_secret:
-        # Blobs are sealed with a data key wrapped by the KEK and bound to this tenant and user.
+    key_secret = name if settings.kek_file else settings.kek_secret
+    if key_secret:
+        # Blobs are sealed with a data key wrapped for this tenant and bound to it and the user; with kek_file the
+        # Job's own Secret (key_secret_manifest) holds only this tenant's derived keys, never the KEK.
         command += ["--kek-file", f"{KEK_MOUNT}/{KEK_KEY}", "--tenant", tenant, "--user", user_id]
-        volumes.append({"name": "kek", "secret": {"secretName": settings.kek_secret, "defaultMode": 0o440,
+        volumes.append({"name": "kek", "secret": {"secretName": key_secret, "defaultMode": 0o440,
                                                   "items": [{"key": KEK_KEY, "path": KEK_KEY}]}})
         mounts.append({"name": "kek", "mountPath": KEK_MOUNT, "readOnly": True})
     if settings.kv_dtype != DEFAULT_KV_DTYPE:
@@ -200,7 +231,7 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
         "initContainers": [owner_init],
         "containers": [container],
         "volumes": volumes,
-    })
+    }, {ANNOTATION_ITEMS: str(len(ids))})
 
 
 def job_phase(job: Mapping[str, Any]) -> tuple[JobPhase, str]:
@@ -256,13 +287,15 @@ def cleanup_job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, node
 
 
 def _job(name: str, tenant: str, cr_name: str, cr_uid: str, role: Role, settings: Settings,
-         job_spec: dict[str, Any], pod_spec: dict[str, Any]) -> dict[str, Any]:
+         job_spec: dict[str, Any], pod_spec: dict[str, Any],
+         annotations: dict[str, str] | None = None) -> dict[str, Any]:
     """A batch/v1 Job in the platform namespace, labelled for its UserMemory; its pods never restart in place."""
     pod_labels = labels(tenant, cr_name, cr_uid, role)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": settings.job_namespace, "labels": pod_labels},
+        "metadata": {"name": name, "namespace": settings.job_namespace, "labels": pod_labels,
+                     "annotations": annotations or {}},
         "spec": {**job_spec, "template": {"metadata": {"labels": pod_labels}, "spec": {
             "restartPolicy": "Never", "automountServiceAccountToken": False, "enableServiceLinks": False,
             "securityContext": _pod_context(settings), **pod_spec}}},

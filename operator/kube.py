@@ -18,7 +18,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from .settings import GROUP, PLURAL, VERSION
+from .settings import GROUP, LABEL_MEMORIES_SOURCE, PLURAL, VERSION
 from .spec import SpecError
 
 
@@ -42,7 +42,8 @@ class Kube:
         self.batch = client.BatchV1Api(api)
 
     def read_key(self, namespace: str, kind: str, name: str, key: str) -> str:
-        """The text under `key` of a ConfigMap or Secret; SpecError names what is missing."""
+        """The text under `key` of a ConfigMap or Secret that opted in (LABEL_MEMORIES_SOURCE); SpecError names what
+        is missing or not opted in."""
         try:
             if kind == "ConfigMap":
                 obj = _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
@@ -52,6 +53,10 @@ class Kube:
             if e.status == 404:
                 raise SpecError("ReferenceNotFound", f"{kind} {namespace}/{name} not found") from None
             raise
+        if ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_MEMORIES_SOURCE) != "true":
+            raise SpecError("ReferenceNotOptedIn", f"{kind} {namespace}/{name} is not labelled "
+                                                   f"{LABEL_MEMORIES_SOURCE}=true; only objects so labelled are read "
+                                                   "as memoriesFrom")
         data = obj.get("data") or {}
         if key not in data:
             raise SpecError("ReferenceNotFound", f"{kind} {namespace}/{name} has no key {key!r}")
@@ -77,17 +82,32 @@ class Kube:
                                               _content_type="application/merge-patch+json")
 
     def delete_configmap(self, namespace: str, name: str) -> None:
-        try:
-            self.core.delete_namespaced_config_map(name, namespace, _preload_content=False)
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        _delete(lambda: self.core.delete_namespaced_config_map(name, namespace, _preload_content=False))
+
+    def create_secret(self, body: dict[str, Any]) -> bool:
+        return _create(self.core.create_namespaced_secret, body)
+
+    def list_secret_names(self, namespace: str, label_selector: str) -> list[str]:
+        """Names only: the operator never needs the data of the Secrets it lists."""
+        resp = self.core.list_namespaced_secret(namespace, label_selector=label_selector, _preload_content=False)
+        return [str((s.get("metadata") or {}).get("name")) for s in _json(resp).get("items") or []]
+
+    def patch_secret(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        self.core.patch_namespaced_secret(name, namespace, body, _preload_content=False,
+                                          _content_type="application/merge-patch+json")
+
+    def delete_secret(self, namespace: str, name: str) -> None:
+        _delete(lambda: self.core.delete_namespaced_secret(name, namespace, _preload_content=False))
 
     def create_job(self, body: dict[str, Any]) -> bool:
         return _create(self.batch.create_namespaced_job, body)
 
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return _read(lambda: self.batch.read_namespaced_job(name, namespace, _preload_content=False))
+
+    def list_jobs(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        resp = self.batch.list_namespaced_job(namespace, label_selector=label_selector, _preload_content=False)
+        return list(_json(resp).get("items") or [])
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         if namespace:
@@ -105,6 +125,11 @@ class Kube:
                 return None
             raise
         return dict((node.get("metadata") or {}).get("labels") or {})
+
+    def read_usermemory(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A UserMemory, or None when it is gone."""
+        return _read(lambda: client.CustomObjectsApi(self.core.api_client).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch a UserMemory's status now (Kopf's own `patch` lands only when the handler ends)."""
@@ -136,6 +161,15 @@ def _read(call) -> dict[str, Any] | None:
         if e.status == 404:
             return None
         raise
+
+
+def _delete(call) -> None:
+    """Delete; already gone (404) is done."""
+    try:
+        call()
+    except ApiException as e:
+        if e.status != 404:
+            raise
 
 
 def _create(create, body: dict[str, Any]) -> bool:

@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import functools
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
 
-from . import fleet, jobs, placement, records
+from inferscale import tenantkey
+from inferscale.sealing import Keyring
+
+from . import fleet, jobs, placement, quota, records
 from .kube import Kube
 from .servers import ServerCallError, ServerClient, ServingPod, serving_pods
 from .settings import Settings
 from .spec import SpecError, parse
-from .status import ENCODED, PLACED, PURGED, READY, VALID, condition, not_ready, set_condition
+from .status import ENCODED, PLACED, READY, VALID, condition, not_ready, set_condition
 
 Body = Mapping[str, Any]
 
@@ -80,24 +81,28 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         job = jobs.job_manifest(jname, tenant, name, uid, desired.user_id, desired.model, changed, cfg)
         live = await asyncio.to_thread(kube.read_job, jns, jname)
         if live is None:
-            # The name is content-derived: a 409 (we crashed after creating) is success.
-            if await asyncio.to_thread(kube.create_job, job):
-                kopf.info(body, reason="EncodeStarted", message=f"Job {jname} encodes {len(changed)} item(s)")
+            # Every item, in spec order (the changed ones are encoded behind the items before them), in a ConfigMap
+            # made before the Job: one too large fails here, before any Job holds a GPU.
+            items_cm = jobs.configmap_manifest(jname, cfg, tenant, name, uid, list(desired.items.values()))
+            if jobs.configmap_bytes(items_cm) > jobs.CONFIGMAP_MAX_BYTES:
+                msg = (f"the items file is {jobs.configmap_bytes(items_cm)} bytes, more than a ConfigMap holds "
+                       f"({jobs.CONFIGMAP_MAX_BYTES}); encode fewer or shorter items per UserMemory")
+                return _fail(patch, body, conds, gen, ENCODED, "ItemsTooLarge", msg)
+            key = await asyncio.to_thread(_key_secret, cfg, jname, tenant, name, uid)
+            why = await asyncio.to_thread(quota.start_encode, kube, cfg, tenant, items_cm, job, key)
+            if why:
+                return await _queued(cfg, body, patch, status, conds, gen, why)
+            kopf.info(body, reason="EncodeStarted", message=f"Job {jname} encodes {len(changed)} item(s)")
             live = await asyncio.to_thread(kube.read_job, jns, jname)
+            if live is not None and jobs.made_by_us(live, cfg, tenant, uid, "encode"):
+                await asyncio.to_thread(kube.patch_configmap, jns, jname, jobs.owner_reference(live))
+                if key is not None:
+                    await asyncio.to_thread(kube.patch_secret, jns, jname, jobs.owner_reference(live))
         if live is None:  # deleted right behind our back: the next try re-creates it
             raise kopf.TemporaryError(f"Job {jname} vanished", delay=cfg.job_poll_seconds)
         if not jobs.made_by_us(live, cfg, tenant, uid, "encode"):
             msg = f"Job {jns}/{jname} exists but was not created by the operator for this UserMemory; not trusted"
-            patch.status.update(phase="Failed", message=msg, observedGeneration=gen,
-                                conditions=not_ready(set_condition(conds, ENCODED, False, "ForeignJob", msg, gen),
-                                                     "ForeignJob", msg, gen))
-            kopf.warn(body, reason="ForeignJob", message=msg)
-            return
-        # The items file, owned by the Job (a UserMemory cannot own objects in another namespace). Created after the
-        # Job so it can name the Job's uid; the pod waits for its volume meanwhile. Every item, in spec order: the
-        # changed ones are encoded behind the items before them.
-        await asyncio.to_thread(kube.create_configmap, jobs.configmap_manifest(
-            jname, cfg, tenant, name, uid, list(desired.items.values()), live))
+            return _fail(patch, body, conds, gen, ENCODED, "ForeignJob", msg)
         phase, why = jobs.job_phase(live)
         job_ref = {"name": jname, "items": len(changed), "phase": phase}
         if phase == "Running":
@@ -107,13 +112,9 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
             raise kopf.TemporaryError(f"waiting for Job {jname}", delay=cfg.job_poll_seconds)
         # The Job is done with its items file: no ConfigMap of memory texts outlives it (nor any older one).
         await asyncio.to_thread(fleet.delete_items_configmaps, kube, cfg, uid)
+        await asyncio.to_thread(fleet.delete_key_secrets, kube, cfg, uid)
         if phase == "Failed":
-            msg = f"Job {jname} failed: {why}"
-            patch.status.update(phase="Failed", message=msg, job=job_ref, observedGeneration=gen,
-                                conditions=not_ready(set_condition(conds, ENCODED, False, "EncodeJobFailed", msg, gen),
-                                                     "EncodeJobFailed", msg, gen))
-            kopf.warn(body, reason="EncodeJobFailed", message=msg)
-            return
+            return _fail(patch, body, conds, gen, ENCODED, "EncodeJobFailed", f"Job {jname} failed: {why}", job=job_ref)
         job_pods = await asyncio.to_thread(kube.list_pods, jns, f"job-name={jname}")
         node = jobs.job_node(live, job_pods)  # only pods this Job controls count
         record = await asyncio.to_thread(records.add_node, kube, cfg, record, node)
@@ -143,6 +144,34 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         **placed_fields(placed, len(encoded), counts),
         conditions=_placed_conditions(conds, placed, gen),
     )
+
+
+def _key_secret(cfg: Settings, jname: str, tenant: str, cr_name: str, uid: str) -> dict[str, Any] | None:
+    """The Job's Secret of its tenant's derived keys (with INFERSCALE_KEK_FILE), else None."""
+    if not cfg.kek_file:
+        return None
+    tenant_keys = tenantkey.derive_text(Keyring.load(cfg.kek_file), tenant)
+    return jobs.key_secret_manifest(jname, cfg, tenant, cr_name, uid, tenant_keys)
+
+
+def _fail(patch: kopf.Patch, body: Body, conds: list[dict[str, Any]], gen: int | None, cond: str, reason: str,
+          msg: str, **fields: Any) -> None:
+    """Failed at this generation for `reason` (condition `cond` False, not Ready), with a Warning Event."""
+    patch.status.update(phase="Failed", message=msg, observedGeneration=gen, **fields,
+                        conditions=not_ready(set_condition(conds, cond, False, reason, msg, gen), reason, msg, gen))
+    kopf.warn(body, reason=reason, message=msg)
+
+
+async def _queued(cfg: Settings, body: Body, patch: kopf.Patch, status: Mapping[str, Any],
+                  conds: list[dict[str, Any]], gen: int | None, why: str) -> None:
+    """The tenant's encode bound is reached (quota.py): Pending, a Warning when it starts waiting, retried later."""
+    msg = f"waiting to encode: {why}"
+    if (condition(conds, ENCODED) or {}).get("reason") != "EncodeQueued":
+        kopf.warn(body, reason="EncodeQueued", message=msg)
+    update_changed(patch, status, phase="Pending", message=msg,
+                   conditions=set_condition(conds, ENCODED, False, "EncodeQueued", msg, gen))
+    # Not every job poll: a queue of many objects would list the tenant's Jobs many times a second.
+    raise kopf.TemporaryError(msg, delay=max(cfg.job_poll_seconds, cfg.recheck_seconds))
 
 
 def trusted_encoded(encoded: Mapping[str, Any], record: records.UserRecord) -> dict[str, dict[str, str]]:
@@ -314,9 +343,10 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
     return Placed(placements, phase, reason, message, tokens)
 
 
-# Failures the cluster can fix without a spec change (the ConfigMap/Secret or key is created later): the timer retries.
-# DuplicateUserId too: once the object holding the userId is deleted, the next tick lets this one claim it.
-RETRIED_REASONS = frozenset({"ReferenceNotFound", "DuplicateUserId"})
+# Failures the cluster can fix without a spec change (the ConfigMap/Secret or key is created, or labelled as a memories
+# source, later): the timer retries. DuplicateUserId too: once the object holding the userId is deleted, the next tick
+# lets this one claim it.
+RETRIED_REASONS = frozenset({"ReferenceNotFound", "ReferenceNotOptedIn", "DuplicateUserId"})
 
 
 def waits_for_reference(body: Body) -> bool:
@@ -338,7 +368,7 @@ async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logg
     """
     meta, spec = body["metadata"], body.get("spec") or {}
     status: Mapping[str, Any] = body.get("status") or {}
-    if waits_for_reference(body) or (retrying and status.get("phase") == "Encoding"):
+    if waits_for_reference(body) or (retrying and status.get("phase") in ("Encoding", "Pending")):
         await reconcile(cfg, kube, body, patch, logger)
         return
     # Only settled objects: while a change is being handled, the change handler owns the placement.
@@ -376,107 +406,3 @@ async def recheck(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logg
     patch.status.update(phase=placed.phase, message=placed.message,
                         **placed_fields(placed, len(encoded), status.get("counts") or {}),
                         conditions=_placed_conditions(conds, placed, gen))
-
-
-async def purge(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger) -> None:
-    """The finalizer: purge the user from every serving pod, and delete the encode Jobs' output dir on the nodes they
-    ran on (the serving pod there does it; a node without one gets a cleanup Job). Raise (retry) until all of the
-    serving pods answered and the cleanup Jobs finished or ran past INFERSCALE_CLEANUP_TIMEOUT_SECONDS.
-
-    The user and the nodes come from the operator's record (records.py), never from the tenant-writable spec/status:
-    an object that never claimed a userId (invalid, duplicate, not a tenant) placed nothing and is released at once.
-    Past INFERSCALE_PURGE_TIMEOUT_SECONDS after the deletion began, it gives up with a Warning and releases the
-    finalizer: a purge that cannot succeed must not block the namespace's deletion forever."""
-    meta = body["metadata"]
-    tenant, uid = meta["namespace"], str(meta.get("uid") or "")
-    record = await asyncio.to_thread(records.find_own, kube, cfg, tenant, uid) if tenant_allowed(cfg, tenant) else None
-    if record is None:
-        return
-    user, nodes = record.user_id, list(record.nodes)
-    kv_dir = jobs.kv_dir(cfg, tenant, user)
-    try:
-        waiting = await _purge_once(cfg, kube, body, user, kv_dir, nodes)
-    except ServerCallError as e:
-        waiting = str(e)
-    if waiting:
-        started = _parse_time(meta.get("deletionTimestamp"))
-        if started is not None and time.time() - started > cfg.purge_timeout_seconds:
-            msg = (f"purge gave up after {cfg.purge_timeout_seconds:.0f}s ({waiting}); {kv_dir} may be left on "
-                   f"node(s) {', '.join(nodes) or 'none'} or serving pods")
-            conds = set_condition(list((body.get("status") or {}).get("conditions") or []), PURGED, False,
-                                  "PurgeTimedOut", msg, meta.get("generation"))
-            patch.status.update(phase="Deleting", message=msg, conditions=conds)
-            kopf.warn(body, reason="PurgeTimedOut", message=msg)
-            await asyncio.to_thread(records.release, kube, cfg, record)
-            return
-        patch.status.update(phase="Deleting", message=f"waiting for {waiting}")
-        raise kopf.TemporaryError(waiting, delay=cfg.job_poll_seconds)
-    await asyncio.to_thread(records.release, kube, cfg, record)
-
-
-async def _purge_once(cfg: Settings, kube: Kube, body: Body, user: str, kv_dir: str, nodes: list[str]) -> str:
-    """One purge round: "" when done, else what it still waits for."""
-    meta = body["metadata"]
-    tenant = meta["namespace"]
-    raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
-    pods = serving_pods(raw, cfg.internal_port, require_ready=False, nixl_port=cfg.nixl_port)
-    async with ServerClient(cfg) as client:
-        results = await asyncio.gather(*(client.purge(p, tenant, user, None, kv_dir if p.node in nodes else None)
-                                         for p in pods), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        return f"purge failed on {len(failed)}/{len(pods)} serving pod(s): {failed[0]}"
-    removed = sum(int(r.get("removed_blocks") or 0) for r in results if isinstance(r, dict))
-    # A node counts as cleaned when a serving pod there handled source_dir (one that predates it omits the answer).
-    cleaned = {p.node for p, r in zip(pods, results) if isinstance(r, dict) and "source_dir_removed" in r}
-    waiting: list[str] = []
-    for node in (n for n in nodes if n not in cleaned):
-        why = await _clean_node(cfg, kube, body, node, user, kv_dir)
-        if why:
-            waiting.append(why)
-    if waiting:
-        return "; ".join(waiting)
-    where = f"; deleted {kv_dir} on node(s) {', '.join(nodes)}" if nodes else ""
-    kopf.info(body, reason="Purged", message=f"removed {removed} block(s) from {len(pods)} serving pod(s){where}")
-    return ""
-
-
-async def _clean_node(cfg: Settings, kube: Kube, body: Body, node: str, user: str, kv_dir: str) -> str:
-    """Run (or look at) the cleanup Job that empties `kv_dir` on `node`: "" when done or given up, else what runs."""
-    meta = body["metadata"]
-    tenant, name, uid = meta["namespace"], meta["name"], str(meta.get("uid") or "")
-    if await asyncio.to_thread(kube.node_labels, node) is None:
-        return ""  # the node is gone, and the directory with it
-    jname = jobs.cleanup_job_name(tenant, name, uid, node)
-    live = await asyncio.to_thread(kube.read_job, cfg.job_namespace, jname)
-    if live is None:
-        await asyncio.to_thread(kube.create_job, jobs.cleanup_job_manifest(jname, tenant, name, uid, node, user, cfg))
-        kopf.info(body, reason="NodeCleanupStarted", message=f"Job {jname} deletes {kv_dir} on node {node}")
-        live = await asyncio.to_thread(kube.read_job, cfg.job_namespace, jname)
-        if live is None:
-            return f"cleanup Job {jname} on node {node} (not found after create)"
-    if not jobs.made_by_us(live, cfg, tenant, uid, "cleanup"):
-        kopf.warn(body, reason="ForeignJob", message=f"Job {jname} was not created by the operator; not trusted")
-        return ""
-    phase, why = jobs.job_phase(live)
-    if phase == "Succeeded":
-        return ""
-    if phase == "Failed":
-        kopf.warn(body, reason="NodeCleanupFailed", message=f"Job {jname} could not delete {kv_dir} on node {node}: "
-                                                            f"{why}; left behind")
-        return ""
-    created = _parse_time((live.get("metadata") or {}).get("creationTimestamp"))
-    if created is not None and time.time() - created > cfg.cleanup_timeout_seconds:
-        kopf.warn(body, reason="NodeCleanupTimedOut", message=f"Job {jname} did not delete {kv_dir} on node {node} "
-                                                              f"within {cfg.cleanup_timeout_seconds:.0f}s; left behind")
-        return ""
-    return f"cleanup Job {jname} on node {node}"
-
-
-def _parse_time(value: Any) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None

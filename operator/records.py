@@ -19,7 +19,7 @@ from typing import Any
 
 from . import jobs
 from .kube import Kube
-from .settings import LABEL_OWNER_UID, LABEL_ROLE, Settings
+from .settings import LABEL_MANAGED_BY, LABEL_OWNER_UID, LABEL_ROLE, MANAGED_BY, Settings
 from .spec import SpecError
 
 
@@ -94,3 +94,10 @@ def add_node(kube: Kube, settings: Settings, record: UserRecord, node: str) -> U
 
 def release(kube: Kube, settings: Settings, record: UserRecord) -> None:
     kube.delete_configmap(settings.job_namespace, record.name)
+
+
+def list_all(kube: Kube, settings: Settings) -> list[UserRecord]:
+    """Every per-user record the operator made, in every tenant (an orphan sweep walks them)."""
+    found = kube.list_configmaps(settings.job_namespace, f"{LABEL_ROLE}=user-record,{LABEL_MANAGED_BY}={MANAGED_BY}")
+    return [UserRecord.from_configmap(cm) for cm in found
+            if (cm.get("metadata") or {}).get("namespace") == settings.job_namespace]

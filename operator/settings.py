@@ -11,6 +11,7 @@ from typing import Any
 
 from inferscale.contract import DEFAULT_KV_DTYPE, KV_DTYPES, is_valid_tenant
 from inferscale.errors import ConfigError
+from inferscale.secretfile import read_secret
 
 GROUP = "inferscale.io"
 VERSION = "v1alpha1"
@@ -25,9 +26,13 @@ LABEL_TENANT = "inferscale.io/tenant"
 LABEL_USERMEMORY = "inferscale.io/usermemory"
 # The UserMemory's uid: a Job or record carries it so the operator only ever trusts what it made for that object.
 LABEL_OWNER_UID = "inferscale.io/owner-uid"
-# What an object in the platform namespace is to the operator: "encode", "cleanup", "items", "user-record".
+# What an object in the platform namespace is to the operator: "encode", "cleanup", "items", "key", "user-record".
 LABEL_ROLE = "inferscale.io/role"
 MANAGED_BY = "inferscale-operator"
+# A ConfigMap/Secret in a tenant namespace opts in to being read as `memoriesFrom` with this label set to "true": the
+# operator reads with its own rights, which may exceed those of the tenant's users, so it reads only what the tenant
+# marked as memories (never, say, another application's Secret named by a UserMemory).
+LABEL_MEMORIES_SOURCE = "inferscale.io/memories-source"
 ANNOTATION_ENDPOINT = "inferscale.io/endpoint"
 FINALIZER = "inferscale.io/purge"
 
@@ -53,8 +58,14 @@ class Settings:
     encode_deadline_seconds: int = 3600
     encoder_resources: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {
         "requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "16Gi"}})
+    # Per-tenant bounds on encode work (quota.py): Jobs running at once, and the items they encode together.
+    max_encode_jobs_per_tenant: int = 2
+    max_encode_items_per_tenant: int = 2000
     # The chart's KEK Secret (key `kek`), mounted into encode Jobs; empty: blobs are not sealed (development only).
     kek_secret: str = ""
+    # The KEK file, mounted on the operator: each encode Job then gets a Secret of its own holding only its tenant's
+    # derived keys (inferscale/tenantkey.py), never the KEK. Set this or kek_secret, not both.
+    kek_file: str = ""
     # The uid/gid the image runs as; Jobs run as this (non-root) user.
     run_as_user: int = 10001
     encoder_image: str = "inferscale/inferscale:latest"
@@ -75,6 +86,9 @@ class Settings:
     # How long a deletion may keep retrying before it gives up with a Warning and releases the finalizer: a purge
     # that can never succeed must not block the tenant's namespace deletion forever.
     purge_timeout_seconds: float = 900.0
+    # How often the operator looks for UserMemory objects gone without their finalizer (a tenant removed it) and
+    # purges their user from its records (orphans.py); a DELETED event also starts a sweep at once.
+    orphan_sweep_seconds: float = 60.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -91,14 +105,19 @@ class Settings:
                 server_namespace=env.get("INFERSCALE_SERVER_NAMESPACE", d.server_namespace),
                 internal_port=int(get("INFERSCALE_INTERNAL_PORT") or d.internal_port),
                 nixl_port=int(get("INFERSCALE_NIXL_PORT") or d.nixl_port),
-                internal_token=env.get("INFERSCALE_INTERNAL_TOKEN", d.internal_token),
+                internal_token=_internal_token(env, get("INFERSCALE_INTERNAL_TOKEN_FILE")),
                 tenants=_csv(get("INFERSCALE_TENANTS")),
                 job_namespace=get("INFERSCALE_JOB_NAMESPACE") or d.job_namespace,
                 read_tenant_secrets=_bool(get("INFERSCALE_READ_TENANT_SECRETS"), "INFERSCALE_READ_TENANT_SECRETS"),
                 encode_deadline_seconds=int(get("INFERSCALE_ENCODE_DEADLINE_SECONDS") or d.encode_deadline_seconds),
                 encoder_resources=(_json_obj(get("INFERSCALE_ENCODER_RESOURCES"), "INFERSCALE_ENCODER_RESOURCES")
                                    or d.encoder_resources),
+                max_encode_jobs_per_tenant=int(get("INFERSCALE_MAX_ENCODE_JOBS_PER_TENANT")
+                                               or d.max_encode_jobs_per_tenant),
+                max_encode_items_per_tenant=int(get("INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT")
+                                                or d.max_encode_items_per_tenant),
                 kek_secret=env.get("INFERSCALE_KEK_SECRET", d.kek_secret),
+                kek_file=env.get("INFERSCALE_KEK_FILE", d.kek_file),
                 run_as_user=int(get("INFERSCALE_RUN_AS_USER") or d.run_as_user),
                 encoder_image=get("INFERSCALE_ENCODER_IMAGE") or d.encoder_image,
                 encoder_node_selector=_json_dict(get("INFERSCALE_ENCODER_NODE_SELECTOR"), "INFERSCALE_ENCODER_NODE_SELECTOR"),
@@ -112,18 +131,26 @@ class Settings:
                 http_timeout_seconds=float(get("INFERSCALE_HTTP_TIMEOUT_SECONDS") or d.http_timeout_seconds),
                 cleanup_timeout_seconds=float(get("INFERSCALE_CLEANUP_TIMEOUT_SECONDS") or d.cleanup_timeout_seconds),
                 purge_timeout_seconds=float(get("INFERSCALE_PURGE_TIMEOUT_SECONDS") or d.purge_timeout_seconds),
+                orphan_sweep_seconds=float(get("INFERSCALE_ORPHAN_SWEEP_SECONDS") or d.orphan_sweep_seconds),
             ).checked()
         except ValueError as e:
             raise ConfigError(f"operator settings: {e}") from e
 
     def checked(self) -> Settings:
+        if self.max_encode_jobs_per_tenant < 1 or self.max_encode_items_per_tenant < 1:
+            raise ConfigError("INFERSCALE_MAX_ENCODE_JOBS_PER_TENANT and INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT "
+                              "must be >= 1")
+        if self.kek_file and self.kek_secret:
+            raise ConfigError("set INFERSCALE_KEK_FILE (Jobs get their tenant's derived keys) or INFERSCALE_KEK_SECRET "
+                              "(Jobs mount the KEK), not both")
         if self.encoder_gpus < 0:
             raise ConfigError("INFERSCALE_ENCODER_GPUS must be >= 0")
         if self.recheck_seconds <= 0 or self.job_poll_seconds <= 0 or self.cleanup_timeout_seconds <= 0:
             raise ConfigError("INFERSCALE_RECHECK_SECONDS, INFERSCALE_JOB_POLL_SECONDS and "
                               "INFERSCALE_CLEANUP_TIMEOUT_SECONDS must be > 0")
-        if self.purge_timeout_seconds <= 0 or self.encode_deadline_seconds <= 0:
-            raise ConfigError("INFERSCALE_PURGE_TIMEOUT_SECONDS and INFERSCALE_ENCODE_DEADLINE_SECONDS must be > 0")
+        if min(self.purge_timeout_seconds, self.encode_deadline_seconds, self.orphan_sweep_seconds) <= 0:
+            raise ConfigError("INFERSCALE_PURGE_TIMEOUT_SECONDS, INFERSCALE_ENCODE_DEADLINE_SECONDS and "
+                              "INFERSCALE_ORPHAN_SWEEP_SECONDS must be > 0")
         if self.run_as_user <= 0:
             raise ConfigError(f"INFERSCALE_RUN_AS_USER must be a non-root uid, not {self.run_as_user}")
         bad = [t for t in self.tenants if not is_valid_tenant(t)]
@@ -141,6 +168,15 @@ class Settings:
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"INFERSCALE_KV_DTYPE {self.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
         return self
+
+
+def _internal_token(env: Mapping[str, str], file: str | None) -> str:
+    """INFERSCALE_INTERNAL_TOKEN, or the private file INFERSCALE_INTERNAL_TOKEN_FILE names (a mounted Secret)."""
+    if file is None:
+        return env.get("INFERSCALE_INTERNAL_TOKEN", "")
+    if env.get("INFERSCALE_INTERNAL_TOKEN"):
+        raise ConfigError("set INFERSCALE_INTERNAL_TOKEN or INFERSCALE_INTERNAL_TOKEN_FILE, not both")
+    return read_secret(file, "INFERSCALE_INTERNAL_TOKEN_FILE")
 
 
 def _csv(value: str | None) -> tuple[str, ...]:
@@ -195,7 +231,11 @@ _FLAGS: dict[str, str] = {
     "--encode-deadline-seconds": "INFERSCALE_ENCODE_DEADLINE_SECONDS",
     "--encoder-resources": "INFERSCALE_ENCODER_RESOURCES",
     "--kek-secret": "INFERSCALE_KEK_SECRET",
+    "--kek-file": "INFERSCALE_KEK_FILE",
+    "--max-encode-jobs-per-tenant": "INFERSCALE_MAX_ENCODE_JOBS_PER_TENANT",
+    "--max-encode-items-per-tenant": "INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT",
     "--purge-timeout-seconds": "INFERSCALE_PURGE_TIMEOUT_SECONDS",
+    "--orphan-sweep-seconds": "INFERSCALE_ORPHAN_SWEEP_SECONDS",
     "--encoder-image": "INFERSCALE_ENCODER_IMAGE",
     "--encoder-node-selector": "INFERSCALE_ENCODER_NODE_SELECTOR",
     "--encoder-tolerations": "INFERSCALE_ENCODER_TOLERATIONS",

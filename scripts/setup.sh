@@ -11,3 +11,7 @@ PY=${PYTHON:-python3}
 # constraints.txt pins every package to the versions the tests ran with (scripts/freeze-constraints.py writes it).
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[server,operator,bench,test]"
 echo "set up: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+# checkov (tests/chart/test_checkov.py) in a venv of its own: its pins clash with the project's.
+[ -x .venv-tools/bin/python ] || "$PY" -m venv .venv-tools
+.venv-tools/bin/python -m pip install -q -r scripts/tools-requirements.txt
+echo "tools: $(.venv-tools/bin/checkov --version | head -1 | sed 's/^/checkov /')"

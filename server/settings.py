@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from inferscale.contract import (DEFAULT_ENGINE, DEFAULT_KV_DTYPE, DEFAULT_MODE, DEFAULT_RECOMPUTE_RATIO, EngineName,
                                  KVDtype, Mode)
 from inferscale.errors import ConfigError
+from inferscale.secretfile import read_secret
 
 DEFAULT_MODEL = "gemma-3-270m"
 
@@ -26,8 +27,10 @@ ENV = {
     "gpu_budget_bytes": "INFERSCALE_GPU_BUDGET_BYTES",
     "nixl_port": "INFERSCALE_NIXL_PORT",
     "internal_token": "INFERSCALE_INTERNAL_TOKEN",
+    "internal_token_file": "INFERSCALE_INTERNAL_TOKEN_FILE",
     "internal_port": "INFERSCALE_INTERNAL_PORT",
     "peer_secret": "INFERSCALE_PEER_SECRET",
+    "peer_secret_file": "INFERSCALE_PEER_SECRET_FILE",
     "ucx_port_range": "INFERSCALE_UCX_PORT_RANGE",
     "node_name": "INFERSCALE_NODE_NAME",
     "pod_name": "INFERSCALE_POD_NAME",
@@ -75,8 +78,11 @@ class Settings(BaseModel):
     # The internal plane (operator -> server): its own listener, its own token; None = no internal listener.
     internal_token: str | None = None
     internal_port: int = Field(8001, ge=0, le=65535)
+    # Either credential may come from a file instead (a mounted Secret, not an environment variable).
+    internal_token_file: Path | None = None
     # The peer plane (server <-> server): MACs peer requests (never sent); None = no peer service.
     peer_secret: str | None = None
+    peer_secret_file: Path | None = None
     # UCX's TCP data ports (UCX_TCP_PORT_RANGE), so a NetworkPolicy can name them.
     ucx_port_range: str = Field("5556-5599", pattern=r"^[0-9]{1,5}-[0-9]{1,5}$")
     node_name: str = Field(default_factory=lambda: os.uname().nodename)
@@ -107,6 +113,18 @@ class Settings(BaseModel):
     queue_timeout_s: float = Field(30.0, gt=0)
     console_traces: bool = False
     max_body_bytes: int = Field(16 << 20, ge=1024)
+
+    @model_validator(mode="after")
+    def _credentials_from_files(self) -> Settings:
+        """INFERSCALE_INTERNAL_TOKEN_FILE / INFERSCALE_PEER_SECRET_FILE: read (private files only) into the values."""
+        for value, path in (("internal_token", "internal_token_file"), ("peer_secret", "peer_secret_file")):
+            file = getattr(self, path)
+            if file is None:
+                continue
+            if getattr(self, value) is not None:
+                raise ConfigError(f"set {ENV[value]} or {ENV[path]}, not both")
+            setattr(self, value, read_secret(file, ENV[path]))
+        return self
 
     @property
     def tenant_budgets(self) -> dict[str, int | None]:

@@ -82,6 +82,16 @@ def _otlp_configured(signal: str) -> bool:
     return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"))
 
 
+def _headers_from_file() -> None:
+    """INFERSCALE_OTEL_HEADERS_FILE (a mounted Secret, e.g. the collector's auth) → OTEL_EXPORTER_OTLP_HEADERS, which
+    the exporters read: the chart never puts a secret in an environment variable (checkov CKV_K8S_35)."""
+    path = os.environ.get("INFERSCALE_OTEL_HEADERS_FILE")
+    if path and not os.environ.get("OTEL_EXPORTER_OTLP_HEADERS"):
+        from inferscale.secretfile import read_secret
+
+        os.environ["OTEL_EXPORTER_OTLP_HEADERS"] = read_secret(path, "INFERSCALE_OTEL_HEADERS_FILE")
+
+
 def setup(*, console: bool = False, span_exporter: SpanExporter | None = None,
           metric_reader: MetricReader | None = None,
           load: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> Telemetry:
@@ -92,6 +102,7 @@ def setup(*, console: bool = False, span_exporter: SpanExporter | None = None,
         meter = metrics.NoOpMeterProvider().get_meter(__name__)
         return Telemetry(tracer, meter, ServerMetrics(meter, load), None, None)
 
+    _headers_from_file()
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "inferscale-server")}).merge(
         OTELResourceDetector().detect()
     )

@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the blobs store K/V (inferscale.kvquant): bf16 = the model's dtype, uncompressed; int8/fp8 "
                         "per token, int4 groups: compact, dequantized at injection (default %(default)s)")
     p.add_argument("--kek-file", default=None,
-                   help="KEK file (<key-id>:<base64 of 32 bytes> a line): seal the blobs for --tenant/--user")
+                   help="KEK file (<key-id>:<base64 of 32 bytes> a line), or the tenant's key file (inferscale/"
+                        "tenantkey.py; what the operator hands an encode Job): seal the blobs for --tenant/--user")
     p.add_argument("--tenant", default=None, help="the tenant the sealed blobs belong to (with --kek-file)")
     p.add_argument("--user", default=None, help="the user the sealed blobs belong to (with --kek-file)")
 
@@ -42,13 +43,13 @@ def _keyring(args: argparse.Namespace):
     if len(given) != 3:
         raise ConfigError(f"{', '.join(given)} given: sealing needs --kek-file, --tenant and --user together")
     from inferscale.contract import id_problem
-    from inferscale.sealing import Keyring
+    from inferscale.tenantkey import load_for
 
     for kind, value in (("tenant", args.tenant), ("user", args.user)):
         problem = id_problem(f"{kind} name", value)
         if problem:
             raise ConfigError(f"invalid {problem}")
-    return Keyring.load(args.kek_file)
+    return load_for(args.kek_file, args.tenant)  # the KEK, or (in a cluster) the tenant's derived keys only
 
 
 def run(args: argparse.Namespace) -> int:

@@ -494,28 +494,50 @@ def test_no_hard_coded_namespace():
     assert not re.search(r"namespace: (?!ns-under-test|\{)", text)
 
 
+def _internal_files(m, component):
+    """{key: path} of the internal Secret's files a workload mounts, and the Secret's name."""
+    w = workload(m, component)
+    (vol,) = [v for v in w["spec"]["template"]["spec"]["volumes"] if v["name"] == "internal"]
+    (mount,) = [v for v in container(w)["volumeMounts"] if v["name"] == "internal"]
+    assert mount["readOnly"] is True
+    return {i["key"]: f"{mount['mountPath']}/{i['path']}" for i in vol["secret"]["items"]}, vol["secret"]["secretName"]
+
+
 def test_internal_token_shared_by_operator_and_servers():
     m = docs("values.yaml")
-    refs = [effective_env(m, workload(m, c))["INFERSCALE_INTERNAL_TOKEN"]["secretKeyRef"]
-            for c in ("operator", "server")]
-    assert refs[0] == refs[1] == {"name": "inferscale-internal", "key": "internal-token"}
-    secret = one(m, "Secret", refs[0]["name"])
+    (op_files, op_secret), (srv_files, srv_secret) = (_internal_files(m, c) for c in ("operator", "server"))
+    assert op_secret == srv_secret == "inferscale-internal"
+    op, srv = effective_env(m, workload(m, "operator")), effective_env(m, workload(m, "server"))
+    assert op["INFERSCALE_INTERNAL_TOKEN_FILE"] == srv["INFERSCALE_INTERNAL_TOKEN_FILE"] == op_files["internal-token"]
+    assert srv["INFERSCALE_PEER_SECRET_FILE"] == srv_files["peer-secret"]
+    # Mounted as files, never environment variables (checkov CKV_K8S_35).
+    assert "secretKeyRef" not in json.dumps([workload(m, c) for c in ("operator", "server")])
+    assert "INFERSCALE_INTERNAL_TOKEN" not in op and "INFERSCALE_PEER_SECRET" not in srv
+    secret = one(m, "Secret", op_secret)
     token = base64.b64decode(secret["data"]["internal-token"]).decode()
     peer = base64.b64decode(secret["data"]["peer-secret"]).decode()
     assert len(token) >= 32 and len(peer) >= 32 and token != peer
     # The peer secret is the servers' only; the operator never holds it.
-    srv = effective_env(m, workload(m, "server"))
-    assert srv["INFERSCALE_PEER_SECRET"]["secretKeyRef"] == {"name": "inferscale-internal", "key": "peer-secret"}
-    assert "INFERSCALE_PEER_SECRET" not in effective_env(m, workload(m, "operator"))
-    assert "INFERSCALE_INTERNAL_TOKEN" not in json.dumps([x for x in m if x["kind"] == "ConfigMap"])
+    assert set(op_files) == {"internal-token"} and "INFERSCALE_PEER_SECRET_FILE" not in op
     m2 = docs("values.yaml", sets=("internalToken.existingSecret=my-token",))
-    refs2 = {json.dumps(effective_env(m2, workload(m2, c))["INFERSCALE_INTERNAL_TOKEN"]["secretKeyRef"])
-             for c in ("operator", "server")}
-    assert refs2 == {json.dumps({"name": "my-token", "key": "internal-token"})}
+    assert {_internal_files(m2, c)[1] for c in ("operator", "server")} == {"my-token"}
     assert not [x for x in m2 if x["kind"] == "Secret" and "internal" in x["metadata"]["name"]]
     m3 = docs("values.yaml", sets=("internalToken.value=fixed-token-value",))
     s3 = [x for x in m3 if x["kind"] == "Secret" and "internal" in x["metadata"]["name"]][0]
     assert base64.b64decode(s3["data"]["internal-token"]).decode() == "fixed-token-value"
+
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def test_images_can_be_pinned_by_digest():
+    m = docs("values.yaml", sets=(f"image.digest={DIGEST}", f"operator.image.digest={DIGEST}"))
+    assert container(workload(m, "server"))["image"] == f"inferscale/inferscale@{DIGEST}"
+    assert container(workload(m, "operator"))["image"] == f"inferscale/inferscale-operator@{DIGEST}"
+    # The encode Jobs use the same pinned image.
+    assert effective_env(m, workload(m, "operator"))["INFERSCALE_ENCODER_IMAGE"] == f"inferscale/inferscale@{DIGEST}"
+    bad = helm(*template_args("values.yaml", sets=("image.digest=latest",)), check=False)
+    assert bad.returncode != 0
 
 
 def test_kek_secret_is_mounted_on_servers_and_named_to_the_operator():
@@ -628,7 +650,13 @@ def test_otel_settings():
         assert env["OTEL_SDK_DISABLED"] == "false"
         assert env["OTEL_SERVICE_NAME"] == f"inferscale-{comp}"
         assert env["OTEL_RESOURCE_ATTRIBUTES"] == "k8s.namespace.name=inferscale,team=ml"
-        assert env["OTEL_EXPORTER_OTLP_HEADERS"] == {"secretKeyRef": {"name": "otlp-auth", "key": "headers"}}
+        assert "OTEL_EXPORTER_OTLP_HEADERS" not in env, "a secret is a mounted file, never an env var"
+    srv = workload(m, "server")
+    assert effective_env(m, srv)["INFERSCALE_OTEL_HEADERS_FILE"] == "/var/run/inferscale/otel/headers"
+    (vol,) = [v for v in srv["spec"]["template"]["spec"]["volumes"] if v["name"] == "otel-headers"]
+    assert vol["secret"]["secretName"] == "otlp-auth" and vol["secret"]["items"] == [{"key": "headers",
+                                                                                     "path": "headers"}]
+    assert "INFERSCALE_OTEL_HEADERS_FILE" not in effective_env(m, workload(m, "operator")), "it exports nothing"
     off = effective_env(docs("values.yaml"), workload(docs("values.yaml"), "server"))
     assert off["OTEL_SDK_DISABLED"] == "true" and "OTEL_EXPORTER_OTLP_ENDPOINT" not in off
 

@@ -84,12 +84,39 @@ def test_corrupt_and_foreign_blobs_are_named(model_dir, tmp_path, capsys):
     assert f"a{SUFFIX}: encoded for model" in capsys.readouterr().err
 
 
+def test_encode_with_a_tenant_key_file_seals_what_the_fleet_kek_opens(model_dir, tmp_path, capsys):
+    """Issue 24 #2: an encode Job holds only its tenant's derived keys; the servers' KEK opens what it sealed."""
+    from inferscale.sealing import Keyring, is_sealed, new_key_line
+    from inferscale.store import KVStore
+    from inferscale.tenantkey import derive_text
+
+    kek = tmp_path / "kek"
+    kek.write_text(new_key_line("k1"))
+    kek.chmod(0o600)
+    tkey = tmp_path / "tenant-key"
+    tkey.write_text(derive_text(Keyring.load(kek), "acme"))
+    tkey.chmod(0o400)
+    assert Keyring.load(kek).keys["k1"].hex() not in tkey.read_text() and "k1:" in tkey.read_text()
+    items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"}])
+    out = tmp_path / "kv" / "acme" / "alice"
+    assert main(["encode", str(items), "--out", str(out), "--model", str(model_dir), "--kek-file", str(tkey),
+                 "--tenant", "acme", "--user", "alice"]) == 0
+    assert is_sealed((out / f"a{SUFFIX}").read_bytes())
+    with KVStore(tmp_path / "store", dram_budget_bytes=8 << 20, nixl=False, keyring=Keyring.load(kek)) as s:
+        assert s.import_dir("acme", "alice", out).blocks == 1
+    capsys.readouterr()
+    assert main(["encode", str(items), "--out", str(tmp_path / "o2"), "--model", str(model_dir), "--kek-file",
+                 str(tkey), "--tenant", "globex", "--user", "alice"]) == 2
+    assert "tenant 'acme'" in capsys.readouterr().err, "another tenant's Job cannot use this key file"
+
+
 def test_encode_with_a_kek_seals_for_the_tenant_and_user(model_dir, tmp_path, capsys):
     from inferscale.sealing import Keyring, is_sealed, new_key_line
     from inferscale.store import KVStore
 
     kek = tmp_path / "kek"
     kek.write_text(new_key_line("k1"))
+    kek.chmod(0o600)
     items = _write(tmp_path / "m.jsonl", [{"id": "a", "text": "caroline went to paris"},
                                           {"id": "b", "text": "melanie painted the beach"}])
     out = tmp_path / "kv" / "acme" / "alice"

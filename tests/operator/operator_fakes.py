@@ -12,6 +12,7 @@ import copy
 import datetime
 import http.server
 import json
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,6 +41,16 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
         kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False),
 }
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+# The API server's rule for a label value (apimachinery IsValidLabelValue), written out here independently of the
+# operator's own so a test cannot agree with a wrong rule.
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def _check_labels(meta: dict[str, Any]) -> None:
+    for key, value in (meta.get("labels") or {}).items():
+        if not isinstance(value, str) or len(value) > 63 or not LABEL_VALUE.match(value):
+            raise kmock.KubernetesError(status=422, reason="Invalid",
+                                        message=f"metadata.labels: Invalid value: {value!r} (label {key})")
 
 
 def _merge_patch_between(old: Any, new: Any) -> Any:
@@ -77,7 +88,8 @@ class Emulator(kmock.KubernetesEmulator):
     - metadata.uid / resourceVersion / generation / creationTimestamp set on create, bumped on patch
       (Kopf's finalizer JSON-patch starts with a `test` op on resourceVersion);
     - JSON patches (application/json-patch+json) applied, with `test` failures answered 422;
-    - label selectors honoured on lists.
+    - label selectors honoured on lists;
+    - label values checked on create and patch (422 when invalid).
     """
 
     def __attrs_post_init__(self) -> None:
@@ -110,6 +122,7 @@ class Emulator(kmock.KubernetesEmulator):
             meta["resourceVersion"] = self._next_rv()
             meta["generation"] = 1
             meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            _check_labels(meta)
         elif request.action == kmock.action.UPDATE and request.name is not None:
             key = (request.resource, request.namespace, request.name)
             if key not in self.objects or self.objects[key].deleted:
@@ -130,6 +143,7 @@ class Emulator(kmock.KubernetesEmulator):
                 data = {"status": data.get("status")}  # the status subresource changes status only
             meta = data.setdefault("metadata", {}) or {}
             data["metadata"] = meta
+            _check_labels(meta)
             meta["resourceVersion"] = self._next_rv()
             if "spec" in data and request.subresource != "status":
                 gen = int((current.get("metadata") or {}).get("generation") or 1)

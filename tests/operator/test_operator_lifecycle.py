@@ -68,9 +68,10 @@ def test_apply_encodes_then_places(cluster: Cluster, standins: list[ServingPodSt
     assert volumes["memories"]["configMap"]["name"] == job["metadata"]["name"]
     assert job["metadata"]["namespace"] == JOB_NS
     assert job["metadata"]["labels"]["inferscale.io/owner-uid"] == um["metadata"]["uid"]
-    cm = wait_for(lambda: cluster.get(f"/api/v1/namespaces/{JOB_NS}/configmaps/{job['metadata']['name']}"),
-                  what="the items ConfigMap")
-    assert cm["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]  # collected with its Job
+    # Made before the Job (an oversized one fails before a GPU is held), then owned by it: collected with its Job.
+    cm = wait_for(lambda: (c := cluster.get(f"/api/v1/namespaces/{JOB_NS}/configmaps/{job['metadata']['name']}"))
+                  and c["metadata"].get("ownerReferences") and c, what="the items ConfigMap, owned by the Job")
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     assert [json.loads(line)["id"] for line in cm["data"]["items.jsonl"].splitlines()] == ["m1", "m2", "m3"]
     wait_for(phase_is(cluster, "Encoding"), what="phase Encoding")
     assert not any(s.calls_of("pull") for s in standins), "nothing is pulled before the Job succeeded"
@@ -246,7 +247,7 @@ def test_invalid_spec_fails_and_keeps_the_placement(cluster: Cluster, standins: 
          "ReferenceNotFound", "ConfigMap acme/missing not found"),
     ]
     cluster.create(f"/api/v1/namespaces/{TENANT}/configmaps", {
-        "metadata": {"name": "bad-lines", "namespace": TENANT},
+        "metadata": {"name": "bad-lines", "namespace": TENANT, "labels": {"inferscale.io/memories-source": "true"}},
         "data": {"m.jsonl": '{"id": "x1", "text": "fine"}\n{"id": "x2", "text": \n'}})
     cases.append(({"memoriesFrom": {"configMapKeyRef": {"name": "bad-lines", "key": "m.jsonl"}}},
                   "InvalidMemory", "line 2: malformed JSON"))
@@ -298,7 +299,8 @@ def test_missing_reference_is_retried_until_it_appears(cluster: Cluster, standin
 
     # The ConfigMap appears without the key: still Failed, now saying so.
     cluster.create(f"/api/v1/namespaces/{TENANT}/configmaps", {
-        "metadata": {"name": "later", "namespace": TENANT}, "data": {"other": ""}})
+        "metadata": {"name": "later", "namespace": TENANT, "labels": {"inferscale.io/memories-source": "true"}},
+        "data": {"other": ""}})
     wait_for(lambda: warnings("has no key 'items.jsonl'"), what="the missing key reported")
     assert cluster.status("caroline")["phase"] == "Failed"
     # The key appears: encoded, placed, Ready, with no spec change.
@@ -363,7 +365,7 @@ def _secret_reference_and_inline_items_merge(cluster: Cluster, standins: list[Se
         cluster.add_serving_pod(s)
     jsonl = '{"id": "s1", "text": "from the secret"}\n{"id": "m1", "text": "overridden inline"}\n'
     cluster.create(f"/api/v1/namespaces/{TENANT}/secrets", {
-        "metadata": {"name": "mem", "namespace": TENANT},
+        "metadata": {"name": "mem", "namespace": TENANT, "labels": {"inferscale.io/memories-source": "true"}},
         "data": {"items.jsonl": base64.b64encode(jsonl.encode()).decode()}})
     um = caroline(replicas=1)
     um["spec"]["memoriesFrom"] = {"secretKeyRef": {"name": "mem", "key": "items.jsonl"}}

@@ -222,3 +222,21 @@ def test_objects_the_operator_creates_carry_the_standard_labels() -> None:
         assert lab["app.kubernetes.io/managed-by"] == "inferscale-operator"
         # never mistaken for a serving pod by the operator's own server selector
         assert lab["app.kubernetes.io/component"] != "server"
+
+
+@pytest.mark.parametrize("name", ["a" * 62 + "-bcd", "a" * 62 + ".bcd", "x" * 253, "a.b" + "-" * 70 + "c", "short"])
+def test_label_values_from_names_are_always_valid(name: str) -> None:
+    from operator_fakes import LABEL_VALUE  # the API server's rule, written independently
+
+    lab = jobs.labels("acme", name, "uid-1", "encode")
+    value = lab["inferscale.io/usermemory"]
+    assert len(value) <= 63 and LABEL_VALUE.match(value), value
+    assert value == jobs.labels("acme", name, "uid-2", "items")["inferscale.io/usermemory"], "stable per name"
+    if len(name) <= 63:
+        assert value == name, "a name that is a valid value is kept as it is"
+
+
+def test_distinct_long_names_keep_distinct_label_values() -> None:
+    a, b = "a" * 62 + "-x", "a" * 62 + "-y"
+    assert jobs.labels("t", a, "u", "encode")["inferscale.io/usermemory"] != \
+        jobs.labels("t", b, "u", "encode")["inferscale.io/usermemory"]

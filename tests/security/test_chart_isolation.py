@@ -53,7 +53,7 @@ def test_network_policy_guards_the_internal_and_peer_ports(values: str, sets: tu
     assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"], "the tenant Service exposes only 8000"
     pol = next(p for p in m if p["kind"] == "NetworkPolicy"
                and p["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "server")
-    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    assert pol["spec"]["policyTypes"] == ["Ingress", "Egress"]
     by_port = {r["ports"][0]["port"]: r for r in pol["spec"]["ingress"]}
     assert set(by_port) == {8000, 8001, 5555}
     assert "from" not in by_port[8000]  # tenant API: open by default (networkPolicy.tenantApiFrom restricts it)
@@ -65,7 +65,45 @@ def test_network_policy_guards_the_internal_and_peer_ports(values: str, sets: tu
     assert {"port": 5556, "endPort": 5599, "protocol": "TCP"} in by_port[5555]["ports"]
     env = chart.effective_env(m, server)
     assert (env["INFERSCALE_INTERNAL_PORT"], env["INFERSCALE_UCX_PORT_RANGE"]) == ("8001", "5556-5599")
-    assert env["INFERSCALE_PEER_SECRET"]["secretKeyRef"]["key"] == "peer-secret"
+    assert env["INFERSCALE_PEER_SECRET_FILE"] == "/var/run/inferscale/internal/peer-secret"
+
+
+def _policy_for(m: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, Any]:
+    """The one NetworkPolicy whose podSelector matches a pod with these labels."""
+    (pol,) = [p for p in m if p["kind"] == "NetworkPolicy"
+              and all(labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items())]
+    return pol
+
+
+def _egress_ports(pol: dict[str, Any]) -> set[tuple[str, int]]:
+    return {(p["protocol"], p["port"]) for rule in pol["spec"].get("egress") or [] for p in rule["ports"]}
+
+
+@pytest.mark.parametrize("values,sets", VARIANTS)
+def test_egress_is_denied_but_for_what_each_pod_needs(values: str, sets: tuple[str, ...]) -> None:
+    """Issue 24 #3: default-deny egress for servers, Jobs and the operator (checkov CKV2_K8S_6: every pod has a
+    policy), each allowed only DNS, the API server (operator), the peer ports (servers) and the internal port."""
+    from inferscale.operator import jobs
+    from inferscale.operator.settings import Settings
+
+    m = rendered(values, sets)
+    for obj in m:
+        if pod_spec(obj) is not None:
+            pol = _policy_for(m, obj["spec"]["template"]["metadata"]["labels"])
+            assert "Egress" in pol["spec"]["policyTypes"], f"{obj['kind']} {obj['metadata']['name']}: egress open"
+    server = _policy_for(m, chart.workload(m, "server")["spec"]["template"]["metadata"]["labels"])
+    assert _egress_ports(server) == {("UDP", 53), ("TCP", 53), ("TCP", 5555), ("TCP", 5556)}
+    peer_rule = next(r for r in server["spec"]["egress"] if r["ports"][0]["port"] == 5555)
+    assert [t["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for t in peer_rule["to"]] == ["server"]
+    op = _policy_for(m, chart.workload(m, "operator")["spec"]["template"]["metadata"]["labels"])
+    assert _egress_ports(op) == {("UDP", 53), ("TCP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", 8001)}
+    internal = next(r for r in op["spec"]["egress"] if r["ports"][0]["port"] == 8001)
+    assert [t["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for t in internal["to"]] == ["server"]
+    # The operator's Jobs (rendered by its own code) fall under the Jobs' policy: no egress at all.
+    job = jobs.job_manifest("j", "acme", "u", "uid", "u", "gemma-3-270m", ["a"], Settings())
+    pol = _policy_for(m, job["spec"]["template"]["metadata"]["labels"])
+    assert pol["spec"]["policyTypes"] == ["Ingress", "Egress"] and not pol["spec"].get("egress")
+    assert not pol["spec"].get("ingress")
 
 
 def test_tenant_api_can_be_restricted() -> None:
@@ -106,3 +144,75 @@ def test_chart_readme_does_not_ask_tenants_for_privileged() -> None:
     readme = (chart.CHART / "README.md").read_text()
     assert "privileged" not in readme.lower(), "tenant namespaces stay at Pod Security `restricted`"
     assert "restricted" in readme
+
+
+# The two root steps that keep the release namespace from Pod Security `restricted` (issue 24 finding 1, open): they
+# hand hostPath directories kubelet creates as root to the fleet user. Nothing else may fall short of `restricted`.
+ROOT_STEPS = {"kv-permissions", "kv-owner"}
+
+
+def _restricted_problems(spec: dict[str, Any]) -> list[str]:
+    """What of Pod Security `restricted` (besides hostPath volumes) a pod spec violates, per container."""
+    pod_sc = spec.get("securityContext") or {}
+    out = []
+    for c in [*spec.get("initContainers", []), *spec.get("containers", [])]:
+        if c["name"] in ROOT_STEPS:
+            continue
+        sc = c.get("securityContext") or {}
+        if not (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True):
+            out.append(f"{c['name']}: runAsNonRoot")
+        if (sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type") != "RuntimeDefault":
+            out.append(f"{c['name']}: seccompProfile")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{c['name']}: allowPrivilegeEscalation")
+        caps = sc.get("capabilities") or {}
+        if caps.get("drop") != ["ALL"] or set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            out.append(f"{c['name']}: capabilities")
+    return out
+
+
+@pytest.mark.parametrize("values,sets", VARIANTS)
+def test_every_container_but_the_root_steps_meets_pod_security_restricted(values: str, sets: tuple[str, ...]) -> None:
+    from inferscale.operator import jobs
+    from inferscale.operator.settings import Settings
+
+    m = rendered(values, sets)
+    specs = {f"{o['kind']}/{o['metadata']['name']}": pod_spec(o) or o.get("spec") for o in m
+             if pod_spec(o) is not None or o["kind"] == "Pod"}
+    cfg = Settings()
+    specs["encode Job"] = jobs.job_manifest("j", "acme", "u", "uid", "u", "gemma-3-270m", ["a"], cfg)["spec"][
+        "template"]["spec"]
+    specs["cleanup Job"] = jobs.cleanup_job_manifest("j", "acme", "u", "uid", "n", "u", cfg)["spec"]["template"]["spec"]
+    assert len(specs) >= 5
+    problems = {name: p for name, spec in specs.items() if (p := _restricted_problems(spec))}
+    assert not problems, problems
+
+
+def test_jobs_can_have_a_namespace_of_their_own_with_no_platform_secret() -> None:
+    """Issue 24 #1/#2: with encoder.namespace the operator cannot create Jobs where the platform Secrets are, and the
+    Jobs' namespace holds none (each Job gets its tenant's derived keys from the operator, which mounts the KEK)."""
+    jobs_ns = "inferscale-jobs"
+    m = rendered("values.yaml", ("tenants={acme,globex}", f"encoder.namespace={jobs_ns}", "encoder.createNamespace=true"))
+    assert chart.one(m, "Namespace", jobs_ns)
+    roles = {o["metadata"]["namespace"]: o for o in m if o["kind"] == "Role"}
+    assert set(roles) == {RELEASE_NS, jobs_ns, *TENANTS}
+    release_rules = {(g, r): set(rule["verbs"]) for rule in roles[RELEASE_NS]["rules"]
+                     for g in rule["apiGroups"] for r in rule["resources"]}
+    assert release_rules == {("", "pods"): {"get", "list", "watch"}}, "no Jobs, ConfigMaps or Secrets where the KEK is"
+    job_rules = {r for rule in roles[jobs_ns]["rules"] for r in rule["resources"]}
+    assert {"jobs", "pods", "configmaps", "secrets"} <= job_rules
+    assert not [o for o in m if o["kind"] == "Secret" and o["metadata"]["namespace"] == jobs_ns]
+    op = chart.workload(m, "operator")
+    env = chart.effective_env(m, op)
+    assert env["INFERSCALE_JOB_NAMESPACE"] == jobs_ns and env["INFERSCALE_KEK_FILE"] == "/var/run/inferscale/kek/kek"
+    assert "INFERSCALE_KEK_SECRET" not in env, "Jobs no longer mount the KEK Secret"
+    (kek,) = [v for v in op["spec"]["template"]["spec"]["volumes"] if v["name"] == "kek"]
+    assert kek["secret"]["secretName"] == chart.one(m, "Secret", "-kek")["metadata"]["name"]
+    (jobs_policy,) = [p for p in m if p["kind"] == "NetworkPolicy" and p["metadata"]["name"].endswith("-jobs")]
+    assert jobs_policy["metadata"]["namespace"] == jobs_ns
+    bad = chart.helm(*chart.template_args("values.yaml", sets=(f"tenants={{{jobs_ns}}}", f"encoder.namespace={jobs_ns}")),
+                     check=False)
+    assert bad.returncode != 0 and "Jobs' namespace" in bad.stderr
+    # Default: the release namespace, as before (the Jobs mount the KEK Secret).
+    default = rendered("values.yaml", ("tenants={acme,globex}",))
+    assert "INFERSCALE_KEK_SECRET" in chart.effective_env(default, chart.workload(default, "operator"))

@@ -258,3 +258,174 @@ def test_a_purge_that_cannot_succeed_ends_in_a_warning_not_a_stuck_finalizer(
         wait_for(lambda: cluster.um("caroline") is None, timeout=20, what="the finalizer released after the deadline")
     warned = [e for e in cluster.events() if e.get("reason") == "PurgeTimedOut"]
     assert warned and warned[-1]["type"] == "Warning" and "acme/caroline" in warned[-1]["message"]
+
+
+# -- issue 24 #5: a long name whose 63rd character is `-` ------------------------------------------------------------
+def test_a_long_name_cut_at_a_dash_still_gets_valid_labels(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                          operator: Any) -> None:
+    for s in standins:
+        cluster.add_serving_pod(s)
+    name = "a" * 62 + "-b"  # a valid object name; its first 63 characters end in "-" (KMock answers 422 on that)
+    cluster.apply_um(user_memory(name, "longname"))
+    job = wait_for(lambda: all_jobs(cluster), what="the encode Job (its labels accepted by the API)")[0]
+    cluster.finish_job(job, node="node-1")
+    wait_for(lambda: cluster.status(name).get("phase") == "Ready", what="Ready")
+
+
+# -- issue 24 #6: a tenant removes the finalizer ----------------------------------------------------------------------
+def _records(cluster: Cluster) -> list[dict[str, Any]]:
+    return [cm for cm in cluster.list(f"/api/v1/namespaces/{JOB_NS}/configmaps")
+            if (cm["metadata"].get("labels") or {}).get("inferscale.io/role") == "user-record"]
+
+
+def _delete_without_finalizer(cluster: Cluster, name: str) -> None:
+    cluster.patch(cluster.um_path(name), {"metadata": {"finalizers": None}})  # the tenant may patch its objects
+    cluster.delete(cluster.um_path(name))
+    wait_for(lambda: cluster.um(name) is None, what="the object to be gone at once (no finalizer holds it)")
+
+
+def _purged_and_released(cluster: Cluster, standins: list[ServingPodStandIn]) -> None:
+    wait_for(lambda: not any(s.held(TENANT, "caroline") for s in standins), what="the user purged from every pod")
+    wait_for(lambda: not _records(cluster), what="the record released")
+    assert standins[1].removed_dirs == {f"{KV}/acme/caroline"}, "the Job's output dir on node-1 deleted too"
+    # The userId is free again: a new object for it is encoded, not refused as a duplicate.
+    cluster.apply_um(user_memory("caroline-again", "caroline"))
+    wait_for(lambda: jobs_for(cluster, "caroline-again"), what="the new object's encode Job")
+
+
+def test_a_removed_finalizer_still_purges_from_the_record(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                          operator: Any) -> None:
+    ready_caroline(cluster, standins, node="node-1")
+    assert _records(cluster)
+    _delete_without_finalizer(cluster, "caroline")
+    _purged_and_released(cluster, standins)
+
+
+def test_an_orphan_made_while_the_operator_was_down_is_purged_at_start(cluster: Cluster,
+                                                                       standins: list[ServingPodStandIn]) -> None:
+    with running_operator():
+        ready_caroline(cluster, standins, node="node-1")
+    _delete_without_finalizer(cluster, "caroline")
+    assert any(s.held(TENANT, "caroline") for s in standins) and _records(cluster)
+    with running_operator():
+        _purged_and_released(cluster, standins)
+
+
+# -- issue 24 #7: memoriesFrom reads only what the tenant marked as memories ----------------------------------------
+def test_memories_from_reads_only_an_object_that_opted_in(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                          operator: Any) -> None:
+    for s in standins:
+        cluster.add_serving_pod(s)
+    # Another application's ConfigMap in the tenant namespace, which the tenant's users may not be able to read.
+    cluster.create(f"/api/v1/namespaces/{TENANT}/configmaps", {"metadata": {"name": "billing", "namespace": TENANT},
+                   "data": {"k": '{"id": "b1", "text": "card 4111 1111 1111 1111"}\n'}})
+    cluster.apply_um(user_memory("caroline", "caroline", memoriesFrom={"configMapKeyRef": {"name": "billing",
+                                                                                            "key": "k"}}))
+    st = wait_for(reason_is(cluster, "caroline", "ReferenceNotOptedIn"), what="Failed ReferenceNotOptedIn")
+    assert "inferscale.io/memories-source=true" in st["message"] and "billing" in st["message"]
+    assert all_jobs(cluster) == []
+    texts = json.dumps(cluster.list(f"/api/v1/namespaces/{JOB_NS}/configmaps"))
+    assert "4111" not in texts, "nothing of the object was copied where the encoder could read it"
+    # The tenant marks it as a memories source: the timer retries and the object is encoded.
+    cluster.patch(f"/api/v1/namespaces/{TENANT}/configmaps/billing",
+                  {"metadata": {"labels": {"inferscale.io/memories-source": "true"}}})
+    wait_for(lambda: jobs_for(cluster, "caroline"), what="the encode Job once the ConfigMap opted in")
+
+
+# -- issue 24 #4: a tenant's encode Jobs are bounded --------------------------------------------------------------
+def _queued(cluster: Cluster, name: str, ns: str = TENANT) -> Any:
+    st = cluster.status(name, ns)
+    enc = next((c for c in st.get("conditions") or [] if c["type"] == "Encoded"), {})
+    return st.get("phase") == "Pending" and enc.get("reason") == "EncodeQueued" and st
+
+
+def _tenant_jobs(cluster: Cluster, tenant: str = TENANT) -> list[dict[str, Any]]:
+    return [j for j in all_jobs(cluster) if j["metadata"]["labels"]["inferscale.io/tenant"] == tenant]
+
+
+def test_a_tenants_concurrent_encode_jobs_are_capped(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERSCALE_MAX_ENCODE_JOBS_PER_TENANT", "2")
+    with running_operator():
+        for n in range(5):
+            cluster.apply_um(user_memory(f"u{n}", f"user{n}"))
+        cluster.apply_um(user_memory("other-tenant", "someone", ns="globex"))
+        wait_for(lambda: sum(1 for n in range(5) if _queued(cluster, f"u{n}")) == 3, what="three objects queued")
+        wait_for(lambda: jobs_for(cluster, "other-tenant"), what="the other tenant's Job")
+        acme = _tenant_jobs(cluster)
+        assert len(acme) == 2, "at most two encode Jobs of one tenant at once"
+        queued = [f"u{n}" for n in range(5) if _queued(cluster, f"u{n}")]
+        assert "INFERSCALE_MAX_ENCODE_JOBS_PER_TENANT=2" in cluster.status(queued[0])["message"]
+        warned = [e for e in cluster.events() if e.get("reason") == "EncodeQueued"]
+        assert warned and all(e["type"] == "Warning" for e in warned)
+        items_cms = [cm for cm in cluster.list(f"/api/v1/namespaces/{JOB_NS}/configmaps")
+                     if cm["metadata"]["labels"].get("inferscale.io/role") == "items"
+                     and cm["metadata"]["labels"]["inferscale.io/tenant"] == TENANT]
+        assert len(items_cms) == 2, "a queued object holds nothing in the platform namespace"
+        cluster.finish_job(acme[0], node="node-1")  # one finishes: one more starts
+        wait_for(lambda: len(_tenant_jobs(cluster)) == 3, what="a third Job once one finished")
+        time.sleep(1.5)
+        assert len([j for j in _tenant_jobs(cluster) if not (j.get("status") or {}).get("succeeded")]) == 2
+
+
+def test_a_tenants_pending_encode_items_are_capped(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT", "3")
+    many = [{"id": f"m{n}", "text": f"item {n}"} for n in range(5)]
+    with running_operator():
+        cluster.apply_um(user_memory("big", "big", memories=many))  # alone: it starts, larger than the bound or not
+        wait_for(lambda: jobs_for(cluster, "big"), what="the first Job")
+        cluster.apply_um(user_memory("small", "small"))
+        st = wait_for(lambda: _queued(cluster, "small"), what="the second object queued")
+        assert "INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT=3" in st["message"] and jobs_for(cluster, "small") == []
+        cluster.finish_job(jobs_for(cluster, "big")[0], node="node-1")
+        wait_for(lambda: jobs_for(cluster, "small"), what="the second Job once the first finished")
+
+
+def test_items_too_large_for_a_configmap_fail_before_any_job(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                             operator: Any) -> None:
+    text = "x" * 8000
+    lines = "".join(json.dumps({"id": f"r{n}", "text": text}) + "\n" for n in range(90))  # ~720 KB, a valid ConfigMap
+    cluster.create(f"/api/v1/namespaces/{TENANT}/configmaps", {
+        "metadata": {"name": "mem", "namespace": TENANT, "labels": {"inferscale.io/memories-source": "true"}},
+        "data": {"items.jsonl": lines}})
+    inline = [{"id": f"m{n}", "text": text} for n in range(50)]  # ~400 KB more
+    cluster.apply_um(user_memory("caroline", "caroline", memories=inline,
+                                 memoriesFrom={"configMapKeyRef": {"name": "mem", "key": "items.jsonl"}}))
+    st = wait_for(reason_is(cluster, "caroline", "ItemsTooLarge"), what="Failed ItemsTooLarge")
+    assert "more than a ConfigMap holds" in st["message"]
+    assert all_jobs(cluster) == [], "no Job (and no GPU held) for items that cannot reach it"
+    assert not [cm for cm in cluster.list(f"/api/v1/namespaces/{JOB_NS}/configmaps")
+                if cm["metadata"]["labels"].get("inferscale.io/role") == "items"]
+
+
+# -- issue 24 #2: an encode Job holds its tenant's derived keys, never the fleet KEK --------------------------------
+def test_an_encode_job_gets_only_its_tenants_derived_keys(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                          monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from inferscale.sealing import Keyring, new_key_line
+    from inferscale.tenantkey import derive_text, from_text
+
+    kek = tmp_path / "kek"
+    kek.write_text(new_key_line("k1"))
+    kek.chmod(0o600)
+    monkeypatch.setenv("INFERSCALE_KEK_FILE", str(kek))  # mounted on the operator; no KEK Secret for the Jobs
+    fleet = Keyring.load(kek)
+    with running_operator():
+        for s in standins:
+            cluster.add_serving_pod(s)
+        cluster.apply_um(user_memory("caroline", "caroline"))
+        job = wait_for(lambda: jobs_for(cluster, "caroline"), what="caroline's encode Job")[0]
+        name = job["metadata"]["name"]
+        pod = job["spec"]["template"]["spec"]
+        (kek_vol,) = [v for v in pod["volumes"] if v["name"] == "kek"]
+        assert kek_vol["secret"]["secretName"] == name, "the Job's own Secret, not the fleet's KEK Secret"
+        secret = cluster.get(f"/api/v1/namespaces/{JOB_NS}/secrets/{name}")
+        assert secret is not None and secret["metadata"]["labels"]["inferscale.io/role"] == "key"
+        text = (secret.get("stringData") or {}).get("kek") or base64.b64decode(secret["data"]["kek"]).decode()
+        assert text == derive_text(fleet, "acme")
+        assert base64.b64encode(fleet.keys["k1"]).decode() not in text, "the KEK itself is not in it"
+        assert from_text(text, "job").tenant == "acme"
+        cluster.finish_job(job, node="node-1")
+        wait_for(lambda: cluster.status("caroline").get("phase") == "Ready", what="Ready")
+        wait_for(lambda: cluster.get(f"/api/v1/namespaces/{JOB_NS}/secrets/{name}") is None,
+                 what="the Job's key Secret deleted once the Job is done")

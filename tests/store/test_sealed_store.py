@@ -18,8 +18,13 @@ from inferscale.store import KVStore
 from .helpers import FP, make_block
 
 
+def _write_kek(path, text):
+    path.write_text(text)
+    path.chmod(0o600)  # a KEK file others can read is refused
+
+
 def _kek(path, *kids):
-    path.write_text("".join(sealing.new_key_line(k) for k in kids))
+    _write_kek(path, "".join(sealing.new_key_line(k) for k in kids))
     return sealing.Keyring.load(path)
 
 
@@ -87,7 +92,7 @@ def test_rotation_rewraps_and_the_old_key_can_be_dropped(open_store, tmp_path):
     before = {i.path: open(i.path, "rb").read() for t in ("acme", "globex") for i in s.list(t, "alice")}
     s.close()
     line1 = (tmp_path / "kek").read_text()
-    (tmp_path / "kek").write_text(sealing.new_key_line("k2") + line1)  # k2 first: wraps from now on
+    _write_kek(tmp_path / "kek", sealing.new_key_line("k2") + line1)  # k2 first: wraps from now on
     s = open_store(keyring=sealing.Keyring.load(tmp_path / "kek"))
     assert s.rotate_keys() == 3 and s.rotate_keys() == 0
     for path, old in before.items():
@@ -96,7 +101,7 @@ def test_rotation_rewraps_and_the_old_key_can_be_dropped(open_store, tmp_path):
         assert (a.header["kid"], b.header["kid"]) == ("k1", "k2")
         assert new[b.body_offset :] == old[a.body_offset :]  # ciphertext and tag untouched
     s.close()
-    (tmp_path / "kek").write_text((tmp_path / "kek").read_text().splitlines(keepends=True)[0])  # drop k1
+    _write_kek(tmp_path / "kek", (tmp_path / "kek").read_text().splitlines(keepends=True)[0])  # drop k1
     s = open_store(keyring=sealing.Keyring.load(tmp_path / "kek"))
     got, st = s.get_many("acme", "alice", ["m1", "m2"], FP)
     assert st.tiers["disk"] == 2 and torch.equal(got[1].kv, make_block("m2").kv)
@@ -123,7 +128,7 @@ def test_keyring_file_errors_are_typed_and_never_echo_keys(tmp_path):
              f"k1:{base64.b64encode(b'short').decode()}": "5 bytes", f"k1:{good}\nk1:{good}": "twice",
              f"../k:{good}": "expected"}
     for text, msg in cases.items():
-        (tmp_path / "kek").write_text(text)
+        _write_kek(tmp_path / "kek", text)
         with pytest.raises(ConfigError, match=msg) as e:
             sealing.Keyring.load(tmp_path / "kek")
         assert good not in str(e.value)

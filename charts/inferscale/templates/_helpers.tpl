@@ -60,8 +60,22 @@ app.kubernetes.io/component: {{ .component }}
 {{- default .Chart.AppVersion .Values.image.tag }}
 {{- end }}
 
+{{/* An image reference: "<repository>@<digest>" when a digest is given (pinned, CKV_K8S_43), else "<repository>:<tag>".
+Call with (dict "repository" ... "tag" ... "digest" ...). */}}
+{{- define "inferscale.imageRef" -}}
+{{- if .digest }}
+{{- if not (regexMatch "^sha256:[0-9a-f]{64}$" .digest) }}
+{{- fail (printf "image digest must be sha256:<64 hex>, not %q" .digest) }}
+{{- end }}
+{{- printf "%s@%s" .repository .digest }}
+{{- else }}
+{{- printf "%s:%s" .repository .tag }}
+{{- end }}
+{{- end }}
+
 {{- define "inferscale.image" -}}
-{{- printf "%s:%s" .Values.image.repository (include "inferscale.imageTag" .) }}
+{{- include "inferscale.imageRef" (dict "repository" .Values.image.repository "tag" (include "inferscale.imageTag" .)
+    "digest" .Values.image.digest) }}
 {{- end }}
 
 {{/* The serving pods' image: the trtllm image when engine=trtllm (TensorRT-LLM inside), else the serving image. */}}
@@ -77,7 +91,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "inferscale.operatorImage" -}}
 {{- with .Values.operator.image }}
 {{- if .repository }}
-{{- printf "%s:%s" .repository (default (include "inferscale.imageTag" $) .tag) }}
+{{- include "inferscale.imageRef" (dict "repository" .repository "tag" (default (include "inferscale.imageTag" $) .tag)
+    "digest" .digest) }}
 {{- else }}
 {{- include "inferscale.image" $ }}
 {{- end }}
@@ -144,31 +159,35 @@ OTEL_SDK_DISABLED: "true"
 {{- end }}
 {{- end }}
 
-{{/* Optional OTLP headers from a Secret (env entry). */}}
-{{- define "inferscale.otelHeadersEnv" -}}
-{{- if and .Values.otel.enabled .Values.otel.headersSecret.name }}
-- name: OTEL_EXPORTER_OTLP_HEADERS
-  valueFrom:
-    secretKeyRef:
-      name: {{ .Values.otel.headersSecret.name }}
-      key: {{ .Values.otel.headersSecret.key }}
-{{- end }}
+{{/* Optional OTLP headers from a Secret, as a file of the server (INFERSCALE_OTEL_HEADERS_FILE; never an env var).
+The operator exports no telemetry, so only the servers mount it. */}}
+{{- define "inferscale.otelHeaders" -}}
+{{- if and .Values.otel.enabled .Values.otel.headersSecret.name }}true{{ end }}
 {{- end }}
 
-{{- define "inferscale.internalTokenEnv" -}}
-- name: INFERSCALE_INTERNAL_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "inferscale.internalTokenSecretName" . }}
-      key: internal-token
+{{- define "inferscale.otelHeadersFile" -}}/var/run/inferscale/otel/headers{{- end }}
+
+{{/* Where servers and the operator see the internal Secret's keys as files (INFERSCALE_*_FILE; never env vars). */}}
+{{- define "inferscale.internalMount" -}}/var/run/inferscale/internal{{- end }}
+
+{{/* The internal Secret as a volume: call with (dict "ctx" $ "keys" (list "internal-token" ...)). Group-readable
+only by the pod's fsGroup (kubelet adds g+r under fsGroup whatever the mode), which inferscale/secretfile.py allows. */}}
+{{- define "inferscale.internalVolume" -}}
+- name: internal
+  secret:
+    secretName: {{ include "inferscale.internalTokenSecretName" .ctx }}
+    defaultMode: 0440
+    items:
+      {{- range .keys }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
 {{- end }}
 
-{{- define "inferscale.peerSecretEnv" -}}
-- name: INFERSCALE_PEER_SECRET
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "inferscale.internalTokenSecretName" . }}
-      key: peer-secret
+{{- define "inferscale.internalVolumeMount" -}}
+- name: internal
+  mountPath: {{ include "inferscale.internalMount" . }}
+  readOnly: true
 {{- end }}
 
 {{/* The UCX data port range "lo-hi" as a list of two ints. */}}
@@ -194,4 +213,38 @@ controller-revision-hash label: 52). Call with (dict "ctx" $ "suffix" "server").
 {{- else }}
 {{- toPrettyJson (.Values.apiKeys.tenants | default dict) }}
 {{- end }}
+{{- end }}
+
+{{/* Egress to the cluster DNS (networkPolicy.dns: the peers that serve it), UDP and TCP 53. */}}
+{{- define "inferscale.dnsEgress" -}}
+- ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+  to:
+    {{- toYaml .Values.networkPolicy.dns | nindent 4 }}
+{{- end }}
+
+{{/* The namespace of the encode/cleanup Jobs and the operator's records (encoder.namespace, else the release's). */}}
+{{- define "inferscale.jobNamespace" -}}
+{{- .Values.encoder.namespace | default .Release.Namespace }}
+{{- end }}
+
+{{/* "true" when the Jobs have a namespace of their own (no platform Secret there; Jobs get derived keys). */}}
+{{- define "inferscale.jobsSeparate" -}}
+{{- if ne (include "inferscale.jobNamespace" .) .Release.Namespace }}true{{ end }}
+{{- end }}
+
+{{/* The operator's rules where its Jobs live: run them, read their pods, keep items ConfigMaps and records. */}}
+{{- define "inferscale.jobRules" -}}
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["create", "get", "list", "watch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create", "get", "list", "watch", "patch", "delete"]
 {{- end }}
