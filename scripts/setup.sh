@@ -11,3 +11,11 @@ PY=${PYTHON:-python3}
 # constraints.txt pins every package to the versions the tests ran with (scripts/freeze-constraints.py writes it).
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[server,operator,bench,test]"
 echo "set up: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+# The e2e's real Kubernetes control plane (kube-apiserver, kube-controller-manager, kube-scheduler, etcd): one binary
+# built from the Go module proxy with Go >= 1.26, cached by version under ~/.cache/inferscale/k8s/ (README, "Tests":
+# the first build takes long, later ones find it). INFERSCALE_E2E_SKIP_CONTROL_PLANE=1 skips it (and those tests).
+if [ "${INFERSCALE_E2E_SKIP_CONTROL_PLANE:-}" = 1 ]; then
+  echo "control plane: not built (INFERSCALE_E2E_SKIP_CONTROL_PLANE=1)"
+else
+  .venv/bin/python e2e/controlplane_build.py build
+fi
