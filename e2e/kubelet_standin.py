@@ -250,9 +250,7 @@ class KubeletStandIn:
     # -- what a pod sees: env and volumes ---------------------------------------------------------------------
     def _env(self, pod: dict[str, Any], c: dict[str, Any], mounts: dict[str, Path]) -> dict[str, str]:
         meta, ns = pod["metadata"], pod["metadata"]["namespace"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERSCALE_", "OTEL_", "KUBERNETES_",
-                                                                         "KUBECONFIG"))}
-        env.update(PYTHONUNBUFFERED="1", HOSTNAME=meta["name"])
+        env = {"PYTHONUNBUFFERED": "1", "HOSTNAME": meta["name"]}  # what the pod spec sets, rewritten below
         fields = {"metadata.name": meta["name"], "metadata.namespace": ns, "spec.nodeName": self.node,
                   "status.podIP": self.ip, "status.hostIP": self.ip,
                   "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "")}
@@ -273,6 +271,13 @@ class KubeletStandIn:
                                   optional=ref.get("optional", False))
                 if ref["key"] in data:
                     env[var["name"]] = data[ref["key"]]
+        # A pod's "all interfaces" are its own network namespace's: here, the pod's (the node's) IP.
+        env = {k: self.ip if v == "0.0.0.0" else _rewrite(v, mounts) for k, v in env.items()}
+        # Then what the stand-in adds, not rewritten (its own paths may well lie under a mount path like /tmp): this
+        # machine's environment (the venv, offline flags) and the ServiceAccount's kubeconfig.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("INFERSCALE_", "OTEL_", "KUBERNETES_",
+                                                                               "KUBECONFIG"))}
+        env = {**inherited, **env}
         if SA_MOUNT in mounts:
             token = mounts[SA_MOUNT] / "token"
             kubeconfig = token.parent / "kubeconfig"
@@ -284,8 +289,7 @@ class KubeletStandIn:
                 "contexts": [{"name": "pod", "context": {"cluster": "e2e", "user": "pod",
                                                          "namespace": meta["namespace"]}}]}))
             env["KUBECONFIG"] = str(kubeconfig)
-        # A pod's "all interfaces" are its own network namespace's: here, the pod's (the node's) IP.
-        return {k: self.ip if v == "0.0.0.0" else _rewrite(v, mounts) for k, v in env.items()}
+        return env
 
     @staticmethod
     def _expand(value: str, env: dict[str, str]) -> str:
