@@ -7,8 +7,8 @@ and CEL checks, the controllers (Job, garbage collector, ReplicaSet/StatefulSet,
 namespace deletion) and the scheduler. What is not there: a kubelet (nodes are played by e2e/kubelet_standin.py),
 kube-proxy, a CNI, a DNS.
 
-Ports come from INFERSCALE_CP_PORTS (a range "lo-hi", default 18100-18199), so two suites on one machine can be
-kept apart.
+Ports come from INFERSCALE_CP_PORTS (a range "lo-hi", default 18100-18149: real_target.py gives the chart's pods
+18150-18171), so two suites on one machine can be kept apart.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ ISSUER = "https://kubernetes.default.svc.cluster.local"
 
 
 def _ports(n: int) -> list[int]:
-    lo, hi = (int(p) for p in os.environ.get("INFERSCALE_CP_PORTS", "18100-18199").split("-"))
+    lo, hi = (int(p) for p in os.environ.get("INFERSCALE_CP_PORTS", "18100-18149").split("-"))
     found = []
     for port in range(lo, hi + 1):
         with socket.socket() as s:

@@ -45,7 +45,7 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-def _now(micro: bool = False) -> str:
+def now_rfc3339(micro: bool = False) -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro
                                                                  else "%Y-%m-%dT%H:%M:%SZ")
 
@@ -96,7 +96,7 @@ class KubeletStandIn:
 
     def _heartbeat(self) -> None:
         lease_url = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.node}"
-        spec = {"holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": _now(micro=True)}
+        spec = {"holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": now_rfc3339(micro=True)}
         resp = self.http.get(lease_url)
         if resp.status_code == 404:
             self._ok(self.http.post("/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
@@ -107,12 +107,12 @@ class KubeletStandIn:
             self._ok(self.http.put(lease_url, json=lease))
         capacity = {"cpu": "16", "memory": "64Gi", "pods": "110", "ephemeral-storage": "100Gi",
                     "nvidia.com/gpu": str(self.gpus)}
-        conditions = [{"type": t, "status": "False", "reason": f"KubeletHas{r}", "lastHeartbeatTime": _now(),
-                       "lastTransitionTime": _now()} for t, r in (("MemoryPressure", "SufficientMemory"),
+        conditions = [{"type": t, "status": "False", "reason": f"KubeletHas{r}", "lastHeartbeatTime": now_rfc3339(),
+                       "lastTransitionTime": now_rfc3339()} for t, r in (("MemoryPressure", "SufficientMemory"),
                                                                   ("DiskPressure", "NoDiskPressure"),
                                                                   ("PIDPressure", "SufficientPID"))]
-        conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": _now(),
-                           "lastTransitionTime": _now(), "message": "kubelet stand-in is posting ready status"})
+        conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": now_rfc3339(),
+                           "lastTransitionTime": now_rfc3339(), "message": "kubelet stand-in is posting ready status"})
         self._ok(self.http.patch(f"/api/v1/nodes/{self.node}/status", headers=MERGE, json={"status": {
             "capacity": capacity, "allocatable": capacity, "conditions": conditions,
             "addresses": [{"type": "InternalIP", "address": self.ip}, {"type": "Hostname", "address": self.node}],
@@ -203,14 +203,14 @@ class KubeletStandIn:
             if name in info["rc"]:
                 rc = info["rc"][name]
                 return {"terminated": {"exitCode": rc, "reason": "Completed" if rc == 0 else "Error",
-                                       "startedAt": info.get("started", _now()), "finishedAt": _now()}}
-            return {"running": {"startedAt": info.setdefault("started", _now())}}
+                                       "startedAt": info.get("started", now_rfc3339()), "finishedAt": now_rfc3339()}}
+            return {"running": {"startedAt": info.setdefault("started", now_rfc3339())}}
 
         conditions = [{"type": t, "status": "True" if (ready or t in ("PodScheduled", "Initialized")) else "False",
-                       "lastTransitionTime": _now()} for t in ("PodScheduled", "Initialized", "ContainersReady",
+                       "lastTransitionTime": now_rfc3339()} for t in ("PodScheduled", "Initialized", "ContainersReady",
                                                                 "Ready")]
         status = {"phase": phase, "podIP": self.ip, "podIPs": [{"ip": self.ip}], "hostIP": self.ip,
-                  "hostIPs": [{"ip": self.ip}], "startTime": info.setdefault("started", _now()),
+                  "hostIPs": [{"ip": self.ip}], "startTime": info.setdefault("started", now_rfc3339()),
                   "conditions": conditions,
                   "containerStatuses": [{"name": c["name"], "image": c.get("image", ""), "imageID": "",
                                          "ready": ready and c["name"] not in info["rc"], "restartCount": 0,
@@ -227,7 +227,7 @@ class KubeletStandIn:
                   for m in c.get("volumeMounts") or []}
         env = self._env(pod, c, mounts)
         argv = [self._expand(a, env) for a in [*(c.get("command") or ["inferscale"]), *(c.get("args") or [])]]
-        argv = [_rewrite(a, mounts) for a in argv]
+        argv = [rewrite_mount_path(a, mounts) for a in argv]
         if argv[0] == "inferscale":  # the image's entry point = this venv's CLI
             argv = [sys.executable, "-m", "inferscale.cli", *argv[1:]]
         elif argv[0] in ("python", "python3"):
@@ -272,7 +272,7 @@ class KubeletStandIn:
                 if ref["key"] in data:
                     env[var["name"]] = data[ref["key"]]
         # A pod's "all interfaces" are its own network namespace's: here, the pod's (the node's) IP.
-        env = {k: self.ip if v == "0.0.0.0" else _rewrite(v, mounts) for k, v in env.items()}
+        env = {k: self.ip if v == "0.0.0.0" else rewrite_mount_path(v, mounts) for k, v in env.items()}
         # Then what the stand-in adds, not rewritten (its own paths may well lie under a mount path like /tmp): this
         # machine's environment (the venv, offline flags) and the ServiceAccount's kubeconfig.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(("INFERSCALE_", "OTEL_", "KUBERNETES_",
@@ -372,7 +372,7 @@ class KubeletStandIn:
         return resp.json()
 
 
-def _rewrite(arg: str, mounts: dict[str, Path]) -> str:
+def rewrite_mount_path(arg: str, mounts: dict[str, Path]) -> str:
     """A path under a mount point, as the local dir that plays the mount."""
     for mp in sorted(mounts, key=len, reverse=True):
         if arg == mp or arg.startswith(mp + "/"):
