@@ -18,8 +18,6 @@ limits, TTL cleanup.
 from __future__ import annotations
 
 import base64
-
-import datetime
 import os
 import subprocess
 import sys
@@ -30,11 +28,8 @@ from typing import Any
 
 import httpx
 
-MERGE = {"Content-Type": "application/merge-patch+json"}
+from kubelet_standin import MERGE, now_rfc3339 as _now, rewrite_mount_path
 
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class NodeAgentStandIn:
@@ -80,7 +75,7 @@ class NodeAgentStandIn:
         if mounts is None:
             return  # a ConfigMap is not there yet: try again next round, like ContainerCreating
         container = spec["containers"][0]
-        argv = [self._rewrite(a, mounts) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+        argv = [rewrite_mount_path(a, mounts) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
         if argv and argv[0] == "inferscale":  # the image's entry point = this venv's CLI
             argv = [sys.executable, "-m", "inferscale.cli", *argv[1:]]
         env = dict(os.environ)
@@ -163,13 +158,6 @@ class NodeAgentStandIn:
             out[m["mountPath"].rstrip("/")] = local
         pod_dir.mkdir(parents=True, exist_ok=True)
         return out
-
-    @staticmethod
-    def _rewrite(arg: str, mounts: dict[str, Path]) -> str:
-        for mp in sorted(mounts, key=len, reverse=True):
-            if arg == mp or arg.startswith(mp + "/"):
-                return str(mounts[mp]) + arg[len(mp):]
-        return arg
 
     @staticmethod
     def _ok(resp: httpx.Response) -> dict[str, Any]:

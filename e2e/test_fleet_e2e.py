@@ -1,4 +1,5 @@
-"""Issue 13, end to end on two nodes (local target only: fleet_target.py): the encode Job runs on node 1, the
+"""Issue 13, end to end on two nodes (two targets: local, fleet_target.py, on KMock; and real, real_target.py, on a
+real control plane with the chart installed by helm): the encode Job runs on node 1, the
 operator places the user there, and a request reaching the pod on node 2 (which holds nothing) is answered with
 the memories, its blocks pulled from node 1 over NIXL UCX on demand; after an edit node 2 serves the new version,
 not a stale one; after the delete no tier of either pod (nor the Job dir) holds a block, and a request is answered as a first
@@ -18,11 +19,16 @@ from e2e_common import ROOT, kv_fetch_of_chat, wait_for
 EXAMPLE = ROOT / "crds" / "examples" / "usermemory-inline.yaml"
 
 
-@pytest.fixture
-def fleet(tmp_path_factory):
-    from fleet_target import FleetTarget
+@pytest.fixture(params=["local", "real"])
+def fleet(request, tmp_path_factory):
+    if request.param == "real":  # the real control plane, two kubelet stand-ins, the chart's DaemonSet
+        from real_target import RealTarget
 
-    t = FleetTarget(tmp_path_factory.mktemp("e2e-fleet"))
+        t = RealTarget(tmp_path_factory.mktemp("e2e-fleet-real"), nodes=2)
+    else:
+        from fleet_target import FleetTarget
+
+        t = FleetTarget(tmp_path_factory.mktemp("e2e-fleet"))
     try:
         t.start()
         yield t
@@ -56,7 +62,7 @@ def _peer_fetch(t, node, user, after: int):
     return kv_fetch_of_chat(spans, t.tenant, user) if len(chats) > after else None
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_any_pod_answers_any_user(fleet, tmp_path: Path):
     from fleet_target import NODE_2
     from local_target import NODE

@@ -7,6 +7,9 @@ first tenant's), each tenant's key sees only its own user, and deleting one leav
 One test, two targets:
 - local (always; CI): KMock emulator as API server, the real operator and server as local processes, and a node
   agent stand-in that plays kubelet for Jobs (see local_target.py / node_agent.py for what is simulated);
+- real (always; CI): a real control plane started here (etcd, kube-apiserver, kube-controller-manager,
+  kube-scheduler; real_target.py), the chart installed by `helm install`, the operator under its own
+  ServiceAccount, kubelet stand-ins for the nodes;
 - cluster (only when KUBECONFIG is set): `helm install` of charts/inferscale with values-cpu.yaml on that
   cluster, then the very same steps (cluster_target.py).
 """
@@ -34,9 +37,13 @@ def _within(path: str, directory: str) -> bool:
     return p == d or p.startswith(d + "/") or d.startswith(p + "/")
 
 
-@pytest.fixture(params=["local", "cluster"])
+@pytest.fixture(params=["local", "real", "cluster"])
 def target(request, tmp_path_factory):
-    if request.param == "cluster":
+    if request.param == "real":
+        from real_target import RealTarget
+
+        t = RealTarget(tmp_path_factory.mktemp("e2e-real"))
+    elif request.param == "cluster":
         if not os.environ.get("KUBECONFIG"):
             pytest.skip("real-cluster target: KUBECONFIG is not set (point it at a cluster to helm-install "
                         "charts/inferscale there and run the same scenario)")
@@ -62,7 +69,7 @@ def _ready(obj):
         "generation") else None
 
 
-@pytest.mark.timeout(1800 if os.environ.get("KUBECONFIG") else 300)
+@pytest.mark.timeout(1800 if os.environ.get("KUBECONFIG") else 900)
 def test_usermemory_end_to_end(target, tmp_path: Path):
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["namespace"] = target.tenant  # the namespace is the tenant

@@ -25,7 +25,11 @@ def schema() -> dict[str, Any]:
 
 
 def validate(obj: dict[str, Any]) -> None:
+    """The schema, plus what field validation Strict (kubectl's default) adds on a structural schema: an undeclared
+    field is refused (the real server's answer is in e2e/test_real_apiserver_crd.py)."""
     jsonschema.Draft7Validator(schema()).validate(obj)
+    if extra := undeclared(schema(), obj):
+        raise jsonschema.ValidationError(f"unknown field(s) {extra}")
 
 
 def undeclared(sch: dict[str, Any], value: Any, path: str = "") -> list[str]:

@@ -1,7 +1,8 @@
 """One id rule for CRD, operator, server and store (inferscale.contract), and the CRD's CEL guards (issue 11).
 
-KMock evaluates no CEL, so the API-server side of `userId: "a..b"` and of a changed userId is checked here, on the
-CRD text; the operator side (what happens when such an object reaches it anyway) is in test_operator_attacks.py.
+KMock evaluates no CEL: here the CRD text keeps the contract's rules; e2e/test_real_apiserver.py has a real API
+server refuse `userId: "a..b"` and a changed userId; the operator side (what happens when such an object reaches
+it anyway) is in test_operator_attacks.py.
 """
 
 from __future__ import annotations
