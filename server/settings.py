@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
 
 from inferscale.contract import DEFAULT_KV_DTYPE, DEFAULT_MODE, DEFAULT_RECOMPUTE_RATIO, KVDtype, Mode
 from inferscale.errors import ConfigError
+from inferscale.store.peer_protocol import MIN_SECRET_CHARS
 
 DEFAULT_MODEL = "gemma-3-270m"
 
@@ -97,6 +98,19 @@ class Settings(BaseModel):
     queue_timeout_s: float = Field(30.0, gt=0)
     console_traces: bool = False
     max_body_bytes: int = Field(16 << 20, ge=1024)
+
+    @field_validator("peer_secret")
+    @classmethod
+    def _peer_secret_is_its_own(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """The peer plane's secret must not open the internal plane (nor be guessable): a holder of the operator's
+        token is not thereby a peer."""
+        if v is None:
+            return v
+        if v == info.data.get("internal_token"):
+            raise ValueError("must differ from INFERSCALE_INTERNAL_TOKEN")
+        if len(v) < MIN_SECRET_CHARS:
+            raise ValueError(f"must be at least {MIN_SECRET_CHARS} characters")
+        return v
 
     @property
     def tenant_budgets(self) -> dict[str, int | None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import tempfile
 import time
@@ -65,9 +66,11 @@ def run(args: argparse.Namespace) -> int:
         with KVStore(peer_root, dram_budget_bytes=budget, nixl=False) as s:
             for b in blocks:
                 s.put(TENANT, USER, b)
-        options = {"dram_budget_bytes": budget, "timeout_s": 30.0, "preload": [(TENANT, USER, fp)]}
+        secret = secrets.token_hex(16)  # this run's INFERSCALE_PEER_SECRET
+        options = {"dram_budget_bytes": budget, "timeout_s": 30.0, "preload": [(TENANT, USER, fp)],
+                   "peer_secret": secret}
         with child_process(serve_node, str(peer_root), options) as info, \
-                KVStore(Path(tmp) / "local", dram_budget_bytes=budget, timeout_s=30.0) as local:
+                KVStore(Path(tmp) / "local", dram_budget_bytes=budget, timeout_s=30.0, peer_secret=secret) as local:
             fleet = Fleet(local)
             fleet.set_peers([info["peer"]])
             ids_all = [b.item_id for b in blocks]

@@ -118,6 +118,8 @@ class KVStore:
         if peer_port is not None:
             from inferscale.store.serving import PeerService
 
+            if peer_secret is None:
+                raise ConfigError("serving peers (peer_port) needs a peer secret (INFERSCALE_PEER_SECRET)")
             self.peer_service = PeerService(self, peer_host, peer_port, secret=peer_secret, timeout_s=timeout_s)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
