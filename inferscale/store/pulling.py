@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from inferscale.errors import ConfigError, NotFoundError, TransferError, UnsafePathError
 from inferscale.store import peer as peerproto
+from inferscale.store.diskload import verify_slots
 from inferscale.store.layout import check_fingerprint, check_name
 
 if TYPE_CHECKING:
@@ -28,8 +29,8 @@ def pull_from_peer(store: KVStore, tenant: str, user: str, peer: str, item_ids: 
     if fingerprint is not None:
         check_fingerprint(fingerprint)
     blocks, offsets = fetch_leased(store, tenant, user, peer, item_ids, fingerprint, source_dir)
-    good, bad = store._verify_slots(
-        tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
+    good, bad = verify_slots(
+        store, tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
                   b["fingerprint"]) for o, b in zip(offsets, blocks)])
     nbytes = 0
     for n, (off, size, info) in enumerate(good):

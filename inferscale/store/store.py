@@ -20,7 +20,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -30,14 +30,12 @@ from inferscale.errors import (
 )
 from inferscale.kvformat import KVBlock, encode_blob
 from inferscale.store.arena import Arena
-from inferscale.store.blob import (
-    BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, rewrap_blobs,
-)
+from inferscale.store.blob import BlobInfo, block_from_image, parse_header, remove_orphan_temps
 from inferscale.store.catalogue import Catalogue, ItemInfo
-from inferscale.store.diskload import load_from_disk, verify_slots
+from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
-from inferscale.store.layout import (CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs,
-                                     write_recorded)
+from inferscale.store.disktier import DiskTier, item_info
+from inferscale.store.layout import CATALOGUE_NAME, blob_path, check_fingerprint, check_name
 from inferscale.store.results import FetchStats, PullResult
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
@@ -76,13 +74,15 @@ class KVStore:
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             raise ConfigError(f"store root {self.root} is not usable: {e.strerror or e}") from None
         orphans = remove_orphan_temps(self.root)  # writes a crash cut short; the blobs they replaced are intact
         if orphans:
             log.warning("removed %d orphan temp files under %s", orphans, self.root)
+        self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
         self.catalogue = Catalogue(self.root / CATALOGUE_NAME)
+        self.disk = DiskTier(self.root, self.catalogue, keyring, self._write_lock)
         if self.catalogue.fresh:
             self.rebuild()
         # A budget that cannot hold one block would make every request fail: refuse it at start.
@@ -112,7 +112,6 @@ class KVStore:
                                            timeout_s=timeout_s, ucx_port_range=ucx_port_range)
         self._hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
-        self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
         self._counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
         self.peer_service = None
         if peer_port is not None:
@@ -142,38 +141,15 @@ class KVStore:
         self.close()
 
     def rebuild(self) -> int:
-        """Re-catalogue every blob in the disk tier (after the catalogue was lost). Each blob is opened and
-        verified (authenticated, when sealed) before it is trusted; one that fails is skipped and reported.
-        Returns items found."""
-        n = 0
-        for tenant, user, path in scan_blobs(self.root):
-            try:
-                data = path.read_bytes()
-                image, info = open_image(data, self.keyring, tenant=tenant, user=user, item=path.stem,
-                                         source=str(path))
-            except OSError as e:
-                log.warning("rebuild: skipping %s: cannot read (%s)", path, e.strerror or e)
-                continue
-            except BlobCorruptError as e:
-                log.warning("rebuild: skipping unverified blob: %s", e)
-                continue
-            fp = info.fingerprint
-            if path.parent.name != fp[:FP_DIR_LEN]:
-                log.warning("rebuild: %s holds item %r of model %s; skipped", path, info.item_id, fp[:16])
-                continue
-            emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
-            self.catalogue.upsert(self._item_info(tenant, user, info, path, os.stat(path).st_mtime), emb)
-            n += 1
-        log.info("catalogue rebuilt from %s: %d items", self.root, n)
-        return n
+        """Re-catalogue every blob in the disk tier (after the catalogue was lost); see DiskTier.rebuild."""
+        return self.disk.rebuild()
 
     def rotate_keys(self) -> int:
-        """Re-wrap every sealed blob's data key under the keyring's current KEK line (the ciphertext is copied,
-        not re-encrypted); afterwards older KEK lines can be dropped. Returns blobs rewritten."""
+        """Re-wrap every sealed blob's data key and re-MAC every catalogue row under the keyring's current KEK
+        line; afterwards older KEK lines can be dropped. Returns blobs rewritten."""
         if self.keyring is None:
             raise ConfigError("this store has no KEK: nothing to rotate")
-        # Under the write lock: a concurrent put of a key must not be overwritten with its old blob.
-        return rewrap_blobs(scan_blobs(self.root), self.keyring, self._write_lock)
+        return self.disk.rotate_keys()
 
     # -- public API -----------------------------------------------------------------------------------------
     def put(self, tenant: str, user: str, block: KVBlock, *, cache: bool = True) -> ItemInfo:
@@ -284,8 +260,7 @@ class KVStore:
             raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this node")
         if not rows:
             return [], torch.empty(0, 0, dtype=torch.float32)
-        ids = [r[0] for r in rows]
-        return ids, torch.stack([torch.frombuffer(bytearray(r[1]), dtype=torch.float32) for r in rows])
+        return [r[0] for r in rows], self.disk.embedding_matrix(rows, tenant, user, fingerprint)
 
     def pin(self, tenant: str, user: str, item_ids: list[str] | None = None) -> int:
         """Keep these items resident once loaded (never evicted). Returns items pinned."""
@@ -333,31 +308,20 @@ class KVStore:
         return s
 
     # -- internals ------------------------------------------------------------------------------------------
-    @staticmethod
-    def _item_info(tenant: str, user: str, info: BlobInfo, path: Path, created: float) -> ItemInfo:
-        return ItemInfo(tenant, user, info.fingerprint, info.item_id, str(path), info.size, info.kv_bytes,
-                        info.tokens, info.sha256, [], 0.0, False, False, created, info.context)
-
     def _store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         check_name("item", info.item_id)
         check_fingerprint(info.fingerprint)
         key = (tenant, user, info.fingerprint, info.item_id)
-        path = blob_path(self.root, *key)
         emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
-        item = self._item_info(tenant, user, info, path, time.time())
-        on_disk: bytes | memoryview = image
-        if self.keyring is not None:
-            on_disk = sealing.seal(image, self.keyring, sealing.Binding(tenant, user, info.item_id, info.fingerprint))
-        # File and catalogue change together: a reader never sees a new file with an old catalogue entry for
-        # longer than this section, and two writers of one key cannot leave them disagreeing.
-        with self._write_lock:
-            def record() -> None:
-                self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
-                if self.gpu is not None:
-                    self.gpu.drop(lambda k: k == key)
-                self.catalogue.upsert(item, emb)
+        item = item_info(tenant, user, info, blob_path(self.root, *key), time.time())
 
-            write_recorded(path, on_disk, record)  # StorageError: old blob (or none) and catalogue row kept
+        def invalidate() -> None:  # with the catalogue change, under the write lock
+            self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
+            if self.gpu is not None:
+                self.gpu.drop(lambda k: k == key)
+
+        self.disk.write(item, image, emb, invalidate)
+        with self._write_lock:
             gen = self.dram.generation(key)
         if cache:
             try:
@@ -442,12 +406,6 @@ class KVStore:
                 return True
             rows = self.catalogue.items(key[0], key[1], key[2], [key[3]])
             return bool(rows) and rows[0].sha256 == sha
-
-    def _verify_slots(self, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
-                      recheck: Callable[[str, str], bool] | None = None, sealed_for: str | None = None
-                      ) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
-        """Verify blob images in reserved arena slots (inferscale/store/diskload.py ``verify_slots``)."""
-        return verify_slots(self, tenant, slots, recheck, sealed_for)
 
     def _remove(self, tenant: str, user: str, item_ids: list[str] | None, fingerprint: str | None
                 ) -> tuple[int, int]:
