@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import tempfile
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +70,18 @@ class KVBlock:
 
     def float_kv(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The block's K/V as float [L, 2, H, N, D] (dequantized when compact; keys as encoded, unshifted)."""
-        return kvquant.dequantize(self.kv, self.kv_scale, self.kv_dtype, dtype)
+        from inferscale.kvdequant import dequantize  # the injection kernel: loaded only when a block needs it
+
+        return dequantize(self.kv, self.kv_scale, self.kv_dtype, dtype)
+
+
+def compact(block: KVBlock, kv_dtype: str) -> KVBlock:
+    """``block`` (float kv, as encoded: keys not shifted) stored in ``kv_dtype`` (inferscale.kvquant)."""
+    kvquant.check_kv_dtype(kv_dtype)
+    if block.kv_dtype != DEFAULT_KV_DTYPE:
+        raise ConfigError(f"block {block.item_id!r} is already {block.kv_dtype}")
+    kv, scale = kvquant.quantize(block.kv, kv_dtype)
+    return dataclasses.replace(block, kv=kv, kv_scale=scale, kv_dtype=kv_dtype)
 
 
 def tensor_sha256(kv: torch.Tensor, embedding: torch.Tensor | None, kv_scale: torch.Tensor | None = None) -> str:

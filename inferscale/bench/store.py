@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_blocks(n: int, lo: int, hi: int, seed: int, kv_dtype: str = "bf16"):
     from inferscale.kvformat import KVBlock
-    from inferscale.kvquant import compact
+    from inferscale.kvformat import compact
 
     g = torch.Generator().manual_seed(seed)
     out = []

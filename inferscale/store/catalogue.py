@@ -1,9 +1,9 @@
-"""The node's catalogue: one SQLite file listing every item, its size, checksum, tier residency, last access,
-pin and corrupt flags, its current generation (with the row's MAC, in a sealed store) and its retrieval
+"""The node's catalogue: one SQLite file listing every item, its size, checksum, pin and corrupt flags, its current generation (with the row's MAC, in a sealed store) and its retrieval
 embedding (sealed, in a sealed store: inferscale/store/versions.py).
 
 Disk is the source of truth: the catalogue is rebuilt from the blobs when missing or unreadable. Residency in
-DRAM/GPU is volatile, so it is cleared when the catalogue is opened. The file and its WAL/SHM are 0600."""
+DRAM/GPU is the tiers' own (volatile) state: the columns ``dram``, ``gpu`` and ``last_access`` of older releases are
+no longer written, so a read writes nothing here. The file and its WAL/SHM are 0600."""
 
 from __future__ import annotations
 
@@ -158,36 +158,13 @@ class Catalogue:
             self._db.executemany("DELETE FROM items WHERE tenant=? AND user=? AND fingerprint=? AND item=?", keys)
 
     def set_flag(self, keys: list[tuple[str, str, str, str]], column: str, value: int) -> None:
-        assert column in ("dram", "gpu", "pinned", "corrupt")
+        assert column in ("pinned", "corrupt")
         if not keys:
             return
         with self._lock, self._db:
             self._db.executemany(
                 f"UPDATE items SET {column}=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
                 [(value, *k) for k in keys],
-            )
-
-    def record(self, touched: list[tuple[str, str, str, str]], changes: dict[tuple[str, int], list]) -> None:
-        """One transaction per request: last access of ``touched`` and residency flips {(column, value): keys}."""
-        now = time.time()
-        with self._lock, self._db:
-            if touched:
-                self._db.executemany(
-                    "UPDATE items SET last_access=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
-                    [(now, *k) for k in touched])
-            for (column, value), keys in changes.items():
-                assert column in ("dram", "gpu")
-                if keys:
-                    self._db.executemany(
-                        f"UPDATE items SET {column}=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
-                        [(value, *k) for k in keys])
-
-    def touch(self, keys: list[tuple[str, str, str, str]], when: float | None = None) -> None:
-        when = time.time() if when is None else when
-        with self._lock, self._db:
-            self._db.executemany(
-                "UPDATE items SET last_access=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
-                [(when, *k) for k in keys],
             )
 
     # -- reads ----------------------------------------------------------------------------------------------

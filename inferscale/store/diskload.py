@@ -15,12 +15,12 @@ from inferscale.store.catalogue import ItemInfo
 from inferscale.store.tiers import DramEntry, Key
 
 if TYPE_CHECKING:
-    from inferscale.store.store import KVStore
+    from inferscale.store.node import StoreNode
 
 log = logging.getLogger(__name__)
 
 
-def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: set[Key]
+def load_from_disk(store: StoreNode, tenant: str, rows: list[ItemInfo], protect: set[Key]
                    ) -> tuple[list[DramEntry], list[Key]]:
     """Load ``rows`` from disk into reserved DRAM slots in one batch (NIXL POSIX when present), verify them,
     commit the good ones. Returns (entries, one reference each, owned by the caller; keys evicted)."""
@@ -46,10 +46,10 @@ def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: s
                 # A put of the key since the row was read explains it (a new version may differ in size: its
                 # metadata did); its content is then verified like any replaced blob. Else the file was
                 # truncated or swapped behind our back.
-                if not store._replaced_since(r.key, s, gens):
+                if not store.replaced_since(r.key, s, gens):
                     missing.append(r.item_id)  # truncated or replaced behind our back
         if missing:
-            store._raise_corrupt(tenant, rows[0].user, missing, mark=True)
+            store.raise_corrupt(tenant, rows[0].user, missing, mark=True)
         offsets, evicted = store.dram.reserve(tenant, sizes, protect)
         try:
             if store.transport is not None and store.transport.has_posix:
@@ -65,7 +65,7 @@ def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: s
             os.close(fd)
     good, bad = verify_slots(
         store, tenant, [(o, s, r.path, r.sha256, r.item_id, r.fingerprint) for o, s, r in zip(offsets, sizes, opened)],
-        recheck=lambda item, sha: store._changed_since(
+        recheck=lambda item, sha: store.changed_since(
             (tenant, rows[0].user, rows[0].fingerprint, item), sha, gens),
         sealed_for=rows[0].user if store.keyring is not None else None,
         generations={r.item_id: r.generation for r in opened})
@@ -74,11 +74,11 @@ def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: s
     if bad:
         for e in loaded:
             store.dram.release(e)
-        store._raise_corrupt(tenant, rows[0].user, bad, mark=True)
+        store.raise_corrupt(tenant, rows[0].user, bad, mark=True)
     return loaded, evicted
 
 
-def verify_slots(store: KVStore, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
+def verify_slots(store: StoreNode, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
                  recheck: Callable[[str, str], bool] | None = None, sealed_for: str | None = None,
                  generations: dict[str, int] | None = None) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
     """Verify blob images in reserved arena slots, in parallel. Bad slots are given back. Returns
@@ -110,7 +110,7 @@ def verify_slots(store: KVStore, tenant: str, slots: list[tuple[int, int, str, s
             log.warning("%s", e)
             return None
 
-    checked = list(store._hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
+    checked = list(store.hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
     good, bad = [], []
     for (off, size, _, _, item, _), res in zip(slots, checked):
         if res is None:

@@ -18,7 +18,7 @@ from inferscale import sealing
 from inferscale.errors import BlobAuthError, BlobCorruptError
 from inferscale.store.blob import BlobInfo, open_image, rewrap_blobs
 from inferscale.store.catalogue import Catalogue, ItemInfo
-from inferscale.store.layout import FP_DIR_LEN, blob_path, scan_blobs, write_recorded
+from inferscale.store.layout import FP_DIR_LEN, scan_blobs, write_recorded
 from inferscale.store.versions import CatalogueSeal
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Callable
 
 from inferscale.contract import id_problem, is_valid_id
 from inferscale.errors import InvalidInputError, StorageError
-from inferscale.kvformat import SUFFIX, TEMP_SUFFIX, atomic_write
+from inferscale.kvformat import SUFFIX, TEMP_SUFFIX, atomic_write, blob_path
 
 FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
 CATALOGUE_NAME = "catalogue.sqlite"
@@ -36,8 +36,9 @@ def check_fingerprint(value: object) -> str:
     return value
 
 
-def blob_path(root: Path, tenant: str, user: str, fingerprint: str, item: str) -> Path:
-    return Path(root) / tenant / user / fingerprint[:FP_DIR_LEN] / f"{item}{SUFFIX}"
+def item_path(root: Path, tenant: str, user: str, fingerprint: str, item: str) -> Path:
+    """Where the store keeps an item's blob: its model's directory of the user, named by ``kvformat.blob_path``."""
+    return blob_path(Path(root) / tenant / user / fingerprint[:FP_DIR_LEN], item)
 
 
 def scan_blobs(root: Path) -> list[tuple[str, str, Path]]:

@@ -15,12 +15,13 @@ from inferscale.store.diskload import verify_slots
 from inferscale.store.layout import check_fingerprint, check_name
 
 if TYPE_CHECKING:
-    from inferscale.store.store import KVStore, PullResult
+    from inferscale.store.node import StoreNode
+    from inferscale.store.results import PullResult
 
 log = logging.getLogger(__name__)
 
 
-def pull_from_peer(store: KVStore, tenant: str, user: str, peer: str, item_ids: list[str] | None,
+def pull_from_peer(store: StoreNode, tenant: str, user: str, peer: str, item_ids: list[str] | None,
                    fingerprint: str | None, source_dir: str | None) -> PullResult:
     t0 = time.perf_counter()
     check_name("tenant", tenant), check_name("user", user)
@@ -35,7 +36,7 @@ def pull_from_peer(store: KVStore, tenant: str, user: str, peer: str, item_ids: 
     nbytes = 0
     for n, (off, size, info) in enumerate(good):
         try:
-            store._store_image(tenant, user, store.arena.view(off, size), info, cache=False)
+            store.store_image(tenant, user, store.arena.view(off, size), info, cache=False)
         except BaseException:  # e.g. a full disk: give back the slots not committed yet
             for o, s, _ in good[n:]:
                 store.dram.abort(tenant, [o], [s])
@@ -43,11 +44,10 @@ def pull_from_peer(store: KVStore, tenant: str, user: str, peer: str, item_ids: 
         key = (tenant, user, info.fingerprint, info.item_id)
         store.dram.release(store.dram.commit(key, off, size, info))
         nbytes += size
-    store.catalogue.set_flag([(tenant, user, i.fingerprint, i.item_id) for _, _, i in good], "dram", 1)
-    store._counters["peer_pulls"] += len(good)
+    store.counters["peer_pulls"] += len(good)
     if bad:
-        store._raise_corrupt(tenant, user, bad, mark=True)
-    return store._result(tenant, user, len(good), nbytes, "dram", t0)
+        store.raise_corrupt(tenant, user, bad, mark=True)
+    return store.pull_result(tenant, user, len(good), nbytes, "dram", t0)
 
 
 def _reply_error(peer: str, reply: dict[str, Any]) -> None:
@@ -60,7 +60,7 @@ def _reply_error(peer: str, reply: dict[str, Any]) -> None:
         raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
 
 
-def fetch_leased(store: KVStore, tenant: str, user: str, peer: str, item_ids: list[str] | None,
+def fetch_leased(store: StoreNode, tenant: str, user: str, peer: str, item_ids: list[str] | None,
                  fingerprint: str | None, source_dir: str | None) -> tuple[list[dict[str, Any]], list[int]]:
     """In one session: lease the blocks at the peer, reserve arena slots, expose exactly them and have the peer
     WRITE the blocks into them. Returns (the peer's block records, slot offsets); unverified, uncommitted."""
@@ -75,7 +75,7 @@ def fetch_leased(store: KVStore, tenant: str, user: str, peer: str, item_ids: li
         if not isinstance(lease, str) or not isinstance(blocks, list):
             raise TransferError(f"peer {peer}: malformed lease reply")
         sizes = [b["size"] for b in blocks]
-        offsets, evicted = store.dram.reserve(tenant, sizes)
+        offsets, _ = store.dram.reserve(tenant, sizes)
         written = inflight = False
         try:
             exposure = transport.expose(offsets, sizes)
@@ -96,17 +96,16 @@ def fetch_leased(store: KVStore, tenant: str, user: str, peer: str, item_ids: li
                 log.warning("pull from %s: %d slot(s) of %s withheld (a transfer in flight)", peer, len(offsets), tenant)
             elif not written:
                 store.dram.abort(tenant, offsets, sizes)
-    store.catalogue.record([], {("dram", 0): evicted})
     return blocks, offsets
 
 
-def peer_secret(store: KVStore) -> str:
+def peer_secret(store: StoreNode) -> str:
     if not store.peer_secret:
         raise ConfigError("peer pulls need INFERSCALE_PEER_SECRET (KVStore(peer_secret=...))")
     return store.peer_secret
 
 
-def peer_index(store: KVStore, tenant: str, user: str, peer: str, fingerprint: str,
+def peer_index(store: StoreNode, tenant: str, user: str, peer: str, fingerprint: str,
                job_dir: bool = True) -> tuple[list[str], Any]:
     """(item ids, [n, dim] float32 embeddings) of the user at ``peer`` (op ``index``): what a puller ranks before
     leasing exactly the top-k blocks. ``job_dir``: the peer first imports its own node's Job output dir for the

@@ -18,19 +18,19 @@ from inferscale.store.leases import LeaseBook, LeaseCaps
 from inferscale.store.peer import PeerServer, Session
 
 if TYPE_CHECKING:
-    from inferscale.store.store import KVStore
+    from inferscale.store.node import StoreNode
 
 log = logging.getLogger(__name__)
 
 
 def partial_marker(root: str | Path, tenant: str, user: str) -> Path:
-    """Present while this node holds only some of the user's blocks (fetched on demand, server/fleet.py): its
+    """Present while this node holds only some of the user's blocks (fetched on demand, inferscale/store/fleet.py): its
     index is then not the user's whole list, so it is never served as one."""
     return Path(root) / ".fleet-partial" / tenant / user
 
 
 class PeerService:
-    def __init__(self, store: KVStore, host: str, port: int, *, secret: str, timeout_s: float,
+    def __init__(self, store: StoreNode, host: str, port: int, *, secret: str, timeout_s: float,
                  caps: LeaseCaps | None = None) -> None:
         self.store = store
         self.timeout_s = timeout_s
@@ -79,8 +79,7 @@ class PeerService:
             raise NotFoundError(f"items {sorted(missing)} not found for tenant {tenant!r} user {user!r} on node "
                                 f"{self.store.node}")
         rows = [r for r in rows if not r.corrupt]
-        entries, loaded, evicted = self.store._ensure_dram(tenant, rows, {r.key for r in rows})
-        self.store.catalogue.record([], {("dram", 0): evicted, ("dram", 1): [e.key for e in loaded]})
+        entries, _, _ = self.store.ensure_dram(tenant, rows, {r.key for r in rows})
         held = [entries[r.key] for r in rows]
         lease = self.leases.open(session.id, session.peer, tenant, held)  # the references pass to the lease
         return {"lease": lease.id, "node": self.store.node,

@@ -35,7 +35,7 @@ from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
 from inferscale.store.disktier import DiskTier, item_info
-from inferscale.store.layout import CATALOGUE_NAME, blob_path, check_fingerprint, check_name
+from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path
 from inferscale.store.results import FetchStats, PullResult
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
@@ -110,9 +110,9 @@ class KVStore:
 
             self.transport = NixlTransport(self.arena, name=f"{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                            timeout_s=timeout_s, ucx_port_range=ucx_port_range)
-        self._hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+        self.hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
-        self._counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
+        self.counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
         self.peer_service = None
         if peer_port is not None:
             from inferscale.store.serving import PeerService
@@ -129,7 +129,7 @@ class KVStore:
     def close(self) -> None:
         if self.peer_service is not None:
             self.peer_service.close()
-        self._hasher.shutdown(wait=True)
+        self.hasher.shutdown(wait=True)
         if self.transport is not None:
             self.transport.close()
         self.catalogue.close()
@@ -158,7 +158,7 @@ class KVStore:
         check_fingerprint(block.model_fingerprint)
         data = encode_blob(block)
         info = parse_header(data, source=block.item_id, total=len(data))
-        return self._store_image(tenant, user, memoryview(data), info, cache=cache)
+        return self.store_image(tenant, user, memoryview(data), info, cache=cache)
 
     def get_many(self, tenant: str, user: str, item_ids: list[str], fingerprint: str, *,
                  copy: bool = False) -> tuple[list[KVBlock], FetchStats]:
@@ -172,7 +172,6 @@ class KVStore:
         protect = set(keys)
         stats = FetchStats()
         out: dict[Key, KVBlock] = {}
-        changes: dict[tuple[str, int], list[Key]] = {("dram", 1): [], ("dram", 0): [], ("gpu", 1): [], ("gpu", 0): []}
         if self.gpu is not None:
             for k in keys:
                 b = self.gpu.get(k)
@@ -180,10 +179,8 @@ class KVStore:
                     out[k] = b
                     stats.served[k[3]] = "gpu"
         rest = [r for r in rows if r.key not in out]
-        entries, loaded, evicted = self._ensure_dram(tenant, rest, protect)
-        changes[("dram", 0)] += evicted
+        entries, loaded, _ = self.ensure_dram(tenant, rest, protect)
         from_disk = {e.key for e in loaded}
-        changes[("dram", 1)] += list(from_disk)
         for r in rest:
             e = entries[r.key]
             b = block_from_image(self.dram.lease_view(e), e.info)
@@ -191,9 +188,7 @@ class KVStore:
                 b.kv = b.kv.clone()
                 b.kv_scale = None if b.kv_scale is None else b.kv_scale.clone()
             if self.gpu is not None:
-                b, ev = self.gpu.put(r.key, b, protect, cache=not e.dead)
-                changes[("gpu", 0)] += ev
-                changes[("gpu", 1)].append(r.key)
+                b, _ = self.gpu.put(r.key, b, protect, cache=not e.dead)
             out[r.key] = b
             stats.served[r.item_id] = "disk" if r.key in from_disk else "dram"
             if r.key in from_disk:
@@ -203,10 +198,9 @@ class KVStore:
         for tier in stats.served.values():
             stats.tiers[tier] += 1
         stats.bytes = sum(b.nbytes for b in blocks)
-        self._counters["gpu_hits"] += stats.tiers["gpu"]
-        self._counters["dram_hits"] += stats.tiers["dram"]
-        self._counters["disk_reads"] += stats.tiers["disk"]
-        self.catalogue.record(keys, changes)
+        self.counters["gpu_hits"] += stats.tiers["gpu"]
+        self.counters["dram_hits"] += stats.tiers["dram"]
+        self.counters["disk_reads"] += stats.tiers["disk"]
         stats.seconds = time.perf_counter() - t0
         return blocks, stats
 
@@ -278,11 +272,11 @@ class KVStore:
         images = read_job_dir(tenant, user, directory, items, self.keyring)
         tier, nbytes = ("dram" if load else "disk"), 0
         for data, info in images:
-            self._store_image(tenant, user, data, info, cache=load)
+            self.store_image(tenant, user, data, info, cache=load)
             nbytes += len(data)
             if load and not self.dram.resident((tenant, user, info.fingerprint, info.item_id)):
                 tier = "disk"
-        return self._result(tenant, user, len(images), nbytes, tier, t0)
+        return self.pull_result(tenant, user, len(images), nbytes, tier, t0)
 
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
                        fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
@@ -294,13 +288,13 @@ class KVStore:
 
         return pull_from_peer(self, tenant, user, peer, item_ids, fingerprint, source_dir)
 
-    def _result(self, tenant: str, user: str, blocks: int, nbytes: int, tier: str, t0: float) -> PullResult:
+    def pull_result(self, tenant: str, user: str, blocks: int, nbytes: int, tier: str, t0: float) -> PullResult:
         rows = self.catalogue.items(tenant, user)
         return PullResult(tenant, user, blocks, nbytes, tier, time.perf_counter() - t0, len(rows),
                           sum(r.size for r in rows), sum(r.tokens for r in rows))
 
     def stats(self) -> dict[str, Any]:
-        s: dict[str, Any] = {"node": self.node, **self.catalogue.totals(), **self.dram.stats(), **self._counters}
+        s: dict[str, Any] = {"node": self.node, **self.catalogue.totals(), **self.dram.stats(), **self.counters}
         s.update(self.gpu.stats() if self.gpu is not None else {"gpu_blocks": 0, "gpu_bytes": 0, "gpu_budget": 0})
         s["bytes_used"], s["bytes_capacity"] = s["dram_bytes"], s["dram_budget"]
         s["nixl_backends"] = [] if self.transport is None else list(self.transport.backends)
@@ -308,12 +302,12 @@ class KVStore:
         return s
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
+    def store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         check_name("item", info.item_id)
         check_fingerprint(info.fingerprint)
         key = (tenant, user, info.fingerprint, info.item_id)
         emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
-        item = item_info(tenant, user, info, blob_path(self.root, *key), time.time())
+        item = item_info(tenant, user, info, item_path(self.root, *key), time.time())
 
         def invalidate() -> None:  # with the catalogue change, under the write lock
             self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
@@ -325,12 +319,11 @@ class KVStore:
             gen = self.dram.generation(key)
         if cache:
             try:
-                (off,), evicted = self.dram.reserve(tenant, [len(image)], {key})
+                (off,), _ = self.dram.reserve(tenant, [len(image)], {key})
             except QuotaExceededError:
                 return item  # does not fit now; it is on disk and loads on demand
             self.arena.np[off : off + len(image)] = memoryview(image).cast("B")
             self.dram.release(self.dram.commit(key, off, len(image), info, gen))
-            self.catalogue.record([], {("dram", 0): evicted, ("dram", 1): [key]})
         return item
 
     def _rows(self, tenant: str, user: str, fingerprint: str, item_ids: list[str]) -> list[ItemInfo]:
@@ -350,19 +343,19 @@ class KVStore:
             raise NotFoundError(f"items {missing} not found for tenant {tenant!r} user {user!r}")
         corrupt = [found[i] for i in item_ids if found[i].corrupt]
         if corrupt:
-            self._raise_corrupt(tenant, user, [r.item_id for r in corrupt], mark=False)
+            self.raise_corrupt(tenant, user, [r.item_id for r in corrupt], mark=False)
         return [found[i] for i in item_ids]
 
-    def _raise_corrupt(self, tenant: str, user: str, items: list[str], *, mark: bool) -> None:
+    def raise_corrupt(self, tenant: str, user: str, items: list[str], *, mark: bool) -> None:
         if mark:
             rows = self.catalogue.items(tenant, user, None, items)
             self.catalogue.set_flag([r.key for r in rows], "corrupt", 1)
-            self._counters["corrupt"] += len(items)
+            self.counters["corrupt"] += len(items)
         err = BlobCorruptError(f"items {sorted(set(items))} of {tenant}/{user} are corrupt; re-encode them")
         err.item_ids = sorted(set(items))  # type: ignore[attr-defined]
         raise err
 
-    def _ensure_dram(self, tenant: str, rows: list[ItemInfo], protect: set[Key]
+    def ensure_dram(self, tenant: str, rows: list[ItemInfo], protect: set[Key]
                      ) -> tuple[dict[Key, DramEntry], list[DramEntry], list[Key]]:
         """DRAM entries (one reference each, owned by the caller) for ``rows``, loading misses from disk in
         one batch. Returns (entries, entries loaded from disk, keys evicted)."""
@@ -385,7 +378,7 @@ class KVStore:
         entries.update({e.key: e for e in loaded})
         return entries, loaded, evicted
 
-    def _replaced_since(self, key: Key, file_size: int, gens: dict[Key, int]) -> bool:
+    def replaced_since(self, key: Key, file_size: int, gens: dict[Key, int]) -> bool:
         """Whether a file of ``file_size`` bytes is explained by a put of ``key`` since its catalogue row was read:
         the key changed since ``gens``, or the catalogue now holds a row of that size (the put came between the
         row read and ``gens``). Waits out a put in progress."""
@@ -398,7 +391,7 @@ class KVStore:
             plain = rows[0].size
             return file_size == plain if self.keyring is None else file_size >= plain + sealing.TAG_BYTES
 
-    def _changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
+    def changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
         """Whether an intact blob that disagrees with the catalogue row read earlier is explained by a put
         of the key since then (not corruption). Waits out a put in progress."""
         with self._write_lock:

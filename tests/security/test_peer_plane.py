@@ -5,13 +5,12 @@ up without (or with a borrowed) peer secret."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
 
 from inferscale.errors import ConfigError, QuotaExceededError, TransferError
-from inferscale.server.fleet import Fleet
+from inferscale.store.fleet import Fleet
 from inferscale.store import KVStore
 from inferscale.store import peer as peerproto
 from inferscale.store import peer_protocol as wire
@@ -19,7 +18,7 @@ from inferscale.store.leases import LeaseBook, LeaseCaps
 from inferscale.store.tiers import DramEntry
 from inferscale.bench.node import child_process, serve_node
 
-from security.relay import Relay
+from security.relay import Listener, Relay
 from store.helpers import FP, PEER_SECRET, make_block  # tests/store/helpers.py (tests/ is on sys.path)
 
 
@@ -53,34 +52,22 @@ def test_a_relaying_fake_peer_gets_no_lease(owner, tmp_path):
         puller.close()
 
 
-class Impostor:
+def _impostor(conn: socket.socket) -> None:
     """Listens on a peer's address without the secret and speaks the protocol: greets, then answers not_found."""
-
-    def __init__(self) -> None:
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.srv.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            with c:
-                try:
-                    wire.send_msg(c, {"v": 2, "nonce": "00" * 16})
-                    wire.recv_msg(c, wire.MAX_HELLO)
-                    wire.recv_msg(c)
-                    wire.send_msg(c, {"error": "not_found", "message": "no such user", "seq": 1, "auth": "0" * 64})
-                except (OSError, ValueError):
-                    pass
+    with conn:
+        try:
+            wire.send_msg(conn, {"v": 2, "nonce": "00" * 16})
+            wire.recv_msg(conn, wire.MAX_HELLO)
+            wire.recv_msg(conn)
+            wire.send_msg(conn, {"error": "not_found", "message": "no such user", "seq": 1, "auth": "0" * 64})
+        except (OSError, ValueError):
+            pass
 
 
 def test_an_impostors_not_found_is_no_definite_miss(tmp_path):
     """Before: error replies carried no MAC, so an impostor's "not_found" made a fleet lookup a definite miss
     (chat answered without the user's memories). Now it is a TransferError (424): never an answer without them."""
-    impostor = Impostor()
+    impostor = Listener(_impostor)
     store = KVStore(tmp_path / "local", dram_budget_bytes=8 << 20, peer_secret=PEER_SECRET, timeout_s=5)
     try:
         fleet = Fleet(store)
@@ -90,7 +77,7 @@ def test_an_impostors_not_found_is_no_definite_miss(tmp_path):
         with pytest.raises(TransferError, match="not authenticated"):
             store.pull_from_peer("acme", "alice", impostor.address, fingerprint=FP)
     finally:
-        impostor.srv.close()
+        impostor.close()
         store.close()
 
 

@@ -1,4 +1,4 @@
-"""The fleet path (server/fleet.py): a pod lacking a user finds a holder (its node's Job dir, else a peer the
+"""The fleet path (inferscale/store/fleet.py): a pod lacking a user finds a holder (its node's Job dir, else a peer the
 operator published), pulls exactly the top-k blocks over NIXL UCX from a real peer process, and never answers a
 miss silently."""
 
@@ -7,7 +7,7 @@ import torch
 
 from inferscale.errors import InvalidInputError, NotFoundError, TransferError
 from inferscale.kvformat import SUFFIX, encode_blob
-from inferscale.server.fleet import Fleet
+from inferscale.store.fleet import Fleet
 from inferscale.store import KVStore
 from inferscale.bench.node import child_process, serve_node
 
