@@ -18,8 +18,8 @@ LEASE_SECONDS = 30.0  # a lease not written by then is refused (the session may 
 
 @dataclass(frozen=True)
 class LeaseCaps:
-    per_peer: int = 8
-    per_tenant: int = 16
+    per_peer: int = 16
+    per_tenant: int = 32
     peer_bytes: int = 1 << 30
     tenant_bytes: int = 1 << 30
 

@@ -29,7 +29,7 @@ PREAUTH_PER_SOURCE = 4
 PREAUTH_TOTAL = 64
 PREAUTH_DEADLINE_S = 1.0  # from connect to a verified hello
 MAX_SESSIONS = 32
-SESSIONS_PER_PEER = 8
+SESSIONS_PER_PEER = 16  # one pod's concurrent pulls from this one; the rest of MAX_SESSIONS stays for others
 MAX_REQUESTS_PER_SESSION = 64
 
 

@@ -81,6 +81,7 @@ def fetch_leased(store: StoreNode, tenant: str, user: str, peer: str, item_ids: 
             exposure = transport.expose(offsets, sizes)
             try:
                 notif = f"lease:{lease}".encode()
+                inflight = True  # until the owner answers: its transfer may still be under way
                 done = session.call({"op": "write", "lease": lease, "agent": base64.b64encode(exposure.metadata).decode(),
                                      "dsts": [list(r) for r in exposure.ranges]}, progress=transport.poll_notifs)
                 inflight = done.get("inflight") is True
