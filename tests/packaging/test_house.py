@@ -100,15 +100,8 @@ def test_no_module_over_500_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-# Cycles whose fix waits on another branch's edits of the same lines (remove the entry when merged).
-PENDING_CYCLES = {("inferscale.engine.engine", "inferscale.engine.loop")}  # loop.py types ServingLoop's engine
-
-
 def test_no_import_cycle_among_inferscale_modules():
-    g = graph()
-    for a, b in PENDING_CYCLES:
-        g[b].discard(a)
-    assert find_cycle(g) is None, f"import cycle: {' -> '.join(find_cycle(g) or [])}"
+    assert find_cycle(graph()) is None, f"import cycle: {' -> '.join(find_cycle(graph()) or [])}"
 
 
 def test_type_only_imports_count_for_cycles(tmp_path):
