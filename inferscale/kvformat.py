@@ -196,6 +196,19 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
 
     On any error (a full disk included) the temp file is removed and the old file is untouched."""
     path = Path(path)
+    tmp = stage_file(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def stage_file(path: Path, data: bytes | memoryview) -> Path:
+    """``data`` in a fsynced temp file (0600) next to ``path``, for the caller to rename into place (several
+    staged in parallel, then renamed, cost one directory fsync). On any error the temp file is removed."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)  # mode 0600
     try:
@@ -203,14 +216,10 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    return Path(tmp)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
 
 import torch
@@ -18,8 +19,9 @@ from inferscale import sealing
 from inferscale.errors import BlobAuthError, BlobCorruptError
 from inferscale.store.blob import BlobInfo, open_image, rewrap_blobs
 from inferscale.store.catalogue import Catalogue, ItemInfo
-from inferscale.store.layout import FP_DIR_LEN, scan_blobs, write_recorded
-from inferscale.store.versions import CatalogueSeal
+from inferscale.kvformat import fsync_dir
+from inferscale.store.layout import FP_DIR_LEN, commit_staged, scan_blobs, stage, write_recorded
+from inferscale.store.versions import CatalogueSeal, Key
 
 log = logging.getLogger(__name__)
 
@@ -69,26 +71,66 @@ class DiskTier:
               ) -> ItemInfo:
         """Write ``image`` as the item's new current version (sealed under the next generation) and record it,
         atomically with ``on_record`` (run under the write lock with the catalogue change)."""
-        key, path = item.key, Path(item.path)
-        make_private_dirs(self.root, path.parent)
-        on_disk: bytes | memoryview = image
-        if self.seal is not None:  # sealed outside the lock; row and blob name the same generation either way
-            prev = self.catalogue.items(*key[:3], [key[3]])
-            item.generation = self.seal.next_generation(prev[0].generation if prev else 0)
-            item.row_mac = self.seal.row_mac(key, item.generation, item.sha256, item.size)
-            if embedding is not None:
-                embedding = self.seal.seal_embedding(key, item.generation, embedding)
-            on_disk = sealing.seal(image, self.keyring, sealing.Binding(*key[:2], key[3], key[2], item.generation))
+        on_disk, embedding = self._prepare(item, image, embedding)
+        # File and catalogue change together: a reader never sees a new file with an old catalogue entry for
+        # longer than this section, and two writers of one key cannot leave them disagreeing.
+        with self.lock:
+            write_recorded(Path(item.path), on_disk, self._recorder(item, embedding, on_record))
+        return item
 
+    def write_many(self, writes: list[tuple[ItemInfo, memoryview, bytes | None]],
+                   on_record: Callable[[Key], None], pool: Executor) -> None:
+        """``write`` for a batch (a peer pull): the files are staged and fsynced in parallel on ``pool``, then each
+        is renamed and recorded in turn, and each directory fsynced once. A failure leaves the items before it
+        written and the rest untouched (StorageError)."""
+        prepared = [(item, *self._prepare(item, image, emb)) for item, image, emb in writes]
+        futures = [pool.submit(stage, Path(item.path), on_disk) for item, on_disk, _ in prepared]
+        staged: list[Path | None] = []
+        failure: BaseException | None = None
+        for f in futures:
+            try:
+                staged.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below, once every temp file is accounted for
+                staged.append(None)
+                failure = failure or e
+        done = 0
+        try:
+            if failure is not None:
+                raise failure
+            with self.lock:
+                for (item, _, emb), tmp in zip(prepared, staged):
+                    commit_staged(Path(item.path), tmp, self._recorder(item, emb, lambda k=item.key: on_record(k)),
+                                  sync_dir=False)
+                    done += 1
+        finally:
+            for tmp in staged[done:]:
+                if tmp is not None:
+                    tmp.unlink(missing_ok=True)
+            for d in {Path(item.path).parent for item, _, _ in prepared[:done]}:
+                fsync_dir(d)
+
+    def _prepare(self, item: ItemInfo, image: memoryview, embedding: bytes | None
+                 ) -> tuple[bytes | memoryview, bytes | None]:
+        """(the bytes to write, the embedding as the catalogue stores it); fills the item's generation and MAC.
+        Sealed outside the write lock: row and blob name the same generation either way."""
+        key = item.key
+        make_private_dirs(self.root, Path(item.path).parent)
+        if self.seal is None:
+            return image, embedding
+        prev = self.catalogue.items(*key[:3], [key[3]])
+        item.generation = self.seal.next_generation(prev[0].generation if prev else 0)
+        item.row_mac = self.seal.row_mac(key, item.generation, item.sha256, item.size)
+        if embedding is not None:
+            embedding = self.seal.seal_embedding(key, item.generation, embedding)
+        return sealing.seal(image, self.keyring, sealing.Binding(*key[:2], key[3], key[2], item.generation)), embedding
+
+    def _recorder(self, item: ItemInfo, embedding: bytes | None, on_record: Callable[[], None]
+                  ) -> Callable[[], None]:
         def record() -> None:
             on_record()
             self.catalogue.upsert(item, embedding)
 
-        # File and catalogue change together: a reader never sees a new file with an old catalogue entry for
-        # longer than this section, and two writers of one key cannot leave them disagreeing.
-        with self.lock:
-            write_recorded(path, on_disk, record)  # StorageError: old blob (or none) and catalogue row kept
-        return item
+        return record
 
     # -- maintenance ------------------------------------------------------------------------------------------
     def rebuild(self) -> int:

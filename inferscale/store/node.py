@@ -39,6 +39,9 @@ class StoreNode(Protocol):
     def store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         """Write a verified plain image as the item's current version (disk, and DRAM with ``cache``)."""
 
+    def store_images(self, tenant: str, user: str, images: list[tuple[memoryview, BlobInfo]]) -> list[ItemInfo]:
+        """``store_image`` for a batch, to disk only (files staged in parallel, one directory fsync)."""
+
     def raise_corrupt(self, tenant: str, user: str, items: list[str], *, mark: bool) -> None:
         """Raise BlobCorruptError for ``items`` (marked corrupt in the catalogue with ``mark``)."""
 

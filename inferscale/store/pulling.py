@@ -33,16 +33,15 @@ def pull_from_peer(store: StoreNode, tenant: str, user: str, peer: str, item_ids
     good, bad = verify_slots(
         store, tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
                   b["fingerprint"]) for o, b in zip(offsets, blocks)])
+    try:
+        store.store_images(tenant, user, [(store.arena.view(off, size), info) for off, size, info in good])
+    except BaseException:  # e.g. a full disk: give back every slot (the items written load from disk)
+        for o, s, _ in good:
+            store.dram.abort(tenant, [o], [s])
+        raise
     nbytes = 0
-    for n, (off, size, info) in enumerate(good):
-        try:
-            store.store_image(tenant, user, store.arena.view(off, size), info, cache=False)
-        except BaseException:  # e.g. a full disk: give back the slots not committed yet
-            for o, s, _ in good[n:]:
-                store.dram.abort(tenant, [o], [s])
-            raise
-        key = (tenant, user, info.fingerprint, info.item_id)
-        store.dram.release(store.dram.commit(key, off, size, info))
+    for off, size, info in good:
+        store.dram.release(store.dram.commit((tenant, user, info.fingerprint, info.item_id), off, size, info))
         nbytes += size
     store.counters["peer_pulls"] += len(good)
     if bad:

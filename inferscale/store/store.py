@@ -306,15 +306,8 @@ class KVStore:
         check_name("item", info.item_id)
         check_fingerprint(info.fingerprint)
         key = (tenant, user, info.fingerprint, info.item_id)
-        emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
-        item = item_info(tenant, user, info, item_path(self.root, *key), time.time())
-
-        def invalidate() -> None:  # with the catalogue change, under the write lock
-            self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
-            if self.gpu is not None:
-                self.gpu.drop(lambda k: k == key)
-
-        self.disk.write(item, image, emb, invalidate)
+        item, emb = self._row(tenant, user, image, info)
+        self.disk.write(item, image, emb, lambda: self._invalidate(key))
         with self._write_lock:
             gen = self.dram.generation(key)
         if cache:
@@ -345,6 +338,28 @@ class KVStore:
         if corrupt:
             self.raise_corrupt(tenant, user, [r.item_id for r in corrupt], mark=False)
         return [found[i] for i in item_ids]
+
+    def store_images(self, tenant: str, user: str, images: list[tuple[memoryview, BlobInfo]]) -> list[ItemInfo]:
+        """Write verified plain images as their items' current versions, to disk only, in one batch (a peer pull)."""
+        writes = []
+        for image, info in images:
+            check_name("item", info.item_id)
+            check_fingerprint(info.fingerprint)
+            item, emb = self._row(tenant, user, image, info)
+            writes.append((item, image, emb))
+        self.disk.write_many(writes, self._invalidate, self.hasher)
+        return [w[0] for w in writes]
+
+    def _row(self, tenant: str, user: str, image: memoryview, info: BlobInfo) -> tuple[ItemInfo, bytes | None]:
+        """The catalogue row of a new version (its generation still to fill) and its plain embedding."""
+        emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
+        key = (tenant, user, info.fingerprint, info.item_id)
+        return item_info(tenant, user, info, item_path(self.root, *key), time.time()), emb
+
+    def _invalidate(self, key: Key) -> None:  # with the catalogue change of a put, under the write lock
+        self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
+        if self.gpu is not None:
+            self.gpu.drop(lambda k: k == key)
 
     def raise_corrupt(self, tenant: str, user: str, items: list[str], *, mark: bool) -> None:
         if mark:
