@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import tempfile
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +70,18 @@ class KVBlock:
 
     def float_kv(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The block's K/V as float [L, 2, H, N, D] (dequantized when compact; keys as encoded, unshifted)."""
-        return kvquant.dequantize(self.kv, self.kv_scale, self.kv_dtype, dtype)
+        from inferscale.kvdequant import dequantize  # the injection kernel: loaded only when a block needs it
+
+        return dequantize(self.kv, self.kv_scale, self.kv_dtype, dtype)
+
+
+def compact(block: KVBlock, kv_dtype: str) -> KVBlock:
+    """``block`` (float kv, as encoded: keys not shifted) stored in ``kv_dtype`` (inferscale.kvquant)."""
+    kvquant.check_kv_dtype(kv_dtype)
+    if block.kv_dtype != DEFAULT_KV_DTYPE:
+        raise ConfigError(f"block {block.item_id!r} is already {block.kv_dtype}")
+    kv, scale = kvquant.quantize(block.kv, kv_dtype)
+    return dataclasses.replace(block, kv=kv, kv_scale=scale, kv_dtype=kv_dtype)
 
 
 def tensor_sha256(kv: torch.Tensor, embedding: torch.Tensor | None, kv_scale: torch.Tensor | None = None) -> str:
@@ -184,6 +196,19 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
 
     On any error (a full disk included) the temp file is removed and the old file is untouched."""
     path = Path(path)
+    tmp = stage_file(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def stage_file(path: Path, data: bytes | memoryview) -> Path:
+    """``data`` in a fsynced temp file (0600) next to ``path``, for the caller to rename into place (several
+    staged in parallel, then renamed, cost one directory fsync). On any error the temp file is removed."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)  # mode 0600
     try:
@@ -191,14 +216,10 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    return Path(tmp)
 
 
 def fsync_dir(directory: Path) -> None:

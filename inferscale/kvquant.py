@@ -19,17 +19,10 @@ broadcast to channels.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 import torch
 
-from inferscale.contract import DEFAULT_KV_DTYPE, KV_DTYPES
+from inferscale.contract import KV_DTYPES
 from inferscale.errors import BlobCorruptError, ConfigError
-from inferscale.kernels.inject import inject_reference, shift_and_place
-
-if TYPE_CHECKING:
-    from inferscale.kvformat import KVBlock
 
 SCALE_DTYPE = torch.float32
 INT8_MAX = 127.0
@@ -102,30 +95,6 @@ def injectable(kv: torch.Tensor, scale: torch.Tensor | None, kv_dtype: str) -> t
     if kv_dtype == "fp8" and kv.is_cuda and torch.cuda.get_device_capability(kv.device) < (8, 9):
         kv = kv.to(torch.float16)  # no fp8 loads before sm_89; every e4m3 value is exact in fp16
     return kv, scale
-
-
-def compact(block: KVBlock, kv_dtype: str) -> KVBlock:
-    """``block`` (float kv, as encoded: keys not shifted) stored in ``kv_dtype``."""
-    check_kv_dtype(kv_dtype)
-    if block.kv_dtype != DEFAULT_KV_DTYPE:
-        raise ConfigError(f"block {block.item_id!r} is already {block.kv_dtype}")
-    kv, scale = quantize(block.kv, kv_dtype)
-    return dataclasses.replace(block, kv=kv, kv_scale=scale, kv_dtype=kv_dtype)
-
-
-def dequantize(kv: torch.Tensor, scale: torch.Tensor | None, kv_dtype: str,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Float KV of a stored block (for consumers that need plain tensors, and tests): the injection kernel with
-    every Δ = 0, so there is one dequantizer."""
-    if kv_dtype == "bf16":
-        return kv.to(dtype)
-    src, sc = injectable(kv, scale, kv_dtype)
-    layers, tokens = range(src.shape[0]), range(src.shape[3])
-    out = torch.empty(src.shape, dtype=dtype, device=src.device)
-    zero_freq = torch.zeros(src.shape[4] // 2, dtype=torch.float32)
-    place = shift_and_place if src.is_cuda else inject_reference
-    return place(src, out, src_layers=layers, dst_layers=layers, src_tokens=tokens, dst_positions=tokens,
-                 deltas=torch.zeros(len(tokens), dtype=torch.long), inv_freq=zero_freq, scale=sc)
 
 
 def check_layout(kv_dtype: str, kv_torch_dtype: torch.dtype, kv_shape: tuple[int, ...],

@@ -37,6 +37,7 @@ from inferscale.secretfile import check_private
 
 MAGIC = b"ISKVSEAL"
 SEAL_VERSION = 1
+SEAL_VERSION_GENERATION = 2  # the same, plus the item's generation ("gen") in the header and the body's AAD
 TAG_BYTES = 16
 NONCE_BYTES = 12
 KEY_BYTES = 32
@@ -133,10 +134,16 @@ class Binding:
     user: str
     item: str
     fingerprint: str
+    # Which version of the item this is (a store's put numbers them, inferscale/store/versions.py): bound into
+    # the AAD, so an older version restored on disk does not open as the current one. None: a v1 seal.
+    generation: int | None = None
 
     def body_aad(self) -> bytes:
-        return json.dumps(["inferscale-kv-seal", SEAL_VERSION, self.tenant, self.user, self.item,
-                           self.fingerprint]).encode()
+        if self.generation is None:
+            return json.dumps(["inferscale-kv-seal", SEAL_VERSION, self.tenant, self.user, self.item,
+                               self.fingerprint]).encode()
+        return json.dumps(["inferscale-kv-seal", SEAL_VERSION_GENERATION, self.tenant, self.user, self.item,
+                           self.fingerprint, self.generation]).encode()
 
     def __str__(self) -> str:
         return f"tenant {self.tenant!r} user {self.user!r} item {self.item!r}"
@@ -183,6 +190,10 @@ class SealedLayout:
     def fingerprint(self) -> str:
         return str(self.header.get("fingerprint", ""))
 
+    @property
+    def generation(self) -> int | None:
+        return self.header.get("gen") if self.header.get("v") == SEAL_VERSION_GENERATION else None
+
 
 def parse_sealed(data: bytes | memoryview, *, source: str, total: int | None = None) -> SealedLayout:
     """The header of a sealed blob (``data`` may be just its first bytes when ``total`` is given)."""
@@ -198,8 +209,12 @@ def parse_sealed(data: bytes | memoryview, *, source: str, total: int | None = N
             raise ValueError("header is not an object")
     except (ValueError, UnicodeDecodeError) as e:
         raise BlobCorruptError(f"{source}: unreadable sealed header ({e})") from None
-    if header.get("v") != SEAL_VERSION:
-        raise BlobCorruptError(f"{source}: seal version {header.get('v')!r}, expected {SEAL_VERSION}")
+    if header.get("v") not in (SEAL_VERSION, SEAL_VERSION_GENERATION):
+        raise BlobCorruptError(f"{source}: seal version {header.get('v')!r}, expected {SEAL_VERSION} or "
+                               f"{SEAL_VERSION_GENERATION}")
+    gen = header.get("gen")
+    if header["v"] == SEAL_VERSION_GENERATION and (not isinstance(gen, int) or isinstance(gen, bool) or gen < 0):
+        raise BlobCorruptError(f"{source}: sealed header without a generation")
     return SealedLayout(header, _PREFIX + n, total - _PREFIX - n - TAG_BYTES)
 
 
@@ -215,20 +230,27 @@ def seal(image: bytes | memoryview, keyring: Keyring, binding: Binding) -> bytes
     sealed = AESGCM(data_key).encrypt(nonce, bytes(image), binding.body_aad())
     header = {"v": SEAL_VERSION, "item": binding.item, "fingerprint": binding.fingerprint,
               **_wrap(keyring, binding.tenant, data_key), "nonce": base64.b64encode(nonce).decode()}
+    if binding.generation is not None:
+        header.update(v=SEAL_VERSION_GENERATION, gen=binding.generation)
     return _assemble(header, memoryview(sealed)[:-TAG_BYTES], memoryview(sealed)[-TAG_BYTES:])
 
 
 def open_into(sealed: memoryview, out: memoryview, keyring: Keyring, *, tenant: str, user: str, item: str,
-              fingerprint: str | None = None, source: str = "<blob>") -> SealedLayout:
+              fingerprint: str | None = None, source: str = "<blob>", generation: int | None = None
+              ) -> SealedLayout:
     """Authenticate and decrypt ``sealed`` into ``out[:body_len]``. ``out`` may be the same memory as
     ``sealed`` (the plain image then starts where the sealed file did: each chunk is decrypted into scratch
-    before it is written back, and writes land below the bytes still to be read). On failure ``out`` holds
-    garbage and BlobAuthError names the blob's place, never a key."""
+    before it is written back, and writes land below the bytes still to be read). With ``generation`` (the
+    catalogue's current one; 0 stands for a v1 seal) a blob of any other generation is refused. On failure
+    ``out`` holds garbage and BlobAuthError names the blob's place, never a key."""
     layout = parse_sealed(sealed, source=source)
     fp = layout.fingerprint if fingerprint is None else fingerprint
-    binding = Binding(tenant, user, item, fp)
+    binding = Binding(tenant, user, item, fp, layout.generation)
     if layout.item != item or layout.fingerprint != fp:
         raise BlobAuthError(f"{source}: sealed for item {layout.item!r}, not {binding}")
+    if generation is not None and (layout.generation or 0) != generation:
+        raise BlobAuthError(f"{source}: generation {layout.generation or 0} of {binding}, not the current "
+                            f"{generation} (an older version restored?)")
     data_key = _unwrap(keyring, layout.header, tenant, f"{source} ({binding})")
     try:
         nonce = base64.b64decode(layout.header["nonce"])

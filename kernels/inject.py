@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from inferscale.kernels.inject_checks import _as_index, check_inject_args
+from inferscale.kernels.inject_checks import as_index, check_inject_args
 from inferscale.kernels.rope import rope_shift
 
 
@@ -54,7 +54,7 @@ def inject_reference(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_la
                       dst_positions=dst_positions, deltas=deltas, inv_freq=inv_freq, scale=scale,
                       page_table=page_table, tokens_per_page=tokens_per_page)
     dev = src.device
-    sl, tok = _as_index(src_layers, dev), _as_index(src_tokens, dev)
+    sl, tok = as_index(src_layers, dev), as_index(src_tokens, dev)
     picked = _take(_take(src, 0, sl), 3, tok)  # [G, 2, H, T, D]
     if scale is not None:
         # Select along the dims the scale really has; broadcasting does the rest (no src-sized float copy).
@@ -64,10 +64,10 @@ def inject_reference(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_la
         picked = picked.to(torch.float32) * sc.to(torch.float32)
     else:
         picked = picked.to(torch.float32, copy=True)  # never a view of src: dst may be src
-    keys = rope_shift(picked[:, 0], _as_index(deltas, torch.device("cpu")), inv_freq)  # float32 in, float32 out
+    keys = rope_shift(picked[:, 0], as_index(deltas, torch.device("cpu")), inv_freq)  # float32 in, float32 out
     vals = picked[:, 1]
-    pos = _as_index(dst_positions, dst.device)
-    dl = _as_index(dst_layers, torch.device("cpu"))
+    pos = as_index(dst_positions, dst.device)
+    dl = as_index(dst_layers, torch.device("cpu"))
     if page_table is None and (runs := (_as_slice(dl), _as_slice(pos))) and None not in runs:
         # Contiguous layers and positions (the engine's case): one strided write instead of one per layer.
         dst[runs[0], 0, :, runs[1]] = keys.to(dst.device, dst.dtype)
@@ -80,7 +80,7 @@ def inject_reference(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_la
             if move_values:
                 dst[li, 1, :, pos] = vals[j].to(dst.device, dst.dtype)
         else:
-            pages = _as_index(page_table, dst.device)[pos // tokens_per_page]
+            pages = as_index(page_table, dst.device)[pos // tokens_per_page]
             off = pos % tokens_per_page
             # pool[page, layer, kv, :, off] for each token: advanced indexing puts the token axis first.
             dst[pages, li, 0, :, off] = keys[j].transpose(0, 1).to(dst.device, dst.dtype)

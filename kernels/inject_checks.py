@@ -10,7 +10,7 @@ import torch
 from inferscale.errors import ConfigError
 
 
-def _as_index(x: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def as_index(x: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.long).to(device)
 
 

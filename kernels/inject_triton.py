@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferscale.kernels.inject_checks import _as_index, check_inject_args
+from inferscale.kernels.inject_checks import as_index, check_inject_args
 
 BLOCK_T = 16  # tokens per program: memory blocks are tens of tokens; small tiles keep odd lengths cheap
 
@@ -115,8 +115,8 @@ def inject_triton(src: torch.Tensor, dst: torch.Tensor, *, src_layers, dst_layer
         return dst
     if src.device != dev:
         raise ValueError(f"inject_triton: src on {src.device}, dst on {dev}; stage src on the device first")
-    idx = lambda x: _as_index(x, dev).to(torch.int32).contiguous()  # noqa: E731
-    rows, cos, sin = rotation_table(_as_index(deltas, torch.device("cpu")), inv_freq, dev)
+    idx = lambda x: as_index(x, dev).to(torch.int32).contiguous()  # noqa: E731
+    rows, cos, sin = rotation_table(as_index(deltas, torch.device("cpu")), inv_freq, dev)
     half, heads = src.shape[4] // 2, src.shape[2]
     if page_table is None:
         dst6 = dst.unsqueeze(0)  # one page holding the whole sequence

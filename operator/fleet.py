@@ -1,7 +1,7 @@
 """The operator's side of the fleet path: publish each serving pod's peers, and keep every tier and node clean.
 
 - Peers: every serving pod is told the others' peer addresses (podIP + INFERSCALE_NIXL_PORT, from the pod's status)
-  over the internal API, so a pod that lacks a user asks them in turn (server/fleet.py). Only the operator sets
+  over the internal API, so a pod that lacks a user asks them in turn (inferscale/store/fleet.py). Only the operator sets
   them: the tenant-writable UserMemory status never names a peer to a server.
 - Invalidation: after an edit, every pod outside the placement drops the user entirely (it may hold an on-demand
   copy of an older version) and fetches the current one on its next request; the placement pods are brought up to

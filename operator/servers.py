@@ -104,5 +104,5 @@ class ServerClient:
         return await self._call(pod, "POST", "/internal/v1/purge", body)
 
     async def set_peers(self, pod: ServingPod, peers: list[str]) -> dict[str, Any]:
-        """Tell the pod which other serving pods to ask, in turn, for a user it lacks (server/fleet.py)."""
+        """Tell the pod which other serving pods to ask, in turn, for a user it lacks (inferscale/store/fleet.py)."""
         return await self._call(pod, "PUT", "/internal/v1/peers", {"peers": peers})

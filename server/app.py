@@ -24,6 +24,7 @@ from inferscale.server.services import InternalServices, Services
 from inferscale.server.settings import Settings
 from inferscale.server.logs import inject_trace_ids_into_logs
 from inferscale.server.tracing import setup as setup_telemetry
+from inferscale.store.fleet import Fleet
 
 if TYPE_CHECKING:  # loaded lazily below: the model and store are built only when not injected
     from inferscale.engine import Engine
@@ -82,12 +83,12 @@ def plane_credentials(settings: Settings) -> dict[str, str]:
     return {k: v for k, v in creds.items() if v}
 
 
-def create_internal_app(settings: Settings, store, telemetry) -> FastAPI:
+def create_internal_app(settings: Settings, store, telemetry, fleet: Fleet) -> FastAPI:
     """The internal plane: only ``/internal/v1/*`` (Bearer INFERSCALE_INTERNAL_TOKEN), served on its own
     listener (INFERSCALE_INTERNAL_PORT) over the tenant app's store. The tenant port has no such route."""
     app = FastAPI(title="InferScale internal", version=__version__, docs_url=None, redoc_url=None,
                   description="Operator -> serving pod: pull, purge, capacity.")
-    app.state = InternalServices(settings=settings, store=store)  # type: ignore[assignment]
+    app.state = InternalServices(settings=settings, store=store, fleet=fleet)  # type: ignore[assignment]
     httperrors.install(app)
     # No tenants here: size, and the operator's token before the body is read.
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token)
@@ -132,9 +133,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
 
     app = FastAPI(title="InferScale", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible chat completions with per-user memories injected as KV state.")
+    fleet = Fleet(store)  # one per pod: the tenant routes and the internal plane share its peers and indexes
     st = Services(settings=settings, engine=engine, store=store, embedder=embedder, tenants=tenants,
-                  telemetry=telemetry, worker=worker,
-                  memories=memories.MemoryService(store, embedder, worker, engine, telemetry.metrics),
+                  telemetry=telemetry, worker=worker, fleet=fleet,
+                  memories=memories.MemoryService(store, embedder, worker, engine, telemetry.metrics, fleet),
                   started=time.time(), modes=list(worker.modes),
                   model_ids=[settings.model] + ([engine.loaded.name] if engine.loaded.name != settings.model else []))
     app.state = st  # type: ignore[assignment]  # typed: handlers read request.app.state.<service>
@@ -144,7 +146,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(chat.router)
     app.include_router(memories.router)
     telemetry.instrument(app)
-    st.internal_app = create_internal_app(settings, store, telemetry) if settings.internal_token else None
+    st.internal_app = create_internal_app(settings, store, telemetry, fleet) if settings.internal_token else None
 
     def model_card() -> ModelCard:  # the inferscale field shows the profile: its default stop and modes
         profile = ModelProfile(default_stop=list(engine.template.default_stop), modes=st.modes)

@@ -15,7 +15,7 @@ from inferscale.errors import UnsafePathError
 from inferscale.jobpaths import job_dir_path
 from inferscale.kvformat import SUFFIX
 from inferscale.server.auth import require_internal
-from inferscale.server.fleet import MAX_PEERS, fleet_for
+from inferscale.store.fleet import MAX_PEERS
 from inferscale.server.schemas import Capacity, ErrorBody, PullRequest, PullResult, Purged, PurgeRequest
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_internal)],
@@ -88,7 +88,7 @@ async def purge(req: PurgeRequest, request: Request) -> Purged:
     st = request.app.state
     src = job_dir_path(st.settings.kv_host_path, req.tenant, req.user, req.source_dir) if req.source_dir else None
     blocks, nbytes = await asyncio.to_thread(st.store.purge, req.tenant, req.user, req.items)
-    await asyncio.to_thread(fleet_for(st.store).forget, req.tenant, req.user)  # no stale peer index survives
+    await asyncio.to_thread(st.fleet.forget, req.tenant, req.user)  # no stale peer index survives
     removed_dir = None
     if src is not None:  # with items: only their blobs leave the Job dir (the other items still serve from it)
         removed_dir = await asyncio.to_thread(*((_remove_items, src, req.items) if req.items else (_remove_dir, src)))
@@ -106,14 +106,14 @@ class Peers(BaseModel):
 
 @router.put("/peers", response_model=Peers)
 async def put_peers(req: PeersRequest, request: Request) -> Peers:
-    """Replace the peers this pod asks, in turn, for a user it lacks (server/fleet.py). Only the operator (internal
+    """Replace the peers this pod asks, in turn, for a user it lacks (inferscale/store/fleet.py). Only the operator (internal
     token) sets them: a tenant can never point a pod at a peer of its choosing."""
-    return Peers(peers=fleet_for(request.app.state.store).set_peers(req.peers))
+    return Peers(peers=request.app.state.fleet.set_peers(req.peers))
 
 
 @router.get("/peers", response_model=Peers)
 async def get_peers(request: Request) -> Peers:
-    return Peers(peers=list(fleet_for(request.app.state.store).peers))
+    return Peers(peers=list(request.app.state.fleet.peers))
 
 
 @router.get("/capacity", response_model=Capacity)

@@ -22,7 +22,7 @@ from inferscale.memories import Charge, EngineWorker, Memory, MemoryBook
 from inferscale.retrieval import Embedder, injection_order
 from inferscale.store import ItemInfo, KVStore
 from inferscale.server.auth import Tenant, require_tenant
-from inferscale.server.fleet import fleet_for
+from inferscale.store.fleet import Fleet
 from inferscale.server.genai_metrics import ServerMetrics
 from inferscale.server.httperrors import ApiError
 from inferscale.server.schemas import (ID_PATTERN, ErrorBody, MemoryInfo, MemoryList, PutMemories, PutMemoriesResult,
@@ -37,9 +37,10 @@ class MemoryService:
     """The memory domain (``book``) behind the routes and chat's retrieval, with the tenant's budgets and metrics."""
 
     def __init__(self, store: KVStore, embedder: Embedder, worker: EngineWorker, engine: Engine,
-                 meters: ServerMetrics | None = None) -> None:
+                 meters: ServerMetrics | None = None, fleet: Fleet | None = None) -> None:
         self.book = MemoryBook(store, embedder, worker, engine)
         self.store, self.engine, self.meters = store, engine, meters
+        self.fleet = fleet if fleet is not None else Fleet(store)  # the pod's one fleet (server/app.py)
         self.locks = self.book.locks
 
     @property
@@ -117,8 +118,8 @@ class MemoryService:
 
         Returns (blocks in injection order: least relevant first, ids best first)."""
         with tracer.start_as_current_span("retrieval", context=ctx, attributes={"inferscale.k": k}) as span:
-            # The fleet path (server/fleet.py): this pod's store, else this node's Job dir, else a peer's index.
-            fleet = fleet_for(self.store)
+            # The fleet path (inferscale/store/fleet.py): this pod's store, else this node's Job dir, else a peer's.
+            fleet = self.fleet
             ids, matrix = await asyncio.to_thread(fleet.embeddings, tenant, user, self.book.fingerprint)
             span.set_attribute("inferscale.candidates", len(ids))
             chosen = await asyncio.to_thread(self.book.rank, query, ids, matrix, k)

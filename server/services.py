@@ -16,14 +16,16 @@ from inferscale.server.memories import MemoryService
 from inferscale.server.settings import Settings
 from inferscale.server.tracing import Telemetry
 from inferscale.store import KVStore
+from inferscale.store.fleet import Fleet
 
 
 @dataclass
 class InternalServices:
-    """The internal plane's app (operator -> server): settings and the node's store."""
+    """The internal plane's app (operator -> server): settings, the node's store and its fleet path."""
 
     settings: Settings
     store: KVStore
+    fleet: Fleet
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Services:
     telemetry: Telemetry
     worker: EngineBackend  # the engine seam: the PyTorch loop's worker or the TensorRT-LLM backend
     memories: MemoryService
+    fleet: Fleet  # the fleet path: shared with the internal app (peers, purges)
     started: float  # unix time the app was built (model cards' ``created``)
     model_ids: list[str]  # the names /v1/chat/completions answers to
     modes: list[str]  # the injection modes this build serves

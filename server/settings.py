@@ -11,6 +11,7 @@ from inferscale.contract import (DEFAULT_ENGINE, DEFAULT_KV_DTYPE, DEFAULT_MODE,
                                  KVDtype, Mode)
 from inferscale.errors import ConfigError
 from inferscale.secretfile import read_secret
+from inferscale.store.peer_protocol import MIN_SECRET_CHARS
 
 DEFAULT_MODEL = "gemma-3-270m"
 
@@ -116,7 +117,8 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _credentials_from_files(self) -> Settings:
-        """INFERSCALE_INTERNAL_TOKEN_FILE / INFERSCALE_PEER_SECRET_FILE: read (private files only) into the values."""
+        """INFERSCALE_INTERNAL_TOKEN_FILE / INFERSCALE_PEER_SECRET_FILE: read (private files only) into the values;
+        then the peer secret's own rules, whichever way it came."""
         for value, path in (("internal_token", "internal_token_file"), ("peer_secret", "peer_secret_file")):
             file = getattr(self, path)
             if file is None:
@@ -124,7 +126,18 @@ class Settings(BaseModel):
             if getattr(self, value) is not None:
                 raise ConfigError(f"set {ENV[value]} or {ENV[path]}, not both")
             setattr(self, value, read_secret(file, ENV[path]))
+        self._check_peer_secret()
         return self
+
+    def _check_peer_secret(self) -> None:
+        """The peer plane's secret must not open the internal plane (nor be guessable): a holder of the operator's
+        token is not thereby a peer."""
+        if self.peer_secret is None:
+            return
+        if self.peer_secret == self.internal_token:
+            raise ConfigError(f"{ENV['peer_secret']} must differ from {ENV['internal_token']}")
+        if len(self.peer_secret) < MIN_SECRET_CHARS:
+            raise ConfigError(f"{ENV['peer_secret']} must be at least {MIN_SECRET_CHARS} characters")
 
     @property
     def tenant_budgets(self) -> dict[str, int | None]:

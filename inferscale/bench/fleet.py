@@ -1,7 +1,7 @@
 """``inferscale bench fleet``: TTFT of the fleet's cold path vs a DRAM hit vs text, side by side in one run.
 
 For each k and repeat, on the same question and memories:
-  peer   this pod holds nothing of the user: the fleet path (server/fleet.py) asks a peer PROCESS for the user's
+  peer   this pod holds nothing of the user: the fleet path (inferscale/store/fleet.py) asks a peer PROCESS for the user's
          index (op ``index``), leases exactly the k blocks over NIXL UCX (real agents on loopback), verifies and
          caches them, then the engine answers (injected KV); the clock covers all of it
   dram   the same k blocks already in this pod's DRAM (``get_many``), then the engine answers
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import tempfile
 import time
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from inferscale.bench.synthetic import QUESTIONS, synthetic_memories
     from inferscale.engine import Engine, Sampling
     from inferscale.errors import ConfigError
-    from inferscale.server.fleet import Fleet
+    from inferscale.store.fleet import Fleet
     from inferscale.store import KVStore
     from inferscale.bench.node import child_process, serve_node
 
@@ -65,9 +66,11 @@ def run(args: argparse.Namespace) -> int:
         with KVStore(peer_root, dram_budget_bytes=budget, nixl=False) as s:
             for b in blocks:
                 s.put(TENANT, USER, b)
-        options = {"dram_budget_bytes": budget, "timeout_s": 30.0, "preload": [(TENANT, USER, fp)]}
+        secret = secrets.token_hex(16)  # this run's INFERSCALE_PEER_SECRET
+        options = {"dram_budget_bytes": budget, "timeout_s": 30.0, "preload": [(TENANT, USER, fp)],
+                   "peer_secret": secret}
         with child_process(serve_node, str(peer_root), options) as info, \
-                KVStore(Path(tmp) / "local", dram_budget_bytes=budget, timeout_s=30.0) as local:
+                KVStore(Path(tmp) / "local", dram_budget_bytes=budget, timeout_s=30.0, peer_secret=secret) as local:
             fleet = Fleet(local)
             fleet.set_peers([info["peer"]])
             ids_all = [b.item_id for b in blocks]

@@ -198,7 +198,8 @@ def kl_divergence(ref_logits: torch.Tensor | None, logits: torch.Tensor | None) 
 
 def run(args: argparse.Namespace) -> int:
     from inferscale.engine import Engine, Sampling
-    from inferscale.kvquant import compact, parse_kv_dtypes
+    from inferscale.kvformat import compact
+    from inferscale.kvquant import parse_kv_dtypes
     from inferscale.retrieval import Embedder, injection_order, top_k
 
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})

@@ -25,12 +25,12 @@ def random_engine(shape: str, *, device: str | None, dtype: str | None, seed: in
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from inferscale.engine import Engine
-    from inferscale.models.loader import _dtype, from_model, load_model
+    from inferscale.models.loader import from_model, load_model, torch_dtype_for
 
     if shape not in SHAPES:
         raise ConfigError(f"--random-weights {shape!r}: expected one of {', '.join(SHAPES)}")
     tokenizer = load_model(None, device="cpu").tokenizer
-    torch_dtype = _dtype(dtype, device)
+    torch_dtype = torch_dtype_for(dtype, device)
     cfg = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=False, **SHAPES[shape])
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)

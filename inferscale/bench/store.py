@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import os
+import secrets
 import socket
 import statistics
 import struct
@@ -58,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_blocks(n: int, lo: int, hi: int, seed: int, kv_dtype: str = "bf16"):
     from inferscale.kvformat import KVBlock
-    from inferscale.kvquant import compact
+    from inferscale.kvformat import compact
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -101,10 +102,11 @@ def row(source: str, nblocks: int, nbytes: int, s: float, baseline: str, bs: flo
 
 
 # -- the peer process: a KVStore serving NIXL pulls, plus a plain socket serving the same arena bytes ------------
-def _peer_main(root: str, budget: int, conn) -> None:
+def _peer_main(root: str, budget: int, secret: str, conn) -> None:
     from inferscale.store.store import KVStore
 
-    store = KVStore(root, dram_budget_bytes=budget, peer_port=0, peer_host="127.0.0.1", node="127.0.0.1")
+    store = KVStore(root, dram_budget_bytes=budget, peer_port=0, peer_host="127.0.0.1", node="127.0.0.1",
+                    peer_secret=secret)
     ids = [i.item_id for i in store.list(TENANT, USER)]
     store.get_many(TENANT, USER, ids, FINGERPRINT)  # DRAM-resident, as a serving node holds them
     srv = socket.create_server(("127.0.0.1", 0))
@@ -245,8 +247,9 @@ def bench(work: Path, args: argparse.Namespace, kv_dtype: str = "bf16") -> list[
     from inferscale.store.pulling import fetch_leased
 
     # -- peer process -> DRAM -------------------------------------------------------------------------------
-    with child_process(_peer_main, str(src_root), budget, start_timeout_s=120, stop_timeout_s=30) as info:
-        with KVStore(dst_root, dram_budget_bytes=budget) as st:
+    secret = secrets.token_hex(16)  # this run's INFERSCALE_PEER_SECRET
+    with child_process(_peer_main, str(src_root), budget, secret, start_timeout_s=120, stop_timeout_s=30) as info:
+        with KVStore(dst_root, dram_budget_bytes=budget, peer_secret=secret) as st:
             def nixl_peer() -> None:
                 got, offs = fetch_leased(st, TENANT, USER, info["peer"], ids, FINGERPRINT, None)
                 st.dram.abort(TENANT, offs, [g["size"] for g in got])

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         start = len(engine.prefix_ids) + sum(b.num_tokens for b in blocks[:k])
         t = time.perf_counter()
         with torch.inference_mode():
-            int(torch.argmax(engine._forward(q, start, cache)))
+            int(torch.argmax(engine.forward_logits(q, start, cache)))
         return time.perf_counter() - t
 
     timers = {"text": t_text, "kv": t_kv, "kv_cold": t_cold, "floor": t_floor}

@@ -29,7 +29,7 @@ from inferscale.engine.masks import attention_mask_arg
 from inferscale.engine.template import MemoryItem
 from inferscale.errors import MemoryItemError
 from inferscale.kvformat import KVBlock
-from inferscale.kvquant import compact
+from inferscale.kvformat import compact
 
 # The defaults live in inferscale.contract (the operator hashes each item with CONTEXT_ITEMS predecessors);
 # CONTEXT_TOKENS bounds the work: an item costs at most that many extra tokens to encode.

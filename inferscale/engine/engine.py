@@ -173,17 +173,17 @@ class Engine:
         if mode == "text":
             cache = cache_from_kv(self.prefix_kv, config)
             ids = [t for b in blocks for t in b.token_ids] + list(query_ids)
-            logits = self._forward(ids, p, cache)
+            logits = self.forward_logits(ids, p, cache)
         elif mode == "kv-recompute" and blocks:
             from inferscale.engine.recompute import prefill_with_recompute
 
             cache, logits = prefill_with_recompute(self, blocks, query_ids, recompute_ratio)
         else:
             cache = injected_cache(self.prefix_kv, blocks, self.loaded.layout, config)
-            logits = self._forward(list(query_ids), p + memory_tokens, cache)
+            logits = self.forward_logits(list(query_ids), p + memory_tokens, cache)
         return Sequence(cache=cache, length=total, logits=logits, prompt_tokens=total, memory_tokens=memory_tokens)
 
-    def _forward(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
+    def forward_logits(self, ids: list[int], start: int, cache: DynamicCache) -> torch.Tensor:
         """Run ``ids`` at positions start.. over ``cache``; logits of the last position only."""
         dev = self.device
         out = self.loaded.model(
@@ -211,7 +211,7 @@ class Engine:
     def step(self, seq: Sequence, token: int) -> None:
         """Append ``token`` to the sequence and compute the next logits."""
         seq.generated.append(token)
-        seq.logits = self._forward([token], seq.length, seq.cache)
+        seq.logits = self.forward_logits([token], seq.length, seq.cache)
         seq.length += 1
 
     def serving_loop(self, config: SchedulerConfig | None = None) -> ServingLoop:

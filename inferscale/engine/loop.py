@@ -30,7 +30,7 @@ from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongE
 from inferscale.kvformat import KVBlock
 
 if TYPE_CHECKING:
-    from inferscale.engine.engine import Engine
+    from inferscale.engine.loopengine import LoopEngine as Engine  # what the loop reads of an Engine
 
 
 # ---- events: what a request's client receives ------------------------------------------------------------------

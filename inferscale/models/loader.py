@@ -71,7 +71,7 @@ def load_model(name_or_path: str | None = None, *, device: str | None = None, dt
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    torch_dtype = _dtype(dtype, device)
+    torch_dtype = torch_dtype_for(dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype, attn_implementation="sdpa")
@@ -90,7 +90,7 @@ def from_model(model: torch.nn.Module, tokenizer, *, name: str = "in-memory", we
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, layout=layout, fingerprint=fp)
 
 
-def _dtype(dtype: str | None, device: str | None) -> torch.dtype:
+def torch_dtype_for(dtype: str | None, device: str | None) -> torch.dtype:
     if dtype:
         try:
             return getattr(torch, dtype)

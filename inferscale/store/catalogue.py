@@ -1,12 +1,14 @@
-"""The node's catalogue: one SQLite file listing every item, its size, checksum, tier residency, last access,
-pin and corrupt flags, and its retrieval embedding.
+"""The node's catalogue: one SQLite file listing every item, its size, checksum, pin and corrupt flags, its current generation (with the row's MAC, in a sealed store) and its retrieval
+embedding (sealed, in a sealed store: inferscale/store/versions.py).
 
 Disk is the source of truth: the catalogue is rebuilt from the blobs when missing or unreadable. Residency in
-DRAM/GPU is volatile, so it is cleared when the catalogue is opened."""
+DRAM/GPU is the tiers' own (volatile) state: the columns ``dram``, ``gpu`` and ``last_access`` of older releases are
+no longer written, so a read writes nothing here. The file and its WAL/SHM are 0600."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -22,12 +24,13 @@ CREATE TABLE IF NOT EXISTS items (
   sha256 TEXT NOT NULL, dram INTEGER NOT NULL DEFAULT 0, gpu INTEGER NOT NULL DEFAULT 0,
   last_access REAL NOT NULL DEFAULT 0, pinned INTEGER NOT NULL DEFAULT 0, corrupt INTEGER NOT NULL DEFAULT 0,
   embedding BLOB, created REAL NOT NULL, context TEXT NOT NULL DEFAULT '',
+  generation INTEGER NOT NULL DEFAULT 0, row_mac TEXT NOT NULL DEFAULT '',
   PRIMARY KEY (tenant, user, fingerprint, item)
 );
 CREATE INDEX IF NOT EXISTS items_tenant_user ON items (tenant, user);
 """
 COLS = ("tenant, user, fingerprint, item, path, size, kv_bytes, tokens, sha256, dram, gpu, last_access, pinned, corrupt,"
-        " created, context")
+        " created, context, generation, row_mac")
 CONTEXT_SEP = ","  # context ids are valid ids (inferscale.contract), which never hold a comma
 
 
@@ -52,6 +55,8 @@ class ItemInfo:
     # Ids of the memories this item was encoded behind (its KV depends on them): a delete re-encodes the items
     # naming the deleted one without opening any blob. Ids only: memory text lives only in the sealed blobs.
     context: tuple[str, ...] = ()
+    generation: int = 0  # the current sealed version (inferscale/store/versions.py); 0 in an unsealed store
+    row_mac: str = ""  # authenticates (key, generation, sha256, size) in a sealed store
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -59,10 +64,10 @@ class ItemInfo:
 
 
 def _info(row: tuple) -> ItemInfo:
-    t, u, fp, item, path, size, kvb, tok, sha, dram, gpu, last, pinned, corrupt, created, context = row
+    t, u, fp, item, path, size, kvb, tok, sha, dram, gpu, last, pinned, corrupt, created, context, gen, mac = row
     tiers = [name for name, on in (("gpu", gpu), ("dram", dram), ("disk", 1)) if on]
     return ItemInfo(t, u, fp, item, path, size, kvb, tok, sha, tiers, last, bool(pinned), bool(corrupt), created,
-                    tuple(i for i in context.split(CONTEXT_SEP) if i))
+                    tuple(i for i in context.split(CONTEXT_SEP) if i), gen, mac)
 
 
 class Catalogue:
@@ -88,14 +93,23 @@ class Catalogue:
             self._db.execute("UPDATE items SET dram = 0, gpu = 0 WHERE dram != 0 OR gpu != 0")
 
     def _open(self) -> sqlite3.Connection:
+        # 0600 before SQLite opens it: SQLite gives the WAL and SHM files the database file's mode.
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
         db = sqlite3.connect(self.path, check_same_thread=False, timeout=30, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(SCHEMA)
-        if "context" not in {r[1] for r in db.execute("PRAGMA table_info(items)")}:
-            # A catalogue from before the context column: add it, then rebuild so every row gets its context.
-            db.execute("ALTER TABLE items ADD COLUMN context TEXT NOT NULL DEFAULT ''")
-            self._outdated = True
+        have = {r[1] for r in db.execute("PRAGMA table_info(items)")}
+        for column, ddl in (("context", "context TEXT NOT NULL DEFAULT ''"),
+                            ("generation", "generation INTEGER NOT NULL DEFAULT 0"),
+                            ("row_mac", "row_mac TEXT NOT NULL DEFAULT ''")):
+            if column not in have:
+                # A catalogue from before the column: add it, then rebuild so every row gets its value.
+                db.execute(f"ALTER TABLE items ADD COLUMN {ddl}")
+                self._outdated = True
+        for suffix in ("", "-wal", "-shm"):  # files of an older release, or made under another umask
+            if os.path.exists(f"{self.path}{suffix}"):
+                os.chmod(f"{self.path}{suffix}", 0o600)
         return db
 
     def close(self) -> None:
@@ -110,13 +124,27 @@ class Catalogue:
         with self._lock, self._db:
             self._db.execute(
                 "INSERT INTO items (tenant, user, fingerprint, item, path, size, kv_bytes, tokens, sha256, dram, gpu,"
-                " last_access, pinned, corrupt, embedding, created, context) VALUES (?,?,?,?,?,?,?,?,?,0,0,?,0,0,?,?,?)"
+                " last_access, pinned, corrupt, embedding, created, context, generation, row_mac)"
+                " VALUES (?,?,?,?,?,?,?,?,?,0,0,?,0,0,?,?,?,?,?)"
                 " ON CONFLICT (tenant, user, fingerprint, item) DO UPDATE SET path=excluded.path, size=excluded.size,"
                 " kv_bytes=excluded.kv_bytes, tokens=excluded.tokens, sha256=excluded.sha256, dram=0, gpu=0,"
-                " corrupt=0, embedding=excluded.embedding, context=excluded.context",
+                " corrupt=0, embedding=excluded.embedding, context=excluded.context,"
+                " generation=excluded.generation, row_mac=excluded.row_mac",
                 (*info.key, info.path, info.size, info.kv_bytes, info.tokens, info.sha256, info.last_access, emb,
-                 info.created, CONTEXT_SEP.join(info.context)),
+                 info.created, CONTEXT_SEP.join(info.context), info.generation, info.row_mac),
             )
+
+    def reseal(self, rows: list[tuple[tuple[str, str, str, str], str, bytes | None]]) -> None:
+        """Replace the row MAC and (sealed) embedding of each (key, row_mac, embedding): a key rotation."""
+        with self._lock, self._db:
+            self._db.executemany(
+                "UPDATE items SET row_mac=?, embedding=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
+                [(mac, emb, *key) for key, mac, emb in rows])
+
+    def sealed_embeddings(self) -> list[tuple[tuple[str, str, str, str], int, bytes | None]]:
+        """(key, generation, embedding) of every row: what a key rotation re-seals."""
+        return [(tuple(r[:4]), r[4], r[5]) for r in self._query(
+            "SELECT tenant, user, fingerprint, item, generation, embedding FROM items")]
 
     def set_order(self, tenant: str, user: str, fingerprint: str, item_ids: list[str], start: float) -> None:
         """Make ``item_ids`` the user's list order from ``start`` on (``created`` = start, start + 1 us, ...)."""
@@ -130,36 +158,13 @@ class Catalogue:
             self._db.executemany("DELETE FROM items WHERE tenant=? AND user=? AND fingerprint=? AND item=?", keys)
 
     def set_flag(self, keys: list[tuple[str, str, str, str]], column: str, value: int) -> None:
-        assert column in ("dram", "gpu", "pinned", "corrupt")
+        assert column in ("pinned", "corrupt")
         if not keys:
             return
         with self._lock, self._db:
             self._db.executemany(
                 f"UPDATE items SET {column}=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
                 [(value, *k) for k in keys],
-            )
-
-    def record(self, touched: list[tuple[str, str, str, str]], changes: dict[tuple[str, int], list]) -> None:
-        """One transaction per request: last access of ``touched`` and residency flips {(column, value): keys}."""
-        now = time.time()
-        with self._lock, self._db:
-            if touched:
-                self._db.executemany(
-                    "UPDATE items SET last_access=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
-                    [(now, *k) for k in touched])
-            for (column, value), keys in changes.items():
-                assert column in ("dram", "gpu")
-                if keys:
-                    self._db.executemany(
-                        f"UPDATE items SET {column}=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
-                        [(value, *k) for k in keys])
-
-    def touch(self, keys: list[tuple[str, str, str, str]], when: float | None = None) -> None:
-        when = time.time() if when is None else when
-        with self._lock, self._db:
-            self._db.executemany(
-                "UPDATE items SET last_access=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
-                [(when, *k) for k in keys],
             )
 
     # -- reads ----------------------------------------------------------------------------------------------
@@ -189,9 +194,10 @@ class Catalogue:
     def users(self, tenant: str) -> list[str]:
         return [r[0] for r in self._query("SELECT DISTINCT user FROM items WHERE tenant=? ORDER BY user", (tenant,))]
 
-    def embeddings(self, tenant: str, user: str, fingerprint: str) -> list[tuple[str, bytes]]:
+    def embeddings(self, tenant: str, user: str, fingerprint: str) -> list[tuple[str, bytes, int]]:
+        """(item, embedding, generation) of the user's items that have one."""
         return self._query(
-            "SELECT item, embedding FROM items WHERE tenant=? AND user=? AND fingerprint=? AND embedding IS NOT NULL"
+            "SELECT item, embedding, generation FROM items WHERE tenant=? AND user=? AND fingerprint=? AND embedding IS NOT NULL"
             " AND corrupt=0 ORDER BY item", (tenant, user, fingerprint))
 
     def pinned_keys(self) -> set[tuple[str, str, str, str]]:

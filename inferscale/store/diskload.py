@@ -15,12 +15,12 @@ from inferscale.store.catalogue import ItemInfo
 from inferscale.store.tiers import DramEntry, Key
 
 if TYPE_CHECKING:
-    from inferscale.store.store import KVStore
+    from inferscale.store.node import StoreNode
 
 log = logging.getLogger(__name__)
 
 
-def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: set[Key]
+def load_from_disk(store: StoreNode, tenant: str, rows: list[ItemInfo], protect: set[Key]
                    ) -> tuple[list[DramEntry], list[Key]]:
     """Load ``rows`` from disk into reserved DRAM slots in one batch (NIXL POSIX when present), verify them,
     commit the good ones. Returns (entries, one reference each, owned by the caller; keys evicted)."""
@@ -30,6 +30,10 @@ def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: s
     gens = {r.key: store.dram.generation(r.key) for r in rows}  # before the files are opened
     try:
         for r in rows:
+            if not store.disk.row_ok(r):  # a catalogue row this store did not write: never names a version
+                log.warning("catalogue row of %s/%s/%s fails its MAC (edited?)", tenant, r.user, r.item_id)
+                missing.append(r.item_id)
+                continue
             try:
                 fds.append(os.open(r.path, os.O_RDONLY))
                 opened.append(r)
@@ -42,10 +46,10 @@ def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: s
                 # A put of the key since the row was read explains it (a new version may differ in size: its
                 # metadata did); its content is then verified like any replaced blob. Else the file was
                 # truncated or swapped behind our back.
-                if not store._replaced_since(r.key, s, gens):
+                if not store.replaced_since(r.key, s, gens):
                     missing.append(r.item_id)  # truncated or replaced behind our back
         if missing:
-            store._raise_corrupt(tenant, rows[0].user, missing, mark=True)
+            store.raise_corrupt(tenant, rows[0].user, missing, mark=True)
         offsets, evicted = store.dram.reserve(tenant, sizes, protect)
         try:
             if store.transport is not None and store.transport.has_posix:
@@ -59,30 +63,32 @@ def load_from_disk(store: KVStore, tenant: str, rows: list[ItemInfo], protect: s
     finally:
         for fd in fds:
             os.close(fd)
-    good, bad = store._verify_slots(
-        tenant, [(o, s, r.path, r.sha256, r.item_id, r.fingerprint) for o, s, r in zip(offsets, sizes, opened)],
-        recheck=lambda item, sha: store._changed_since(
+    good, bad = verify_slots(
+        store, tenant, [(o, s, r.path, r.sha256, r.item_id, r.fingerprint) for o, s, r in zip(offsets, sizes, opened)],
+        recheck=lambda item, sha: store.changed_since(
             (tenant, rows[0].user, rows[0].fingerprint, item), sha, gens),
-        sealed_for=rows[0].user if store.keyring is not None else None)
+        sealed_for=rows[0].user if store.keyring is not None else None,
+        generations={r.item_id: r.generation for r in opened})
     loaded = [store.dram.commit(r.key, off, size, info, gens[r.key])
               for (off, size, info), r in zip(good, [r for r in opened if r.item_id not in bad])]
     if bad:
         for e in loaded:
             store.dram.release(e)
-        store._raise_corrupt(tenant, rows[0].user, bad, mark=True)
+        store.raise_corrupt(tenant, rows[0].user, bad, mark=True)
     return loaded, evicted
 
 
-def verify_slots(store: KVStore, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
-                 recheck: Callable[[str, str], bool] | None = None, sealed_for: str | None = None
-                 ) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
+def verify_slots(store: StoreNode, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
+                 recheck: Callable[[str, str], bool] | None = None, sealed_for: str | None = None,
+                 generations: dict[str, int] | None = None) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
     """Verify blob images in reserved arena slots, in parallel. Bad slots are given back. Returns
     ([(offset, size, info)] of good ones in order, [item ids] of bad ones).
 
     ``sealed_for`` (a user): the slots hold sealed files of that user; each is authenticated and opened in
     place (the plain image then starts at the slot's offset, and the slot's tail is given back).
     An intact blob whose checksum differs from the expected one may be a newer version written by a
-    concurrent put: ``recheck(item, sha)`` decides before calling it corrupt."""
+    concurrent put: ``recheck(item, sha)`` decides before calling it corrupt. ``generations`` (item -> the
+    catalogue's current generation): a sealed blob of any other generation is refused."""
 
     def check(slot: tuple[int, int, str, str, str, str]) -> tuple[BlobInfo, int] | None:
         off, size, source, sha, item, fp = slot
@@ -91,7 +97,9 @@ def verify_slots(store: KVStore, tenant: str, slots: list[tuple[int, int, str, s
             if sealed_for is not None:
                 view = store.arena.view(off, size)
                 plain = sealing.open_into(view, view, store.keyring, tenant=tenant, user=sealed_for, item=item,
-                                          fingerprint=fp, source=source).body_len
+                                          fingerprint=fp, source=source,
+                                          generation=None if generations is None else generations.get(item)
+                                          ).body_len
             info = verify(store.arena.view(off, plain), source=source, expect_sha=None, expect_item=item,
                           expect_fingerprint=fp, digest=sealed_for is None)
             if info.sha256 != sha and (recheck is None or not recheck(item, info.sha256)):
@@ -102,7 +110,7 @@ def verify_slots(store: KVStore, tenant: str, slots: list[tuple[int, int, str, s
             log.warning("%s", e)
             return None
 
-    checked = list(store._hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
+    checked = list(store.hasher.map(check, slots)) if len(slots) > 1 else [check(s) for s in slots]
     good, bad = [], []
     for (off, size, _, _, item, _), res in zip(slots, checked):
         if res is None:

@@ -15,7 +15,7 @@ from typing import Callable
 
 from inferscale.contract import id_problem, is_valid_id
 from inferscale.errors import InvalidInputError, StorageError
-from inferscale.kvformat import SUFFIX, TEMP_SUFFIX, atomic_write
+from inferscale.kvformat import SUFFIX, TEMP_SUFFIX, blob_path, fsync_dir, stage_file
 
 FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
 CATALOGUE_NAME = "catalogue.sqlite"
@@ -36,8 +36,9 @@ def check_fingerprint(value: object) -> str:
     return value
 
 
-def blob_path(root: Path, tenant: str, user: str, fingerprint: str, item: str) -> Path:
-    return Path(root) / tenant / user / fingerprint[:FP_DIR_LEN] / f"{item}{SUFFIX}"
+def item_path(root: Path, tenant: str, user: str, fingerprint: str, item: str) -> Path:
+    """Where the store keeps an item's blob: its model's directory of the user, named by ``kvformat.blob_path``."""
+    return blob_path(Path(root) / tenant / user / fingerprint[:FP_DIR_LEN], item)
 
 
 def scan_blobs(root: Path) -> list[tuple[str, str, Path]]:
@@ -52,19 +53,36 @@ def scan_blobs(root: Path) -> list[tuple[str, str, Path]]:
     return out
 
 
+def stage(path: Path, data: bytes | memoryview) -> Path:
+    """A fsynced temp file of ``data`` next to ``path`` (kvformat.stage_file); StorageError when it cannot be."""
+    try:
+        return stage_file(path, data)
+    except OSError as e:  # stage_file removed its temp file; the old blob (if any) is intact
+        raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
+
+
 def write_recorded(path: Path, data: bytes | memoryview, record: Callable[[], None]) -> None:
-    """Write a blob atomically, then ``record()`` it in the catalogue. Disk and catalogue never disagree: a failed
-    write (a full disk) leaves the old blob; a catalogue failure after the rename puts the old blob back (kept
-    as a hard link named like a temp file, so a crash in between leaves an orphan the next start removes) or
-    removes the new one. Either failure is a StorageError."""
+    """Write a blob atomically, then ``record()`` it in the catalogue (``commit_staged``)."""
+    commit_staged(path, stage(path, data), record)
+
+
+def commit_staged(path: Path, staged: Path, record: Callable[[], None], *, sync_dir: bool = True) -> None:
+    """Rename a staged blob into place, then ``record()`` it in the catalogue. Disk and catalogue never disagree: a
+    failed write (a full disk) leaves the old blob; a catalogue failure after the rename puts the old blob back
+    (kept as a hard link named like a temp file, so a crash in between leaves an orphan the next start removes)
+    or removes the new one. Either failure is a StorageError. ``sync_dir=False``: the caller fsyncs the
+    directory once after a batch."""
     keep = None
     if path.exists():
         keep = Path(tempfile.mktemp(prefix=f".{path.name}.keep.", suffix=TEMP_SUFFIX, dir=path.parent))
         os.link(path, keep)
     try:
         try:
-            atomic_write(path, data)
-        except OSError as e:  # atomic_write removed its temp file; the old blob (if any) is intact
+            os.replace(staged, path)
+            if sync_dir:
+                fsync_dir(path.parent)
+        except OSError as e:
+            staged.unlink(missing_ok=True)
             raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
         try:
             record()

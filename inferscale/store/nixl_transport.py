@@ -1,19 +1,19 @@
 """NIXL (``nixl-cu12``) as the one engine that moves blob bytes: POSIX backend for disk -> DRAM, UCX for
-peer DRAM -> local DRAM (and, on GPU nodes, VRAM).
+peer DRAM -> peer DRAM (and, on GPU nodes, VRAM).
 
-What a peer can reach: the DRAM arena is registered with POSIX only (local disk reads), never with UCX, and this
-agent's full metadata never leaves the process. A peer is handed a ``Lease``: a staging copy of exactly the
-leased blocks, registered with UCX for that lease alone, described by partial metadata that names only it. At the
-lease's end the copy is zeroed and deregistered (then kept, zeroed, for a grace period before it is freed, so a
-stale descriptor neither reads tenant bytes nor faults this process). A puller registers its destination slots
-for the duration of one READ and unloads the peer's metadata afterwards.
+What a peer can reach: nothing of a serving node. UCX's TCP and shared-memory transports do not check a remote
+read against the registration it names (a reader that patches the address in a node's metadata reads any byte of
+that process), so no serving node hands out its metadata at all. Bytes move the other way: the puller registers
+exactly its destination slots for one transfer and sends that (partial) metadata to the owner, over an
+authenticated session (inferscale/store/peer.py), only after the owner proved the peer secret; the owner's own
+library WRITEs exactly the leased blocks into them. The DRAM arena is registered with POSIX (disk reads) and with
+UCX as a source only; its descriptors never leave the process.
 
 A NIXL agent is not thread-safe in its default sync mode, so every agent call goes through one lock; transfers
 are batched (one request per get/pull), so serialising them costs little. Every wait has a deadline."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
@@ -21,25 +21,19 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
-
 from inferscale.errors import ConfigError, TransferError
 from inferscale.store.arena import Arena
 
 log = logging.getLogger(__name__)
 
 
-QUARANTINE_SECONDS = 60.0  # how long a released, zeroed lease buffer stays mapped before it is freed
-
-
 @dataclass
-class Lease:
-    """One peer's view of this node: a staging copy of the leased blocks, registered with UCX while it lives."""
+class Exposure:
+    """A puller's destination slots, registered with UCX for one transfer."""
 
-    buf: np.ndarray
     reg: object
     metadata: bytes  # partial agent metadata: connection info + this registration only
-    ranges: list[tuple[int, int]]  # (address, size) of each block in ``buf``, in the order given
+    ranges: list[tuple[int, int]]  # (address, size) of each destination slot
 
 
 def _import_nixl():
@@ -62,7 +56,7 @@ class NixlTransport:
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
         # No progress thread: this wheel's thread busy-polls (about 2/3 of a core per idle agent). Initiators
-        # progress while they wait; a serving node progresses while it holds a lease (poll_notifs).
+        # progress while they wait; a puller progresses while it awaits a peer's WRITE (wait_notif).
         cfg = nixl.nixl_agent_config(enable_prog_thread=False, backends=[])
         self.agent = nixl.nixl_agent(self.name, cfg)
         plugins = self.agent.get_plugin_list()
@@ -77,12 +71,12 @@ class NixlTransport:
             except Exception as e:  # noqa: BLE001 - a backend that cannot start is reported, not fatal
                 log.warning("NIXL backend %s failed to start: %s", b, e)
         self.arena = arena
-        # The arena is registered for local disk reads only: no UCX registration, so no peer can name it.
+        # Registered for local disk reads and as the source of this node's WRITEs; never described to a peer.
         self._arena_reg = None
-        if self.has_posix:
+        if self.backends:
             self._arena_reg = self.agent.register_memory([(arena.base, arena.size, 0, "arena")], "DRAM",
-                                                         backends=["POSIX"])
-        self._quarantine: collections.deque[tuple[float, np.ndarray]] = collections.deque()
+                                                         backends=list(self.backends))
+        self._notifs: set[bytes] = set()  # arrived, not yet claimed by wait_notif
 
     @property
     def has_posix(self) -> bool:
@@ -108,11 +102,11 @@ class NixlTransport:
                 time.sleep(0.0002)
 
     def _run(self, local, remote, remote_agent: str, what: str, backends: list[str], timeout_s: float | None,
-             notif: bytes = b"") -> None:
+             notif: bytes = b"", op: str = "READ") -> None:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         handle, err = None, None
         try:
-            handle = self.agent.initialize_xfer("READ", local, remote, remote_agent, notif_msg=notif, backends=backends)
+            handle = self.agent.initialize_xfer(op, local, remote, remote_agent, notif_msg=notif, backends=backends)
             if self.agent.transfer(handle) == "ERR":
                 raise TransferError(f"{what}: NIXL could not post the transfer")
             self._wait(handle, what, deadline)
@@ -145,77 +139,67 @@ class NixlTransport:
             finally:
                 self.agent.deregister_memory(reg, backends=["POSIX"])
 
-    # -- leases (the owner's side) ---------------------------------------------------------------------------
-    def open_lease(self, images: list[memoryview]) -> Lease:
-        """Copy ``images`` into a fresh staging buffer and register exactly it with UCX for one peer."""
-        sizes = [len(m) for m in images]
-        buf = np.empty(max(1, sum(sizes)), dtype=np.uint8)
-        base, ranges, off = buf.ctypes.data, [], 0
-        for m, n in zip(images, sizes):
-            buf[off : off + n] = np.frombuffer(m, dtype=np.uint8)
-            ranges.append((base + off, n))
-            off += n
+    # -- peer transfers ---------------------------------------------------------------------------------------
+    def expose(self, offsets: list[int], sizes: list[int]) -> Exposure:
+        """Register the arena slots (offset, size) with UCX for one incoming transfer (the puller's side)."""
+        ranges = [(self.arena.base + off, n) for off, n in zip(offsets, sizes)]
         with self.lock:
-            reg = self.agent.register_memory([(base, buf.size, 0, "lease")], "DRAM", backends=["UCX"])
+            reg = self.agent.register_memory([(a, n, 0, "") for a, n in ranges], "DRAM", backends=["UCX"])
             try:
                 md = self.agent.get_partial_agent_metadata(reg, True, ["UCX"])
             except Exception:
                 self.agent.deregister_memory(reg, backends=["UCX"])
                 raise
-        return Lease(buf, reg, md, ranges)
+        return Exposure(reg, md, ranges)
 
-    def close_lease(self, lease: Lease) -> None:
-        """End a lease: zero its bytes, deregister them, and free them after the quarantine period."""
-        lease.buf.fill(0)
+    def unexpose(self, exposure: Exposure) -> None:
         with self.lock:
-            try:
-                self.agent.deregister_memory(lease.reg, backends=["UCX"])
-            except Exception as e:  # noqa: BLE001 - the bytes are zeroed either way
-                log.warning("deregistering a lease: %s", e)
-            now = time.monotonic()
-            self._quarantine.append((now + QUARANTINE_SECONDS, lease.buf))
-            while self._quarantine and self._quarantine[0][0] < now:
-                self._quarantine.popleft()
+            self.agent.deregister_memory(exposure.reg, backends=["UCX"])
 
-    # -- pulls (the puller's side) ----------------------------------------------------------------------------
-    def read_leased(self, metadata: bytes, remote: list[tuple[int, int]], offsets: list[int],
-                    timeout_s: float | None = None, notif: bytes = b"") -> None:
-        """READ a peer's leased ranges (address, size) into arena ``offsets``: one UCX request for the batch.
-        The peer's (per-lease) metadata is loaded for this READ and unloaded after it; the destination slots
-        are registered with UCX only meanwhile. ``notif`` reaches the peer once the data has been read."""
-        if not remote:
-            return
-        local_ranges = [(self.arena.base + off, size) for (_, size), off in zip(remote, offsets)]
+    def write_to(self, metadata: bytes, sources: list[tuple[int, int]], remote: list[tuple[int, int]],
+                 notif: bytes, timeout_s: float | None = None) -> None:
+        """WRITE arena ranges ``sources`` (offset, size) into a puller's exposed ``remote`` (address, size), one
+        UCX request; ``notif`` reaches the puller once the bytes have landed. The puller's metadata is loaded
+        for this transfer only."""
         with self.lock:
             try:
                 agent = self.agent.add_remote_agent(metadata)
             except Exception as e:
-                raise TransferError(f"peer agent metadata rejected: {e}") from None
+                raise TransferError(f"puller agent metadata rejected: {e}") from None
             try:
-                reg = self.agent.register_memory([(a, n, 0, "") for a, n in local_ranges], "DRAM", backends=["UCX"])
-                try:
-                    local = self.agent.get_xfer_descs([(a, n, 0) for a, n in local_ranges], "DRAM")
-                    rdescs = self.agent.get_xfer_descs([(addr, size, 0) for addr, size in remote], "DRAM")
-                    self._run(local, rdescs, agent, "peer read", ["UCX"], timeout_s, notif)
-                finally:
-                    self.agent.deregister_memory(reg, backends=["UCX"])
+                local = self.agent.get_xfer_descs([(self.arena.base + off, n, 0) for off, n in sources], "DRAM")
+                rdescs = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in remote], "DRAM")
+                self._run(local, rdescs, agent, "peer write", ["UCX"], timeout_s, notif, op="WRITE")
             finally:
                 try:
                     self.agent.remove_remote_agent(agent)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
 
-    def poll_notifs(self) -> list[bytes]:
-        """Progress the agent and return notifications that arrived (from any peer)."""
+    def wait_notif(self, msg: bytes, deadline: float) -> bool:
+        """Progress the agent until notification ``msg`` has arrived (True) or ``deadline`` (monotonic) passed."""
+        while True:
+            self.poll_notifs()
+            with self.lock:
+                if msg in self._notifs:
+                    self._notifs.discard(msg)
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0001)
+
+    def poll_notifs(self) -> None:
+        """Progress the agent; notifications that arrived wait for wait_notif (bounded: a flood is dropped)."""
         with self.lock:
             got = self.agent.get_new_notifs()
-        return [m for msgs in got.values() for m in msgs]
+            if len(self._notifs) > 4096:
+                self._notifs.clear()
+            self._notifs.update(m for msgs in got.values() for m in msgs)
 
     def close(self) -> None:
         with self.lock:
             try:
                 if self._arena_reg is not None:
-                    self.agent.deregister_memory(self._arena_reg, backends=["POSIX"])
+                    self.agent.deregister_memory(self._arena_reg, backends=list(self.backends))
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
-            self._quarantine.clear()

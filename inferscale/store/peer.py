@@ -1,88 +1,48 @@
-"""The tiny metadata service next to each node's NIXL agent (G4).
+"""The peer control plane's transport (G4): authenticated sessions over TCP (messages and MACs:
+inferscale/store/peer_protocol.py).
 
-A puller asks over TCP "where are blocks X, Y of tenant/user?"; the owner makes them DRAM-resident, holds them
-(a lease, so they cannot be evicted mid-transfer) and answers with arena addresses, sizes and checksums plus its
-NIXL agent metadata. The puller then READs all of them in one NIXL request and says "done". Only metadata
-crosses this socket; the bytes go through NIXL. Frames: 4-byte big-endian length + JSON.
-
-Authentication (``INFERSCALE_PEER_SECRET``, never sent): on connect the server sends ``{"nonce": <hex>}``, fresh
-per connection; the client's one request carries ``"auth": hex(HMAC-SHA256(secret, nonce || canonical JSON of
-the request without "auth"))``, checked with ``hmac.compare_digest``. A sniffed request cannot be replayed (the
-next connection has another nonce) nor altered (the MAC covers every field). The request also carries the
-client's own nonce ``"cnonce"``; a successful reply carries ``"auth": hex(HMAC-SHA256(secret, "reply:" || cnonce ||
-canonical JSON of the reply without "auth"))``, so a process on a peer's address without the secret cannot hand
-out leases (forged blocks, metadata). Error replies are not MACed: forging one only fails a pull."""
+Only metadata crosses these sockets; block bytes go through NIXL. Admission is in two stages so that nobody
+without the secret can starve the peers that have it: a connection that has not yet proved the secret holds a
+pre-auth slot, at most ``preauth_per_source`` per source address and ``preauth_total`` in all, for at most
+``preauth_deadline_s``; a proved session then holds one of ``max_sessions`` session slots (``sessions_per_peer``
+per source)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import secrets
+import select
 import socket
 import socketserver
-import struct
 import threading
 import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from inferscale.errors import TransferError
+from inferscale.errors import InferScaleError, NotFoundError, TransferError
+from inferscale.store import peer_protocol as wire
 
 log = logging.getLogger(__name__)
-# Frame bounds per direction, checked on the 4-byte length before a byte of the frame is allocated: a request
-# (locate names at most a user's item ids) is read before its MAC can be checked, so it stays small.
-MAX_GREETING = 1 << 10
-MAX_REQUEST = 1 << 20
-MAX_REPLY = 8 << 20  # locate: partial agent metadata (base64) + one record per block
-MAX_CONNECTIONS = 32  # peer connections served at once; more are answered "busy" and closed
-REQUEST_DEADLINE_S = 5.0  # from connect to a whole request: a slow or idle client is cut off
+PREAUTH_PER_SOURCE = 4
+PREAUTH_TOTAL = 64
+PREAUTH_DEADLINE_S = 1.0  # from connect to a verified hello
+MAX_SESSIONS = 32
+SESSIONS_PER_PEER = 16  # one pod's concurrent pulls from this one; the rest of MAX_SESSIONS stays for others
+MAX_REQUESTS_PER_SESSION = 64
 
 
-def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
-    data = json.dumps(msg).encode()
-    sock.sendall(struct.pack(">I", len(data)) + data)
+@dataclass(frozen=True)
+class Session:
+    """One authenticated connection, as the server sees it."""
+
+    id: str
+    peer: str  # the client's source address: what per-peer caps count
+    transcript: bytes
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    """``n`` bytes, read in pieces (nothing is allocated for bytes that never arrive); by ``deadline``
-    (monotonic) when given, however slowly they trickle in."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("peer request deadline passed")
-            sock.settimeout(left)
-        piece = sock.recv(min(n - len(buf), 1 << 16))
-        if not piece:
-            raise ConnectionError("peer closed the connection")
-        buf += piece
-    return bytes(buf)
-
-
-def recv_msg(sock: socket.socket, limit: int = MAX_REPLY, deadline: float | None = None) -> dict[str, Any]:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
-    if n > limit:
-        raise ConnectionError(f"frame of {n} bytes announced, over the {limit}-byte limit")
-    msg = json.loads(_recv_exact(sock, n, deadline))
-    if not isinstance(msg, dict):
-        raise ValueError("a frame that is not a JSON object")
-    return msg
-
-
-def canonical(msg: dict[str, Any]) -> bytes:
-    """The bytes a request's MAC covers: every field but "auth", keys sorted, no whitespace."""
-    return json.dumps({k: v for k, v in msg.items() if k != "auth"}, sort_keys=True, separators=(",", ":")).encode()
-
-
-def request_mac(secret: str, nonce: str, msg: dict[str, Any]) -> str:
-    return hmac.new(secret.encode(), nonce.encode() + b"\n" + canonical(msg), hashlib.sha256).hexdigest()
-
-
-def reply_mac(secret: str, cnonce: str, reply: dict[str, Any]) -> str:
-    return hmac.new(secret.encode(), b"reply:" + cnonce.encode() + b"\n" + canonical(reply),
-                    hashlib.sha256).hexdigest()
+Handler = Callable[[dict[str, Any], Session], dict[str, Any]]
 
 
 def parse_peer(peer: str) -> tuple[str, int]:
@@ -92,69 +52,181 @@ def parse_peer(peer: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def request(peer: str, msg: dict[str, Any], timeout_s: float, secret: str | None = None) -> dict[str, Any]:
-    """One request/response to a peer's metadata service, bounded by ``timeout_s`` end to end; with ``secret``
-    the request is MACed over the server's nonce (the secret itself never leaves this process)."""
-    host, port = parse_peer(peer)
+class PeerSession:
+    """The client side of one session: connect, prove the secret, then ``call`` any number of requests, each reply
+    checked against the transcript. Raises TransferError on anything a peer holding the secret would not send."""
+
+    def __init__(self, peer: str, secret: str, timeout_s: float) -> None:
+        self.peer, self.secret, self.timeout_s = peer, wire.check_secret(secret), timeout_s
+        host, port = parse_peer(peer)
+        self.seq = 0
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as e:
+            raise TransferError(f"peer {peer} unreachable ({e})") from None
+        try:
+            self.sock.settimeout(timeout_s)
+            greeting = wire.recv_msg(self.sock, wire.MAX_GREETING)
+            snonce = greeting.get("nonce")
+            if greeting.get("v") != 2 or not isinstance(snonce, str):
+                raise TransferError(f"peer {peer}: no peer-protocol greeting ({greeting.get('error', 'no nonce')})")
+            cnonce = secrets.token_hex(16)
+            self.t = wire.transcript(snonce, cnonce, wire.endpoint(self.sock.getpeername()),
+                                     wire.endpoint(self.sock.getsockname()))
+            self.hello = {"cnonce": cnonce, "proof": wire.client_proof(secret, self.t)}
+            wire.send_msg(self.sock, self.hello)
+        except (OSError, ValueError) as e:
+            self.sock.close()
+            raise TransferError(f"peer {peer} not answering ({e})") from None
+        except BaseException:
+            self.sock.close()
+            raise
+        self.hello_checked = False
+
+    def _authentic(self, request: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+        if not wire.verify(reply.get("auth"), wire.reply_mac(self.secret, self.t, request, reply)):
+            raise TransferError(f"peer {self.peer}: reply not authenticated (not a peer holding "
+                                "INFERSCALE_PEER_SECRET)")
+        return {k: v for k, v in reply.items() if k not in ("auth", "seq")}
+
+    def call(self, msg: dict[str, Any], progress: Callable[[], object] | None = None) -> dict[str, Any]:
+        """One request; its reply (an ``error`` reply included) once its MAC checks. ``progress`` runs while the
+        reply is awaited (a NIXL agent that must progress for the peer's transfer to land)."""
+        self.seq += 1
+        req = {**msg, "seq": self.seq}
+        req["auth"] = wire.request_mac(self.secret, self.t, req)
+        try:
+            wire.send_msg(self.sock, req)
+            if progress is not None:
+                deadline = time.monotonic() + self.timeout_s
+                while not select.select([self.sock], [], [], 0.0002)[0]:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("no reply in time")
+                    progress()
+            reply = wire.recv_msg(self.sock)
+            if reply.get("hello") is not None:  # the server refused the hello: its reply answers that
+                return self._authentic(self.hello, reply)
+        except (OSError, ValueError) as e:
+            raise TransferError(f"peer {self.peer} not answering ({e})") from None
+        return self._authentic(req, reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> PeerSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def request(peer: str, msg: dict[str, Any], timeout_s: float, secret: str) -> dict[str, Any]:
+    """One request in a session of its own."""
+    with PeerSession(peer, secret, timeout_s) as s:
+        return s.call(msg)
+
+
+class _Admission:
+    """Counts of pre-auth connections and sessions, per source and in all."""
+
+    def __init__(self, preauth_per_source: int, preauth_total: int, max_sessions: int, per_peer: int) -> None:
+        self.lock = threading.Lock()
+        self.preauth: Counter[str] = Counter()
+        self.sessions: Counter[str] = Counter()
+        self.limits = (preauth_per_source, preauth_total, max_sessions, per_peer)
+
+    def enter(self, source: str) -> bool:
+        per_source, total = self.limits[:2]
+        with self.lock:
+            if self.preauth[source] >= per_source or sum(self.preauth.values()) >= total:
+                return False
+            self.preauth[source] += 1
+            return True
+
+    def promote(self, source: str) -> bool:
+        """Pre-auth -> session; False (and still pre-auth) when the session slots are full."""
+        most, per_peer = self.limits[2:]
+        with self.lock:
+            if self.sessions[source] >= per_peer or sum(self.sessions.values()) >= most:
+                return False
+            self.sessions[source] += 1
+            self._drop(self.preauth, source)
+            return True
+
+    def leave(self, source: str, promoted: bool) -> None:
+        with self.lock:
+            self._drop(self.sessions if promoted else self.preauth, source)
+
+    @staticmethod
+    def _drop(c: Counter[str], source: str) -> None:
+        c[source] -= 1
+        if c[source] <= 0:
+            del c[source]
+
+
+def _safe(handler: Handler, msg: dict[str, Any], session: Session) -> dict[str, Any]:
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as s:
-            s.settimeout(timeout_s)
-            nonce = recv_msg(s, MAX_GREETING).get("nonce")
-            if not isinstance(nonce, str):
-                raise ValueError("no nonce in the peer's greeting")
-            if secret:
-                msg = {**msg, "cnonce": secrets.token_hex(16)}
-                msg["auth"] = request_mac(secret, nonce, msg)
-            send_msg(s, msg)
-            reply = recv_msg(s)
-    except (OSError, ConnectionError, ValueError) as e:
-        raise TransferError(f"peer {peer} unreachable or not answering ({e})") from None
-    got = reply.pop("auth", None)
-    if secret and "error" not in reply and not (isinstance(got, str) and hmac.compare_digest(
-            got.encode(), reply_mac(secret, msg["cnonce"], reply).encode())):
-        raise TransferError(f"peer {peer}: reply not authenticated (not a peer holding INFERSCALE_PEER_SECRET)")
-    return reply
+        return handler(msg, session)
+    except NotFoundError as e:
+        return {"error": "not_found", "message": str(e)}
+    except InferScaleError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    except Exception as e:  # noqa: BLE001 - a bug here must not kill the service thread
+        log.exception("peer request failed")
+        return {"error": "internal", "message": f"{type(e).__name__}: {e}"}
 
 
 class PeerServer:
-    """Serves ``handler(msg) -> reply`` on a TCP port in daemon threads; with ``secret``, only to MACed requests."""
+    """Serves ``handler(msg, session) -> reply`` to sessions that proved ``secret``; ``on_close(session)`` runs when
+    a session ends (however it ends)."""
 
-    def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]],
-                 secret: str | None = None, timeout_s: float = 30.0, *, max_connections: int = MAX_CONNECTIONS,
-                 request_deadline_s: float = REQUEST_DEADLINE_S) -> None:
-        outer = self
-        slots = threading.BoundedSemaphore(max_connections)
+    def __init__(self, host: str, port: int, handler: Handler, secret: str, timeout_s: float = 30.0, *,
+                 on_close: Callable[[Session], None] | None = None, preauth_per_source: int = PREAUTH_PER_SOURCE,
+                 preauth_total: int = PREAUTH_TOTAL, preauth_deadline_s: float = PREAUTH_DEADLINE_S,
+                 max_sessions: int = MAX_SESSIONS, sessions_per_peer: int = SESSIONS_PER_PEER) -> None:
+        secret = wire.check_secret(secret)
+        admission = _Admission(preauth_per_source, preauth_total, max_sessions, sessions_per_peer)
 
-        class _Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:  # one request per connection
-                self.request.settimeout(timeout_s)
-                try:
-                    nonce = secrets.token_hex(16)
-                    send_msg(self.request, {"nonce": nonce})
-                    msg = recv_msg(self.request, MAX_REQUEST, time.monotonic() + request_deadline_s)
-                    self.request.settimeout(timeout_s)
-                    got = msg.get("auth")
-                    if secret is not None and not (isinstance(got, str) and hmac.compare_digest(
-                            got.encode(), request_mac(secret, nonce, msg).encode())):
-                        reply = {"error": "unauthorized", "message": "bad or missing peer MAC (INFERSCALE_PEER_SECRET)"}
-                    else:
-                        reply = outer._safe(handler, msg)
-                        cnonce = msg.get("cnonce")
-                        if secret is not None and "error" not in reply and isinstance(cnonce, str):
-                            reply = {**reply, "auth": reply_mac(secret, cnonce, reply)}
-                    send_msg(self.request, reply)
-                except (OSError, ConnectionError, ValueError) as e:
-                    log.debug("peer connection dropped: %s", e)
+        def serve(conn: socket.socket, source: str) -> None:
+            promoted = False
+            try:
+                conn.settimeout(timeout_s)
+                snonce = secrets.token_hex(16)
+                wire.send_msg(conn, {"v": 2, "nonce": snonce})
+                hello = wire.recv_msg(conn, wire.MAX_HELLO, time.monotonic() + preauth_deadline_s)
+                cnonce = hello.get("cnonce")
+                if not isinstance(cnonce, str) or len(cnonce) > 64:
+                    return
+                t = wire.transcript(snonce, cnonce, wire.endpoint(conn.getsockname()),
+                                    wire.endpoint(conn.getpeername()))
+                refusal = None
+                if not wire.verify(hello.get("proof"), wire.client_proof(secret, t)):
+                    refusal = {"hello": False, "error": "unauthorized", "message": "bad or missing peer proof "
+                               "(INFERSCALE_PEER_SECRET; a relayed session does not verify)"}
+                elif not admission.promote(source):
+                    refusal = {"hello": False, "error": "busy", "message": "too many peer sessions"}
+                if refusal is not None:
+                    wire.send_msg(conn, {**refusal, "auth": wire.reply_mac(secret, t, hello, refusal)})
+                    return
+                promoted = True
+                self._session(conn, Session(uuid.uuid4().hex, source, t))
+            except (OSError, ValueError) as e:
+                log.debug("peer connection from %s dropped: %s", source, e)
+            finally:
+                admission.leave(source, promoted)
+
+        self.handler, self.on_close, self.secret, self.timeout_s = handler, on_close, secret, timeout_s
 
         class _Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
 
             def process_request(self, request, client_address) -> None:
-                if not slots.acquire(blocking=False):  # no thread for a connection over the cap
+                source = client_address[0]
+                if not admission.enter(source):  # no thread for a connection over its source's bound
                     try:
-                        request.settimeout(1.0)
-                        send_msg(request, {"error": "busy", "message": "too many peer connections"})
+                        request.settimeout(0.2)
+                        wire.send_msg(request, {"error": "busy", "message": "too many unauthenticated connections"})
                     except OSError:
                         pass
                     self.shutdown_request(request)
@@ -162,33 +234,37 @@ class PeerServer:
                 try:
                     super().process_request(request, client_address)
                 except BaseException:
-                    slots.release()
+                    admission.leave(source, False)
                     raise
 
-            def process_request_thread(self, request, client_address) -> None:
-                try:
-                    super().process_request_thread(request, client_address)
-                finally:
-                    slots.release()
+            def finish_request(self, request, client_address) -> None:
+                serve(request, client_address[0])
 
-        self._server = _Server((host, port), _Handler)
+        self._server = _Server((host, port), socketserver.BaseRequestHandler)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvstore-peer", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _safe(handler: Callable[[dict[str, Any]], dict[str, Any]], msg: dict[str, Any]) -> dict[str, Any]:
-        from inferscale.errors import InferScaleError, NotFoundError
-
+    def _session(self, conn: socket.socket, session: Session) -> None:
+        secret = self.secret
         try:
-            return handler(msg)
-        except NotFoundError as e:
-            return {"error": "not_found", "message": str(e)}
-        except InferScaleError as e:
-            return {"error": type(e).__name__, "message": str(e)}
-        except Exception as e:  # noqa: BLE001 - a bug here must not kill the service thread
-            log.exception("peer request failed")
-            return {"error": "internal", "message": f"{type(e).__name__}: {e}"}
+            for seq in range(1, MAX_REQUESTS_PER_SESSION + 1):
+                try:
+                    msg = wire.recv_msg(conn, wire.MAX_REQUEST, time.monotonic() + self.timeout_s)
+                except ConnectionError:
+                    return  # the client is done
+                if msg.get("seq") != seq or not wire.verify(msg.get("auth"),
+                                                            wire.request_mac(secret, session.transcript, msg)):
+                    reply = {"error": "unauthorized", "message": "bad peer request MAC or sequence number"}
+                else:
+                    reply = _safe(self.handler, {k: v for k, v in msg.items() if k not in ("auth", "seq")}, session)
+                reply = {**reply, "seq": seq}
+                wire.send_msg(conn, {**reply, "auth": wire.reply_mac(secret, session.transcript, msg, reply)})
+                if reply.get("error") == "unauthorized":
+                    return
+        finally:
+            if self.on_close is not None:
+                self.on_close(session)
 
     def close(self) -> None:
         self._server.shutdown()

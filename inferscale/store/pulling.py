@@ -1,6 +1,6 @@
-"""Peer pulls (G4, the puller's side): ask a peer's metadata service for a lease on a user's blocks (a MACed
-request, inferscale/store/peer.py), READ the leased staging copy in one NIXL UCX request into reserved arena
-slots, verify every checksum, store the good blocks on disk and in DRAM."""
+"""Peer pulls (G4, the puller's side): in one authenticated session (inferscale/store/peer.py) lease a user's
+blocks at a peer, expose reserved arena slots for exactly them and let the peer's NIXL agent WRITE them there
+(one UCX request), verify every checksum, store the good blocks on disk and in DRAM."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 from inferscale.errors import ConfigError, NotFoundError, TransferError, UnsafePathError
 from inferscale.store import peer as peerproto
+from inferscale.store.diskload import verify_slots
 from inferscale.store.layout import check_fingerprint, check_name
 
 if TYPE_CHECKING:
-    from inferscale.store.store import KVStore, PullResult
+    from inferscale.store.node import StoreNode
+    from inferscale.store.results import PullResult
 
 log = logging.getLogger(__name__)
 
 
-def pull_from_peer(store: KVStore, tenant: str, user: str, peer: str, item_ids: list[str] | None,
+def pull_from_peer(store: StoreNode, tenant: str, user: str, peer: str, item_ids: list[str] | None,
                    fingerprint: str | None, source_dir: str | None) -> PullResult:
     t0 = time.perf_counter()
     check_name("tenant", tenant), check_name("user", user)
@@ -28,67 +30,82 @@ def pull_from_peer(store: KVStore, tenant: str, user: str, peer: str, item_ids: 
     if fingerprint is not None:
         check_fingerprint(fingerprint)
     blocks, offsets = fetch_leased(store, tenant, user, peer, item_ids, fingerprint, source_dir)
-    good, bad = store._verify_slots(
-        tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
+    good, bad = verify_slots(
+        store, tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
                   b["fingerprint"]) for o, b in zip(offsets, blocks)])
+    try:
+        store.store_images(tenant, user, [(store.arena.view(off, size), info) for off, size, info in good])
+    except BaseException:  # e.g. a full disk: give back every slot (the items written load from disk)
+        for o, s, _ in good:
+            store.dram.abort(tenant, [o], [s])
+        raise
     nbytes = 0
-    for n, (off, size, info) in enumerate(good):
-        try:
-            store._store_image(tenant, user, store.arena.view(off, size), info, cache=False)
-        except BaseException:  # e.g. a full disk: give back the slots not committed yet
-            for o, s, _ in good[n:]:
-                store.dram.abort(tenant, [o], [s])
-            raise
-        key = (tenant, user, info.fingerprint, info.item_id)
-        store.dram.release(store.dram.commit(key, off, size, info))
+    for off, size, info in good:
+        store.dram.release(store.dram.commit((tenant, user, info.fingerprint, info.item_id), off, size, info))
         nbytes += size
-    store.catalogue.set_flag([(tenant, user, i.fingerprint, i.item_id) for _, _, i in good], "dram", 1)
-    store._counters["peer_pulls"] += len(good)
+    store.counters["peer_pulls"] += len(good)
     if bad:
-        store._raise_corrupt(tenant, user, bad, mark=True)
-    return store._result(tenant, user, len(good), nbytes, "dram", t0)
+        store.raise_corrupt(tenant, user, bad, mark=True)
+    return store.pull_result(tenant, user, len(good), nbytes, "dram", t0)
 
 
-def fetch_leased(store: KVStore, tenant: str, user: str, peer: str, item_ids: list[str] | None,
-           fingerprint: str | None, source_dir: str | None) -> tuple[list[dict[str, Any]], list[int]]:
-    """Get a lease on the blocks at the peer, READ them all in one NIXL request into reserved arena slots, end
-    the lease. Returns (the peer's block records, slot offsets); the slots are unverified and uncommitted."""
-    if store.transport is None or not store.transport.has_ucx:
-        raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
-    reply = peerproto.request(peer, {"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
-                                     "fingerprint": fingerprint, "dir": source_dir},
-                              store.timeout_s, store.peer_secret)
+def _reply_error(peer: str, reply: dict[str, Any]) -> None:
+    """Raise the typed error an (authenticated) error reply stands for."""
     if reply.get("error") == "not_found":
         raise NotFoundError(f"peer {peer}: {reply.get('message')}")
     if reply.get("error") == "UnsafePathError":  # the peer refused the Job dir by the shared rule
         raise UnsafePathError(f"peer {peer}: {reply.get('message')}", param="source.dir")
     if "error" in reply:
         raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
-    lease, blocks = reply["lease"], reply["blocks"]
-    done = False
-    try:
+
+
+def fetch_leased(store: StoreNode, tenant: str, user: str, peer: str, item_ids: list[str] | None,
+                 fingerprint: str | None, source_dir: str | None) -> tuple[list[dict[str, Any]], list[int]]:
+    """In one session: lease the blocks at the peer, reserve arena slots, expose exactly them and have the peer
+    WRITE the blocks into them. Returns (the peer's block records, slot offsets); unverified, uncommitted."""
+    transport = store.transport
+    if transport is None or not transport.has_ucx:
+        raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
+    with peerproto.PeerSession(peer, peer_secret(store), store.timeout_s) as session:
+        reply = session.call({"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
+                              "fingerprint": fingerprint, "dir": source_dir})
+        _reply_error(peer, reply)
+        lease, blocks = reply.get("lease"), reply.get("blocks")
+        if not isinstance(lease, str) or not isinstance(blocks, list):
+            raise TransferError(f"peer {peer}: malformed lease reply")
         sizes = [b["size"] for b in blocks]
-        offsets, evicted = store.dram.reserve(tenant, sizes)
+        offsets, _ = store.dram.reserve(tenant, sizes)
+        written = inflight = False
         try:
-            # The completion notification ends the peer's lease: no extra round trip on success.
-            store.transport.read_leased(base64.b64decode(reply["agent"]), [(b["addr"], b["size"]) for b in blocks],
-                                        offsets, notif=f"lease:{lease}".encode())
-            done = True
-        except TransferError as e:
-            if not getattr(e, "inflight", False):  # a transfer still in flight may yet write: leak, not reuse
-                store.dram.abort(tenant, offsets, sizes)
-            raise
-    finally:
-        if not done:
+            exposure = transport.expose(offsets, sizes)
             try:
-                peerproto.request(peer, {"op": "release", "lease": lease}, store.timeout_s, store.peer_secret)
-            except TransferError as e:
-                log.warning("releasing lease at %s: %s", peer, e)
-    store.catalogue.record([], {("dram", 0): evicted})
+                notif = f"lease:{lease}".encode()
+                inflight = True  # until the owner answers: its transfer may still be under way
+                done = session.call({"op": "write", "lease": lease, "agent": base64.b64encode(exposure.metadata).decode(),
+                                     "dsts": [list(r) for r in exposure.ranges]}, progress=transport.poll_notifs)
+                inflight = done.get("inflight") is True
+                _reply_error(peer, done)
+                # The owner's transfer is done; its notification follows the bytes.
+                if not transport.wait_notif(notif, time.monotonic() + store.timeout_s):
+                    raise TransferError(f"peer {peer}: the write's completion never arrived")
+                written = True
+            finally:
+                transport.unexpose(exposure)
+        finally:
+            if inflight:  # the owner's transfer may still land: withhold the slots, never reuse them
+                log.warning("pull from %s: %d slot(s) of %s withheld (a transfer in flight)", peer, len(offsets), tenant)
+            elif not written:
+                store.dram.abort(tenant, offsets, sizes)
     return blocks, offsets
 
 
-def peer_index(store: KVStore, tenant: str, user: str, peer: str, fingerprint: str,
+def peer_secret(store: StoreNode) -> str:
+    if not store.peer_secret:
+        raise ConfigError("peer pulls need INFERSCALE_PEER_SECRET (KVStore(peer_secret=...))")
+    return store.peer_secret
+
+
+def peer_index(store: StoreNode, tenant: str, user: str, peer: str, fingerprint: str,
                job_dir: bool = True) -> tuple[list[str], Any]:
     """(item ids, [n, dim] float32 embeddings) of the user at ``peer`` (op ``index``): what a puller ranks before
     leasing exactly the top-k blocks. ``job_dir``: the peer first imports its own node's Job output dir for the
@@ -97,13 +114,8 @@ def peer_index(store: KVStore, tenant: str, user: str, peer: str, fingerprint: s
 
     check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
     reply = peerproto.request(peer, {"op": "index", "tenant": tenant, "user": user, "fingerprint": fingerprint,
-                                     "job_dir": job_dir}, store.timeout_s, store.peer_secret)
-    if reply.get("error") == "not_found":
-        raise NotFoundError(f"peer {peer}: {reply.get('message')}")
-    if reply.get("error") == "UnsafePathError":
-        raise UnsafePathError(f"peer {peer}: {reply.get('message')}", param="source.dir")
-    if "error" in reply:
-        raise TransferError(f"peer {peer}: {reply.get('error')}: {reply.get('message')}")
+                                     "job_dir": job_dir}, store.timeout_s, peer_secret(store))
+    _reply_error(peer, reply)
     ids, dim = reply.get("items"), reply.get("dim")
     if not isinstance(ids, list) or not isinstance(dim, int) or dim < 0:
         raise TransferError(f"peer {peer}: malformed index reply")

@@ -1,70 +1,64 @@
-"""Serving peers (G4, the owner's side): answer "where are blocks X, Y of tenant/user?" with a lease: a staging
-copy of exactly those blocks, registered with NIXL UCX for that lease alone (nixl_transport.Lease), whose
-addresses and partial agent metadata are all the puller gets. The lease ends on the puller's NIXL completion
-notification, its "release", or a timer (if the puller vanished); then its bytes are zeroed and deregistered."""
+"""Serving peers (G4, the owner's side, the lessor): answer "where are blocks X, Y of tenant/user?" (op
+``locate``) with a lease: those blocks held DRAM-resident for this session (inferscale/store/leases.py), their
+sizes and checksums, and nothing that names this node's memory. On op ``write`` the owner's NIXL agent WRITEs
+exactly the leased blocks into the destination slots the puller exposed, then the lease ends; it also ends on
+``release`` or when the session does."""
 
 from __future__ import annotations
 
 import base64
 import logging
-import threading
-import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inferscale.errors import NotFoundError
+from inferscale.errors import NotFoundError, TransferError
 from inferscale.jobpaths import job_dir_path
 from inferscale.store.layout import check_fingerprint, check_name
-from inferscale.store.peer import PeerServer
+from inferscale.store.leases import LeaseBook, LeaseCaps
+from inferscale.store.peer import PeerServer, Session
 
 if TYPE_CHECKING:
-    from inferscale.store.nixl_transport import Lease
-    from inferscale.store.store import KVStore
+    from inferscale.store.node import StoreNode
 
 log = logging.getLogger(__name__)
-LEASE_SECONDS = 30.0
 
 
 def partial_marker(root: str | Path, tenant: str, user: str) -> Path:
-    """Present while this node holds only some of the user's blocks (fetched on demand, server/fleet.py): its
+    """Present while this node holds only some of the user's blocks (fetched on demand, inferscale/store/fleet.py): its
     index is then not the user's whole list, so it is never served as one."""
     return Path(root) / ".fleet-partial" / tenant / user
 
 
 class PeerService:
-    def __init__(self, store: KVStore, host: str, port: int, *, secret: str | None, timeout_s: float) -> None:
+    def __init__(self, store: StoreNode, host: str, port: int, *, secret: str, timeout_s: float,
+                 caps: LeaseCaps | None = None) -> None:
         self.store = store
-        self.leases: dict[str, tuple[Lease, threading.Timer]] = {}
-        self.lock = threading.Lock()
-        self.cv = threading.Condition(self.lock)
-        self.closing = False
-        self.watcher: threading.Thread | None = None
-        self.server = PeerServer(host, port, self.handle, secret=secret, timeout_s=timeout_s)
+        self.timeout_s = timeout_s
+        self.leases = LeaseBook(caps or LeaseCaps.for_arena(store.arena.size), store.dram.release)
+        self.server = PeerServer(host, port, self.handle, secret, timeout_s, on_close=self._session_closed)
         self.port = self.server.port
 
     def close(self) -> None:
         self.server.close()
-        self.closing = True
-        if self.watcher is not None:
-            with self.cv:
-                self.cv.notify_all()
-            self.watcher.join(5)
-        with self.lock:
-            for lease in list(self.leases):
-                self._end_lease(lease)
+        self.leases.end_all()
+
+    def _session_closed(self, session: Session) -> None:
+        self.leases.end_session(session.id)
 
     # -- serving peers --------------------------------------------------------------------------------------
-    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, msg: dict[str, Any], session: Session) -> dict[str, Any]:
         op = msg.get("op")
         if op == "ping":
             return {"node": self.store.node}
         if op == "release":
-            with self.lock:
-                self._end_lease(str(msg.get("lease")))
+            lease = self.leases.take(msg.get("lease"), session.id)
+            if lease is not None:
+                self.leases.end(lease)
             return {"ok": True}
         if op == "index":
             return self._index(msg)
+        if op == "write":
+            return self._write(msg, session)
         if op != "locate":
             return {"error": "bad_request", "message": f"unknown op {op!r}"}
         if self.store.transport is None or not self.store.transport.has_ucx:
@@ -85,29 +79,33 @@ class PeerService:
             raise NotFoundError(f"items {sorted(missing)} not found for tenant {tenant!r} user {user!r} on node "
                                 f"{self.store.node}")
         rows = [r for r in rows if not r.corrupt]
-        entries, loaded, evicted = self.store._ensure_dram(tenant, rows, {r.key for r in rows})
-        self.store.catalogue.record([], {("dram", 0): evicted, ("dram", 1): [e.key for e in loaded]})
+        entries, _, _ = self.store.ensure_dram(tenant, rows, {r.key for r in rows})
         held = [entries[r.key] for r in rows]
-        try:  # the lease is a copy: the arena slots go back at once and are never exposed to a peer
-            region = self.store.transport.open_lease([self.store.arena.view(e.offset, e.size) for e in held])
+        lease = self.leases.open(session.id, session.peer, tenant, held)  # the references pass to the lease
+        return {"lease": lease.id, "node": self.store.node,
+                "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "size": e.size, "sha256": e.info.sha256}
+                           for e in held]}
+
+    def _write(self, msg: dict[str, Any], session: Session) -> dict[str, Any]:
+        """WRITE the lease's blocks into the puller's exposed slots ``dsts`` [[address, size], ...] (one per block,
+        each exactly the block's size), then end the lease."""
+        lease = self.leases.take(msg.get("lease"), session.id)
+        if lease is None:
+            return {"error": "bad_request", "message": "no such lease in this session (ended or expired)"}
+        try:
+            dsts, agent = msg.get("dsts"), msg.get("agent")
+            sizes = [e.size for e in lease.entries]
+            if (not isinstance(agent, str) or not isinstance(dsts, list) or len(dsts) != len(sizes)
+                    or any(not (isinstance(d, list) and len(d) == 2 and all(isinstance(v, int) for v in d)
+                                and d[1] == n) for d, n in zip(dsts, sizes))):
+                return {"error": "bad_request", "message": "write needs one [address, size] per leased block"}
+            self.store.transport.write_to(base64.b64decode(agent), [(e.offset, e.size) for e in lease.entries],
+                                          [(a, n) for a, n in dsts], notif=f"lease:{lease.id}".encode())
+        except TransferError as e:  # a transfer still in flight may yet land: the puller must not reuse its slots
+            return {"error": "TransferError", "message": str(e), "inflight": bool(getattr(e, "inflight", False))}
         finally:
-            for e in held:
-                self.store.dram.release(e)
-        lease = uuid.uuid4().hex
-        timer = threading.Timer(LEASE_SECONDS, self._expire_lease, args=(lease,))
-        timer.daemon = True
-        with self.cv:
-            self.leases[lease] = (region, timer)
-            if self.watcher is None:
-                self.watcher = threading.Thread(target=self._watch_leases, name="kvstore-leases", daemon=True)
-                self.watcher.start()
-            self.cv.notify_all()
-        timer.start()
-        return {
-            "lease": lease, "node": self.store.node, "agent": base64.b64encode(region.metadata).decode(),
-            "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "addr": addr, "size": size,
-                        "sha256": e.info.sha256} for e, (addr, size) in zip(held, region.ranges)],
-        }
+            self.leases.end(lease)
+        return {"ok": True, "bytes": sum(sizes)}
 
     def _index(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The user's retrieval index on this node: item ids and their embeddings (float32, base64), so a puller
@@ -135,32 +133,3 @@ class PeerService:
         if missing == [] or not path.is_dir():
             return
         self.store.import_dir(tenant, user, path, missing)
-
-    def _watch_leases(self) -> None:
-        """While leases are out, progress the NIXL agent (peers' READs over transports that need the target to
-        progress, e.g. TCP) and end each lease when its puller's completion notification arrives."""
-        while not self.closing:
-            with self.cv:
-                if not self.leases:
-                    self.cv.wait(timeout=1.0)
-                    continue
-            try:
-                msgs = self.store.transport.poll_notifs()
-            except Exception as e:  # noqa: BLE001 - keep serving; leases still expire on their timers
-                log.warning("polling NIXL notifications: %s", e)
-                msgs = []
-            for m in msgs:
-                if m.startswith(b"lease:"):
-                    with self.lock:
-                        self._end_lease(m[6:].decode(errors="replace"))
-            time.sleep(0.0002)
-
-    def _expire_lease(self, lease: str) -> None:
-        with self.lock:
-            self._end_lease(lease)
-
-    def _end_lease(self, lease: str) -> None:
-        held = self.leases.pop(lease, None)
-        if held is not None:
-            held[1].cancel()
-            self.store.transport.close_lease(held[0])

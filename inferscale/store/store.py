@@ -20,7 +20,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -30,14 +30,12 @@ from inferscale.errors import (
 )
 from inferscale.kvformat import KVBlock, encode_blob
 from inferscale.store.arena import Arena
-from inferscale.store.blob import (
-    BlobInfo, block_from_image, open_image, parse_header, remove_orphan_temps, rewrap_blobs,
-)
+from inferscale.store.blob import BlobInfo, block_from_image, parse_header, remove_orphan_temps
 from inferscale.store.catalogue import Catalogue, ItemInfo
-from inferscale.store.diskload import load_from_disk, verify_slots
+from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
-from inferscale.store.layout import (CATALOGUE_NAME, FP_DIR_LEN, blob_path, check_fingerprint, check_name, scan_blobs,
-                                     write_recorded)
+from inferscale.store.disktier import DiskTier, item_info
+from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path
 from inferscale.store.results import FetchStats, PullResult
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
@@ -76,13 +74,15 @@ class KVStore:
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             raise ConfigError(f"store root {self.root} is not usable: {e.strerror or e}") from None
         orphans = remove_orphan_temps(self.root)  # writes a crash cut short; the blobs they replaced are intact
         if orphans:
             log.warning("removed %d orphan temp files under %s", orphans, self.root)
+        self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
         self.catalogue = Catalogue(self.root / CATALOGUE_NAME)
+        self.disk = DiskTier(self.root, self.catalogue, keyring, self._write_lock)
         if self.catalogue.fresh:
             self.rebuild()
         # A budget that cannot hold one block would make every request fail: refuse it at start.
@@ -110,14 +110,15 @@ class KVStore:
 
             self.transport = NixlTransport(self.arena, name=f"{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                            timeout_s=timeout_s, ucx_port_range=ucx_port_range)
-        self._hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+        self.hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
-        self._write_lock = threading.Lock()  # disk + catalogue changes of puts and deletes
-        self._counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
+        self.counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
         self.peer_service = None
         if peer_port is not None:
             from inferscale.store.serving import PeerService
 
+            if peer_secret is None:
+                raise ConfigError("serving peers (peer_port) needs a peer secret (INFERSCALE_PEER_SECRET)")
             self.peer_service = PeerService(self, peer_host, peer_port, secret=peer_secret, timeout_s=timeout_s)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ class KVStore:
     def close(self) -> None:
         if self.peer_service is not None:
             self.peer_service.close()
-        self._hasher.shutdown(wait=True)
+        self.hasher.shutdown(wait=True)
         if self.transport is not None:
             self.transport.close()
         self.catalogue.close()
@@ -140,38 +141,15 @@ class KVStore:
         self.close()
 
     def rebuild(self) -> int:
-        """Re-catalogue every blob in the disk tier (after the catalogue was lost). Each blob is opened and
-        verified (authenticated, when sealed) before it is trusted; one that fails is skipped and reported.
-        Returns items found."""
-        n = 0
-        for tenant, user, path in scan_blobs(self.root):
-            try:
-                data = path.read_bytes()
-                image, info = open_image(data, self.keyring, tenant=tenant, user=user, item=path.stem,
-                                         source=str(path))
-            except OSError as e:
-                log.warning("rebuild: skipping %s: cannot read (%s)", path, e.strerror or e)
-                continue
-            except BlobCorruptError as e:
-                log.warning("rebuild: skipping unverified blob: %s", e)
-                continue
-            fp = info.fingerprint
-            if path.parent.name != fp[:FP_DIR_LEN]:
-                log.warning("rebuild: %s holds item %r of model %s; skipped", path, info.item_id, fp[:16])
-                continue
-            emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
-            self.catalogue.upsert(self._item_info(tenant, user, info, path, os.stat(path).st_mtime), emb)
-            n += 1
-        log.info("catalogue rebuilt from %s: %d items", self.root, n)
-        return n
+        """Re-catalogue every blob in the disk tier (after the catalogue was lost); see DiskTier.rebuild."""
+        return self.disk.rebuild()
 
     def rotate_keys(self) -> int:
-        """Re-wrap every sealed blob's data key under the keyring's current KEK line (the ciphertext is copied,
-        not re-encrypted); afterwards older KEK lines can be dropped. Returns blobs rewritten."""
+        """Re-wrap every sealed blob's data key and re-MAC every catalogue row under the keyring's current KEK
+        line; afterwards older KEK lines can be dropped. Returns blobs rewritten."""
         if self.keyring is None:
             raise ConfigError("this store has no KEK: nothing to rotate")
-        # Under the write lock: a concurrent put of a key must not be overwritten with its old blob.
-        return rewrap_blobs(scan_blobs(self.root), self.keyring, self._write_lock)
+        return self.disk.rotate_keys()
 
     # -- public API -----------------------------------------------------------------------------------------
     def put(self, tenant: str, user: str, block: KVBlock, *, cache: bool = True) -> ItemInfo:
@@ -180,7 +158,7 @@ class KVStore:
         check_fingerprint(block.model_fingerprint)
         data = encode_blob(block)
         info = parse_header(data, source=block.item_id, total=len(data))
-        return self._store_image(tenant, user, memoryview(data), info, cache=cache)
+        return self.store_image(tenant, user, memoryview(data), info, cache=cache)
 
     def get_many(self, tenant: str, user: str, item_ids: list[str], fingerprint: str, *,
                  copy: bool = False) -> tuple[list[KVBlock], FetchStats]:
@@ -194,7 +172,6 @@ class KVStore:
         protect = set(keys)
         stats = FetchStats()
         out: dict[Key, KVBlock] = {}
-        changes: dict[tuple[str, int], list[Key]] = {("dram", 1): [], ("dram", 0): [], ("gpu", 1): [], ("gpu", 0): []}
         if self.gpu is not None:
             for k in keys:
                 b = self.gpu.get(k)
@@ -202,10 +179,8 @@ class KVStore:
                     out[k] = b
                     stats.served[k[3]] = "gpu"
         rest = [r for r in rows if r.key not in out]
-        entries, loaded, evicted = self._ensure_dram(tenant, rest, protect)
-        changes[("dram", 0)] += evicted
+        entries, loaded, _ = self.ensure_dram(tenant, rest, protect)
         from_disk = {e.key for e in loaded}
-        changes[("dram", 1)] += list(from_disk)
         for r in rest:
             e = entries[r.key]
             b = block_from_image(self.dram.lease_view(e), e.info)
@@ -213,9 +188,7 @@ class KVStore:
                 b.kv = b.kv.clone()
                 b.kv_scale = None if b.kv_scale is None else b.kv_scale.clone()
             if self.gpu is not None:
-                b, ev = self.gpu.put(r.key, b, protect, cache=not e.dead)
-                changes[("gpu", 0)] += ev
-                changes[("gpu", 1)].append(r.key)
+                b, _ = self.gpu.put(r.key, b, protect, cache=not e.dead)
             out[r.key] = b
             stats.served[r.item_id] = "disk" if r.key in from_disk else "dram"
             if r.key in from_disk:
@@ -225,10 +198,9 @@ class KVStore:
         for tier in stats.served.values():
             stats.tiers[tier] += 1
         stats.bytes = sum(b.nbytes for b in blocks)
-        self._counters["gpu_hits"] += stats.tiers["gpu"]
-        self._counters["dram_hits"] += stats.tiers["dram"]
-        self._counters["disk_reads"] += stats.tiers["disk"]
-        self.catalogue.record(keys, changes)
+        self.counters["gpu_hits"] += stats.tiers["gpu"]
+        self.counters["dram_hits"] += stats.tiers["dram"]
+        self.counters["disk_reads"] += stats.tiers["disk"]
         stats.seconds = time.perf_counter() - t0
         return blocks, stats
 
@@ -282,8 +254,7 @@ class KVStore:
             raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this node")
         if not rows:
             return [], torch.empty(0, 0, dtype=torch.float32)
-        ids = [r[0] for r in rows]
-        return ids, torch.stack([torch.frombuffer(bytearray(r[1]), dtype=torch.float32) for r in rows])
+        return [r[0] for r in rows], self.disk.embedding_matrix(rows, tenant, user, fingerprint)
 
     def pin(self, tenant: str, user: str, item_ids: list[str] | None = None) -> int:
         """Keep these items resident once loaded (never evicted). Returns items pinned."""
@@ -301,11 +272,11 @@ class KVStore:
         images = read_job_dir(tenant, user, directory, items, self.keyring)
         tier, nbytes = ("dram" if load else "disk"), 0
         for data, info in images:
-            self._store_image(tenant, user, data, info, cache=load)
+            self.store_image(tenant, user, data, info, cache=load)
             nbytes += len(data)
             if load and not self.dram.resident((tenant, user, info.fingerprint, info.item_id)):
                 tier = "disk"
-        return self._result(tenant, user, len(images), nbytes, tier, t0)
+        return self.pull_result(tenant, user, len(images), nbytes, tier, t0)
 
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
                        fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
@@ -317,13 +288,13 @@ class KVStore:
 
         return pull_from_peer(self, tenant, user, peer, item_ids, fingerprint, source_dir)
 
-    def _result(self, tenant: str, user: str, blocks: int, nbytes: int, tier: str, t0: float) -> PullResult:
+    def pull_result(self, tenant: str, user: str, blocks: int, nbytes: int, tier: str, t0: float) -> PullResult:
         rows = self.catalogue.items(tenant, user)
         return PullResult(tenant, user, blocks, nbytes, tier, time.perf_counter() - t0, len(rows),
                           sum(r.size for r in rows), sum(r.tokens for r in rows))
 
     def stats(self) -> dict[str, Any]:
-        s: dict[str, Any] = {"node": self.node, **self.catalogue.totals(), **self.dram.stats(), **self._counters}
+        s: dict[str, Any] = {"node": self.node, **self.catalogue.totals(), **self.dram.stats(), **self.counters}
         s.update(self.gpu.stats() if self.gpu is not None else {"gpu_blocks": 0, "gpu_bytes": 0, "gpu_budget": 0})
         s["bytes_used"], s["bytes_capacity"] = s["dram_bytes"], s["dram_budget"]
         s["nixl_backends"] = [] if self.transport is None else list(self.transport.backends)
@@ -331,40 +302,21 @@ class KVStore:
         return s
 
     # -- internals ------------------------------------------------------------------------------------------
-    @staticmethod
-    def _item_info(tenant: str, user: str, info: BlobInfo, path: Path, created: float) -> ItemInfo:
-        return ItemInfo(tenant, user, info.fingerprint, info.item_id, str(path), info.size, info.kv_bytes,
-                        info.tokens, info.sha256, [], 0.0, False, False, created, info.context)
-
-    def _store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
+    def store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         check_name("item", info.item_id)
         check_fingerprint(info.fingerprint)
         key = (tenant, user, info.fingerprint, info.item_id)
-        path = blob_path(self.root, *key)
-        emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
-        item = self._item_info(tenant, user, info, path, time.time())
-        on_disk: bytes | memoryview = image
-        if self.keyring is not None:
-            on_disk = sealing.seal(image, self.keyring, sealing.Binding(tenant, user, info.item_id, info.fingerprint))
-        # File and catalogue change together: a reader never sees a new file with an old catalogue entry for
-        # longer than this section, and two writers of one key cannot leave them disagreeing.
+        item, emb = self._row(tenant, user, image, info)
+        self.disk.write(item, image, emb, lambda: self._invalidate(key))
         with self._write_lock:
-            def record() -> None:
-                self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
-                if self.gpu is not None:
-                    self.gpu.drop(lambda k: k == key)
-                self.catalogue.upsert(item, emb)
-
-            write_recorded(path, on_disk, record)  # StorageError: old blob (or none) and catalogue row kept
             gen = self.dram.generation(key)
         if cache:
             try:
-                (off,), evicted = self.dram.reserve(tenant, [len(image)], {key})
+                (off,), _ = self.dram.reserve(tenant, [len(image)], {key})
             except QuotaExceededError:
                 return item  # does not fit now; it is on disk and loads on demand
             self.arena.np[off : off + len(image)] = memoryview(image).cast("B")
             self.dram.release(self.dram.commit(key, off, len(image), info, gen))
-            self.catalogue.record([], {("dram", 0): evicted, ("dram", 1): [key]})
         return item
 
     def _rows(self, tenant: str, user: str, fingerprint: str, item_ids: list[str]) -> list[ItemInfo]:
@@ -384,19 +336,41 @@ class KVStore:
             raise NotFoundError(f"items {missing} not found for tenant {tenant!r} user {user!r}")
         corrupt = [found[i] for i in item_ids if found[i].corrupt]
         if corrupt:
-            self._raise_corrupt(tenant, user, [r.item_id for r in corrupt], mark=False)
+            self.raise_corrupt(tenant, user, [r.item_id for r in corrupt], mark=False)
         return [found[i] for i in item_ids]
 
-    def _raise_corrupt(self, tenant: str, user: str, items: list[str], *, mark: bool) -> None:
+    def store_images(self, tenant: str, user: str, images: list[tuple[memoryview, BlobInfo]]) -> list[ItemInfo]:
+        """Write verified plain images as their items' current versions, to disk only, in one batch (a peer pull)."""
+        writes = []
+        for image, info in images:
+            check_name("item", info.item_id)
+            check_fingerprint(info.fingerprint)
+            item, emb = self._row(tenant, user, image, info)
+            writes.append((item, image, emb))
+        self.disk.write_many(writes, self._invalidate, self.hasher)
+        return [w[0] for w in writes]
+
+    def _row(self, tenant: str, user: str, image: memoryview, info: BlobInfo) -> tuple[ItemInfo, bytes | None]:
+        """The catalogue row of a new version (its generation still to fill) and its plain embedding."""
+        emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
+        key = (tenant, user, info.fingerprint, info.item_id)
+        return item_info(tenant, user, info, item_path(self.root, *key), time.time()), emb
+
+    def _invalidate(self, key: Key) -> None:  # with the catalogue change of a put, under the write lock
+        self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off
+        if self.gpu is not None:
+            self.gpu.drop(lambda k: k == key)
+
+    def raise_corrupt(self, tenant: str, user: str, items: list[str], *, mark: bool) -> None:
         if mark:
             rows = self.catalogue.items(tenant, user, None, items)
             self.catalogue.set_flag([r.key for r in rows], "corrupt", 1)
-            self._counters["corrupt"] += len(items)
+            self.counters["corrupt"] += len(items)
         err = BlobCorruptError(f"items {sorted(set(items))} of {tenant}/{user} are corrupt; re-encode them")
         err.item_ids = sorted(set(items))  # type: ignore[attr-defined]
         raise err
 
-    def _ensure_dram(self, tenant: str, rows: list[ItemInfo], protect: set[Key]
+    def ensure_dram(self, tenant: str, rows: list[ItemInfo], protect: set[Key]
                      ) -> tuple[dict[Key, DramEntry], list[DramEntry], list[Key]]:
         """DRAM entries (one reference each, owned by the caller) for ``rows``, loading misses from disk in
         one batch. Returns (entries, entries loaded from disk, keys evicted)."""
@@ -419,7 +393,7 @@ class KVStore:
         entries.update({e.key: e for e in loaded})
         return entries, loaded, evicted
 
-    def _replaced_since(self, key: Key, file_size: int, gens: dict[Key, int]) -> bool:
+    def replaced_since(self, key: Key, file_size: int, gens: dict[Key, int]) -> bool:
         """Whether a file of ``file_size`` bytes is explained by a put of ``key`` since its catalogue row was read:
         the key changed since ``gens``, or the catalogue now holds a row of that size (the put came between the
         row read and ``gens``). Waits out a put in progress."""
@@ -432,7 +406,7 @@ class KVStore:
             plain = rows[0].size
             return file_size == plain if self.keyring is None else file_size >= plain + sealing.TAG_BYTES
 
-    def _changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
+    def changed_since(self, key: Key, sha: str, gens: dict[Key, int]) -> bool:
         """Whether an intact blob that disagrees with the catalogue row read earlier is explained by a put
         of the key since then (not corruption). Waits out a put in progress."""
         with self._write_lock:
@@ -440,12 +414,6 @@ class KVStore:
                 return True
             rows = self.catalogue.items(key[0], key[1], key[2], [key[3]])
             return bool(rows) and rows[0].sha256 == sha
-
-    def _verify_slots(self, tenant: str, slots: list[tuple[int, int, str, str, str, str]],
-                      recheck: Callable[[str, str], bool] | None = None, sealed_for: str | None = None
-                      ) -> tuple[list[tuple[int, int, BlobInfo]], list[str]]:
-        """Verify blob images in reserved arena slots (inferscale/store/diskload.py ``verify_slots``)."""
-        return verify_slots(self, tenant, slots, recheck, sealed_for)
 
     def _remove(self, tenant: str, user: str, item_ids: list[str] | None, fingerprint: str | None
                 ) -> tuple[int, int]:

@@ -12,7 +12,8 @@ from inferscale.contract import KV_DTYPES
 from inferscale.engine import MemoryItem
 from inferscale.engine.cache import injected_cache
 from inferscale.errors import BlobCorruptError, ConfigError
-from inferscale.kvformat import KVBlock, decode_blob, encode_blob, tensor_sha256
+from inferscale.kvdequant import dequantize
+from inferscale.kvformat import KVBlock, compact, decode_blob, encode_blob, tensor_sha256
 
 COMPACT = ("int8", "fp8", "int4")
 ITEMS = [
@@ -41,17 +42,17 @@ def test_int8_round_trip_within_half_a_step_per_token():
     kv = _kv()
     q, scale = kvquant.quantize(kv, "int8")
     assert q.dtype == torch.int8 and scale.shape == (*kv.shape[:4], 1)
-    err = (kvquant.dequantize(q, scale, "int8") - kv).abs()
+    err = (dequantize(q, scale, "int8") - kv).abs()
     step = kv.abs().amax(-1, keepdim=True) / 127
     assert torch.all(err <= step / 2 * (1 + 1e-5) + 1e-7)
-    assert torch.isfinite(err).all() and torch.equal(kvquant.dequantize(q, scale, "int8")[0, 1, 0, 3], torch.zeros(64))
+    assert torch.isfinite(err).all() and torch.equal(dequantize(q, scale, "int8")[0, 1, 0, 3], torch.zeros(64))
 
 
 def test_fp8_round_trip_within_e4m3_precision():
     kv = _kv()
     q, scale = kvquant.quantize(kv, "fp8")
     assert q.dtype == torch.float8_e4m3fn
-    err = (kvquant.dequantize(q, scale, "fp8") - kv).abs()
+    err = (dequantize(q, scale, "fp8") - kv).abs()
     # 3 mantissa bits: half an ulp is 2^-4 relative for normals; subnormals step 2^-9 (times the scale).
     assert torch.all(err <= kv.abs() * 2**-4 + scale * 2**-10 + 1e-7)
 
@@ -61,7 +62,7 @@ def test_int4_round_trip_within_half_a_step_per_group():
     q, scale = kvquant.quantize(kv, "int4")
     g = kvquant.int4_group(64)
     assert g == 32 and q.dtype == torch.uint8 and q.shape == (*kv.shape[:4], 32) and scale.shape == (*kv.shape[:4], 2)
-    err = (kvquant.dequantize(q, scale, "int4") - kv).abs()
+    err = (dequantize(q, scale, "int4") - kv).abs()
     step = kv.unflatten(-1, (2, 32)).abs().amax(-1).repeat_interleave(32, -1) / 7
     assert torch.all(err <= step / 2 * (1 + 1e-5) + 1e-7)
     assert err.max() > 0  # it is lossy: the test would notice an identity
@@ -71,14 +72,14 @@ def test_formats_order_by_error_on_gaussian_rows():
     # Without outliers int8's uniform grid beats e4m3; with a 30x outlier channel per-token int8 loses to fp8's
     # floating grid (both still within the bounds above), which the LoCoMo numbers per format show.
     kv = torch.randn(3, 2, 2, 9, 64, generator=torch.Generator().manual_seed(1))
-    errs = {f: (kvquant.dequantize(*kvquant.quantize(kv, f), f) - kv).pow(2).mean().item() for f in KV_DTYPES}
+    errs = {f: (dequantize(*kvquant.quantize(kv, f), f) - kv).pow(2).mean().item() for f in KV_DTYPES}
     assert errs["bf16"] == 0 and errs["int8"] < errs["fp8"] < errs["int4"]
 
 
 @pytest.mark.parametrize("shape", [(18, 2, 1, 30, 256), (32, 2, 8, 30, 128)], ids=["gemma-270m", "llama-8b"])
 def test_int8_bytes_per_token_at_most_0_55_of_bf16(shape):
     bf16 = _block(_kv(shape).to(torch.bfloat16))
-    int8, int4 = kvquant.compact(bf16, "int8"), kvquant.compact(bf16, "int4")
+    int8, int4 = compact(bf16, "int8"), compact(bf16, "int4")
     assert int8.nbytes <= 0.55 * bf16.nbytes  # scales included
     assert int4.nbytes <= 0.35 * bf16.nbytes
     assert int8.nbytes == int8.kv.numel() + int8.kv_scale.numel() * 4
@@ -96,7 +97,7 @@ def test_unknown_format_is_a_config_error():
 # ---- blobs: each format round-trips, plain and sealed; a blob's format can't be misread -----------------------
 @pytest.mark.parametrize("fmt", KV_DTYPES)
 def test_blob_round_trip_plain_and_sealed(fmt):
-    block = kvquant.compact(_block(_kv()), fmt) if fmt != "bf16" else _block(_kv())
+    block = compact(_block(_kv()), fmt) if fmt != "bf16" else _block(_kv())
     image = encode_blob(block)
     got = decode_blob(image)
     assert got.kv_dtype == fmt and got.kv.dtype == block.kv.dtype and torch.equal(got.kv.view(torch.uint8),
@@ -180,7 +181,7 @@ def _as_float_blocks(blocks):
 def test_compact_injection_is_dequantize_then_rotate(engine, fmt):
     """Keys were quantized unshifted; injection dequantizes, then rotates by Δ in float32: the same cache as
     rotating the dequantized floats (both windowed and full)."""
-    blocks = [kvquant.compact(b, fmt) for b in engine.encode(ITEMS)]
+    blocks = [compact(b, fmt) for b in engine.encode(ITEMS)]
     for windowed in (True, False):
         got, want = _cache_kv(engine, blocks, windowed), _cache_kv(engine, _as_float_blocks(blocks), windowed)
         for (gk, gv), (wk, wv) in zip(got, want):
@@ -189,7 +190,7 @@ def test_compact_injection_is_dequantize_then_rotate(engine, fmt):
 
 def test_mixed_formats_in_one_request_each_read_in_its_own(engine):
     plain = engine.encode(ITEMS)
-    mixed = [plain[0]] + [kvquant.compact(b, f) for b, f in zip(plain[1:], COMPACT)]
+    mixed = [plain[0]] + [compact(b, f) for b, f in zip(plain[1:], COMPACT)]
     for windowed in (True, False):
         got, want = _cache_kv(engine, mixed, windowed), _cache_kv(engine, _as_float_blocks(mixed), windowed)
         for (gk, gv), (wk, wv) in zip(got, want):
@@ -217,9 +218,9 @@ def test_int8_injection_logits_close_to_bf16(wide_engine):
     plain = engine.encode(ITEMS)
     ref = _first_logits(engine, plain)
     span = (ref.max() - ref.min()).item()
-    d8 = (_first_logits(engine, [kvquant.compact(b, "int8") for b in plain]) - ref).abs().max().item()
-    d4 = (_first_logits(engine, [kvquant.compact(b, "int4") for b in plain]) - ref).abs().max().item()
-    int8 = _first_logits(engine, [kvquant.compact(b, "int8") for b in plain])
+    d8 = (_first_logits(engine, [compact(b, "int8") for b in plain]) - ref).abs().max().item()
+    d4 = (_first_logits(engine, [compact(b, "int4") for b in plain]) - ref).abs().max().item()
+    int8 = _first_logits(engine, [compact(b, "int8") for b in plain])
     p, q = torch.log_softmax(ref, -1), torch.log_softmax(int8, -1)
     assert d8 <= 0.02 * span, (d8, span)
     assert (p.exp() * (p - q)).sum() <= 1e-3

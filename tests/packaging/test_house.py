@@ -1,6 +1,7 @@
 """The house rules, checked statically (ast, no imports run): no module over 500 lines in the production
-packages, and no import cycle among inferscale.* modules (kernels/, server/ and operator/ import as
-inferscale.kernels, inferscale.server, inferscale.operator)."""
+packages, no import cycle among inferscale.* modules (kernels/, server/ and operator/ import as
+inferscale.kernels, inferscale.server, inferscale.operator), imports under ``if TYPE_CHECKING:`` counted, and no
+module reaching another module's private names."""
 
 from __future__ import annotations
 
@@ -27,20 +28,14 @@ def modules() -> dict[str, Path]:
 
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The inferscale modules ``name`` imports, at module level or inside a function: a function-level import
-    only defers a cycle, it does not remove it. Imports under ``if TYPE_CHECKING:`` never run and do not count."""
+    """The inferscale modules ``name`` imports, at module level, inside a function or under ``if TYPE_CHECKING:``: a
+    function-level import only defers a cycle, and a type-only one is a cycle between the two modules' concepts
+    (each needs the other to be read), even though it never runs."""
     tree = ast.parse(path.read_text(), filename=str(path))
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
 
     class Visitor(ast.NodeVisitor):
-        def visit_If(self, node: ast.If) -> None:
-            if "TYPE_CHECKING" in ast.unparse(node.test):
-                for stmt in node.orelse:
-                    self.visit(stmt)
-            else:
-                self.generic_visit(node)
-
         def visit_Import(self, node: ast.Import) -> None:
             out.update(a.name for a in node.names)
 
@@ -107,6 +102,64 @@ def test_no_module_over_500_lines():
 
 def test_no_import_cycle_among_inferscale_modules():
     assert find_cycle(graph()) is None, f"import cycle: {' -> '.join(find_cycle(graph()) or [])}"
+
+
+def test_type_only_imports_count_for_cycles(tmp_path):
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import b\n")
+    assert imports("p.a", tmp_path / "a.py", {"p.a", "p.b"}) == {"p.b"}
+
+
+# Private names of libraries outside the house that production code must use (each with its reason).
+LIBRARY_PRIVATES = {
+    "_attn_implementation",  # transformers: a loaded model's attention backend has no public accessor
+}
+
+
+def own_private_names(tree: ast.AST) -> set[str]:
+    """Names a module defines itself: its functions and classes, names it assigns, attributes it assigns on
+    ``self``/``cls``, and keyword arguments it passes (``set_defaults(_module=...)`` names an attribute)."""
+    own: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(n.name)
+        elif isinstance(n, ast.keyword) and n.arg:
+            own.add(n.arg)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                for t in ast.walk(target) if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                    if isinstance(t, ast.Name):
+                        own.add(t.id)
+                    elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"):
+                        own.add(t.attr)
+    return own
+
+
+def private_reaches(path: Path) -> list[str]:
+    """Where ``path`` reaches a private name (one leading underscore) it does not define: ``obj._name`` on
+    anything but ``self``/``cls``, and ``from inferscale... import _name``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    own = own_private_names(tree) | LIBRARY_PRIVATES
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+            if not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")) and n.attr not in own:
+                out.append(f"{where}:{n.lineno}: {ast.unparse(n)}")
+        elif isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("inferscale")):
+            out += [f"{where}:{n.lineno}: import {a.name}" for a in n.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_reaches_another_modules_private_names():
+    found = [hit for p in modules().values() for hit in private_reaches(p)]
+    assert not found, "private names reached from another module:\n" + "\n".join(found)
+
+
+def test_the_private_check_sees_a_reach(tmp_path):
+    (tmp_path / "m.py").write_text("class A:\n    def f(self, store):\n        self._x = 1\n"
+                                   "        store._counters['n'] += self._x\n")
+    assert [h.split(": ", 1)[1] for h in private_reaches(tmp_path / "m.py")] == ["store._counters"]
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 
 import httpx
 import pytest
@@ -12,8 +11,10 @@ import pytest
 from inferscale.errors import ConfigError, TransferError
 from inferscale.server.auth import TenantRegistry, hash_key
 from inferscale.store import peer as peerproto
+from inferscale.store import peer_protocol as wire
 
 from server_live_fixtures import KEYS
+from security.relay import Relay
 
 INTERNAL_TOKEN = "internal-secret"  # the live server's (tests/server/conftest.py)
 
@@ -54,7 +55,7 @@ def test_server_refuses_a_tenant_key_equal_to_a_plane_credential(tmp_path, tiny_
     from inferscale.server.settings import Settings
     from inferscale.store import KVStore
 
-    shared = "isk-same-secret"
+    shared = "isk-same-secret-0123456789"
     tenants_file = tmp_path / "tenants.json"
     tenants_file.write_text(json.dumps({"acme": [hash_key(shared)]}))
     settings = Settings(data_dir=tmp_path, tenants_file=tenants_file, **{field: shared})
@@ -75,77 +76,46 @@ def test_tenants_file_loader_refuses_a_plane_credential_on_reload(tmp_path):
         reg.authenticate("tok-peer")  # the last good file stays in force
 
 
-class Recorder:
-    """A TCP relay in front of a peer port that keeps every byte the client sent."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target, self.sent = target, bytearray()
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.srv.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self.srv.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if record:
-                    self.sent += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-
-def test_peer_secret_never_travels_and_a_sniffed_request_cannot_be_replayed():
+def test_peer_secret_never_travels_and_a_relayed_or_replayed_session_is_refused():
     secret = "peer-secret-0123456789abcdef"
     seen = []
-    server = peerproto.PeerServer("127.0.0.1", 0, lambda m: seen.append(m) or {"ok": True}, secret=secret,
+    server = peerproto.PeerServer("127.0.0.1", 0, lambda m, _s: seen.append(m) or {"ok": True}, secret,
                                   timeout_s=5)
+    rec = Relay(("127.0.0.1", server.port))
     try:
-        rec = Recorder(("127.0.0.1", server.port))
         msg = {"op": "locate", "tenant": "acme", "user": "alice", "items": None, "fingerprint": None, "dir": None}
-        assert peerproto.request(rec.address, msg, 5, secret) == {"ok": True}
+        assert peerproto.request(f"127.0.0.1:{server.port}", msg, 5, secret) == {"ok": True}
+        # Through a relay (another TCP connection in between), the same client and secret get nowhere: the
+        # session is bound to the endpoints each side sees, so nothing relayed verifies.
+        with pytest.raises(TransferError, match="not authenticated"):
+            peerproto.request(rec.address, msg, 5, secret)
         assert len(seen) == 1 and bytes(rec.sent)
         assert secret.encode() not in bytes(rec.sent)
-        # Replaying the exact request on a new connection fails: the server's nonce differs.
+        # Replaying the sniffed bytes on a new connection fails: the server's nonce and the endpoints differ.
         captured = bytes(rec.sent)
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
-            peerproto.recv_msg(s)  # the new nonce
+            wire.recv_msg(s)  # the new nonce
             s.sendall(captured)
-            assert peerproto.recv_msg(s)["error"] == "unauthorized"
-        # No secret, or the wrong one: refused, and the handler never runs.
-        for wrong in (None, "not-the-secret"):
-            assert peerproto.request(f"127.0.0.1:{server.port}", msg, 5, wrong)["error"] == "unauthorized"
+            assert wire.recv_msg(s)["error"] == "unauthorized"
+        # The wrong secret: refused, and the handler never runs.
+        with pytest.raises(TransferError, match="not authenticated"):
+            peerproto.request(f"127.0.0.1:{server.port}", msg, 5, "not-the-secret-0123456789")
         assert len(seen) == 1
     finally:
+        rec.close()
         server.close()
 
 
 def test_a_process_without_the_secret_cannot_answer_as_a_peer():
     """Whoever listens on a peer's address without the secret (a pod that set its own nixl-peer annotation, a
-    spoofed address) cannot hand the puller a lease: its reply carries no valid MAC."""
-    forged = {"lease": "x", "node": "evil", "agent": "", "blocks": [{"item": "m1", "fingerprint": "f" * 64,
-                                                                     "addr": 0, "size": 8, "sha256": "0" * 64}]}
-    impostor = peerproto.PeerServer("127.0.0.1", 0, lambda m: dict(forged), secret=None, timeout_s=5)
-    wrong = peerproto.PeerServer("127.0.0.1", 0, lambda m: dict(forged), secret="another-secret", timeout_s=5)
+    spoofed address) cannot hand the puller a lease, nor a "not found": its replies carry no valid MAC."""
+    forged = {"lease": "x", "node": "evil", "blocks": [{"item": "m1", "fingerprint": "f" * 64, "size": 8,
+                                                          "sha256": "0" * 64}]}
+    wrong = peerproto.PeerServer("127.0.0.1", 0, lambda m, _s: dict(forged), "another-secret-0123456789",
+                                 timeout_s=5)
     try:
         msg = {"op": "locate", "tenant": "acme", "user": "alice", "items": None, "fingerprint": None, "dir": None}
         with pytest.raises(TransferError, match="not authenticated"):
-            peerproto.request(f"127.0.0.1:{impostor.port}", msg, 5, "the-real-secret")
-        assert peerproto.request(f"127.0.0.1:{wrong.port}", msg, 5, "the-real-secret")["error"] == "unauthorized"
+            peerproto.request(f"127.0.0.1:{wrong.port}", msg, 5, "the-real-secret-0123456789")
     finally:
-        impostor.close()
         wrong.close()

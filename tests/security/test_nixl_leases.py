@@ -1,6 +1,10 @@
 """Attacks on the peer data plane: a puller's own NIXL agent (raw nixl-cu12 API, no InferScale code on the
-attacker's side) reading a serving node in another process on loopback with what one lease reply gave it:
-after the lease ended, outside the leased ranges, and the slot of a block that was freed since."""
+attacker's side) against a serving node in another process on loopback, with everything a lease gives it.
+
+UCX's TCP and shared-memory transports do not check a remote READ against the registration it names: with a
+serving node's metadata, a reader that patched the address and length in it read ~140 KiB (and more) of that
+process outside its lease. So a lease carries no metadata of the owner at all: the owner WRITEs exactly the
+leased blocks into the ranges the puller exposed, with its own library."""
 
 from __future__ import annotations
 
@@ -15,9 +19,9 @@ from inferscale.store import KVStore
 from inferscale.store import peer as peerproto
 from inferscale.bench.node import child_process, serve_node
 
-from store.helpers import FP, make_block  # tests/store/helpers.py (tests/ is on sys.path)
+from store.helpers import FP, PEER_SECRET, make_block  # tests/store/helpers.py (tests/ is on sys.path)
 
-SECRET = "peer-secret-for-lease-tests"
+CANARY = 0xAB
 
 
 @pytest.fixture(scope="module")
@@ -28,101 +32,90 @@ def owner(tmp_path_factory):
         for it in ("a0", "a1"):
             s.put("acme", "alice", make_block(it))
         s.put("globex", "bob", make_block("b0"))
-    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": SECRET,
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET,
                "preload": [("acme", "alice", FP), ("globex", "bob", FP)]}
     with child_process(serve_node, str(root), options) as info:
         yield info["peer"]
 
 
 class Attacker:
-    """A bare NIXL agent that keeps whatever metadata it was given and READs any (address, size) it likes."""
+    """A bare NIXL agent exposing a buffer of its own (canaries around whatever ranges it names)."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
         import nixl_cu12 as nixl
 
         self.agent = nixl.nixl_agent(f"attacker-{uuid.uuid4().hex[:6]}",
                                      nixl.nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX")
-        self.remote: str | None = None
+        self.buf = np.full(size, CANARY, dtype=np.uint8)
+        self.reg = self.agent.register_memory([(self.buf.ctypes.data, size, 0, "")], "DRAM", backends=["UCX"])
+        self.metadata = self.agent.get_partial_agent_metadata(self.reg, True, ["UCX"])
 
-    def load(self, metadata: bytes) -> None:
-        self.remote = self.agent.add_remote_agent(metadata)
+    def write_request(self, lease: str, dsts: list[tuple[int, int]]) -> dict:
+        return {"op": "write", "lease": lease, "agent": base64.b64encode(self.metadata).decode(),
+                "dsts": [[self.buf.ctypes.data + off, n] for off, n in dsts]}
 
-    def read(self, addr: int, size: int) -> bytes | None:
-        """The bytes at the peer's ``addr``, or None when NIXL refuses or the transfer fails."""
-        dst = np.zeros(size, dtype=np.uint8)
-        reg = self.agent.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM", backends=["UCX"])
-        try:
-            local = self.agent.get_xfer_descs([(dst.ctypes.data, size, 0)], "DRAM")
-            remote = self.agent.get_xfer_descs([(addr, size, 0)], "DRAM")
-            handle = self.agent.initialize_xfer("READ", local, remote, self.remote, backends=["UCX"])
-            state, deadline = self.agent.transfer(handle), time.monotonic() + 5
-            while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-                state = self.agent.check_xfer_state(handle)
-            return dst.tobytes() if state == "DONE" else None
-        except Exception:  # noqa: BLE001 - nixl raises its own types: a refusal
-            return None
-        finally:
-            self.agent.deregister_memory(reg, backends=["UCX"])
+    def progress(self) -> None:
+        self.agent.get_new_notifs()
 
 
-def _lease(peer: str, tenant: str, user: str) -> dict:
-    reply = peerproto.request(peer, {"op": "locate", "tenant": tenant, "user": user, "items": None,
-                                     "fingerprint": FP, "dir": None}, 10, SECRET)
-    assert "error" not in reply, reply
-    return reply
+def _locate(tenant: str, user: str) -> dict:
+    return {"op": "locate", "tenant": tenant, "user": user, "items": None, "fingerprint": FP, "dir": None}
 
 
-def _release(peer: str, lease: str) -> None:
-    assert peerproto.request(peer, {"op": "release", "lease": lease}, 10, SECRET) == {"ok": True}
+def _blob_holds(data: bytes, item: str) -> bool:
+    return make_block(item).kv.numpy().tobytes()[:4096] in data
 
 
-def _kv_bytes(item: str) -> bytes:
-    return make_block(item).kv.numpy().tobytes()[:4096]  # the first 4 KiB of the block's tensor bytes
+def test_a_lease_names_no_memory_of_the_owner(owner):
+    """Before: the lease reply held the owner's agent metadata and the staging addresses, which a reader could
+    patch to read outside its lease. Now nothing in it can be loaded as a NIXL agent or names an address."""
+    with peerproto.PeerSession(owner, PEER_SECRET, 10) as s:
+        reply = s.call(_locate("acme", "alice"))
+        assert set(reply) == {"lease", "node", "blocks"}
+        assert all(set(b) == {"item", "fingerprint", "size", "sha256"} for b in reply["blocks"])
+        assert s.call({"op": "release", "lease": reply["lease"]}) == {"ok": True}
 
 
-def _holds(data: bytes | None, item: str) -> bool:
-    return data is not None and _kv_bytes(item) in data
+def test_the_owner_writes_exactly_the_leased_blocks_and_nothing_else(owner):
+    att = Attacker(4 << 20)
+    with peerproto.PeerSession(owner, PEER_SECRET, 10) as s:
+        reply = s.call(_locate("acme", "alice"))
+        sizes = [b["size"] for b in reply["blocks"]]
+        dsts = [(4096, sizes[0]), (4096 + sizes[0] + 8192, sizes[1])]  # gaps the owner must not touch
+        done = s.call(att.write_request(reply["lease"], dsts), progress=att.progress)
+        assert done == {"ok": True, "bytes": sum(sizes)}
+    for (off, n), b in zip(dsts, reply["blocks"]):
+        assert _blob_holds(att.buf[off : off + n].tobytes(), b["item"])
+    outside = np.ones(att.buf.size, dtype=bool)
+    for off, n in dsts:
+        outside[off : off + n] = False
+    assert (att.buf[outside] == CANARY).all(), "the owner wrote outside the ranges of the lease"
+    assert not _blob_holds(att.buf.tobytes(), "b0")  # globex/bob's block went nowhere
 
 
-def test_lease_reads_its_blocks_and_nothing_else(owner):
-    reply = _lease(owner, "acme", "alice")
-    att = Attacker()
-    att.load(base64.b64decode(reply["agent"]))
-    try:
-        blocks = reply["blocks"]
-        for b in blocks:  # what the lease grants: readable
-            assert _holds(att.read(b["addr"], b["size"]), b["item"])
-        first, last = min(b["addr"] for b in blocks), max(b["addr"] + b["size"] for b in blocks)
-        assert att.read(first - 4096, 4096) is None  # just before the leased bytes
-        assert att.read(last, 4096) is None  # just after
-        assert att.read(first - (1 << 20), 1 << 20) is None  # where other tenants' blocks would sit
-    finally:
-        _release(owner, reply["lease"])
+def test_write_refuses_ranges_unlike_the_lease_and_ends_it(owner):
+    att = Attacker(1 << 20)
+    with peerproto.PeerSession(owner, PEER_SECRET, 10) as s:
+        reply = s.call(_locate("acme", "alice"))
+        sizes = [b["size"] for b in reply["blocks"]]
+        bigger = s.call(att.write_request(reply["lease"], [(0, sizes[0] + 4096), (sizes[0] + 8192, sizes[1])]),
+                        progress=att.progress)
+        assert bigger["error"] == "bad_request"
+        again = s.call(att.write_request(reply["lease"], [(0, sizes[0]), (sizes[0], sizes[1])]),
+                       progress=att.progress)
+        assert again["error"] == "bad_request" and "no such lease" in again["message"]
+    assert (att.buf == CANARY).all()
 
 
-def test_no_read_after_the_lease_ends(owner):
-    reply = _lease(owner, "acme", "alice")
-    att = Attacker()
-    att.load(base64.b64decode(reply["agent"]))
-    b = reply["blocks"][0]
-    assert _holds(att.read(b["addr"], b["size"]), b["item"])
-    _release(owner, reply["lease"])
-    got = att.read(b["addr"], b["size"])  # the same descriptors, the same loaded metadata
-    assert got is None or not any(got), "a released lease still exposes bytes"
-
-
-def test_a_freed_slot_never_exposes_another_tenants_block(owner):
-    """Lease acme/alice, end it, lease globex/bob: alice's old descriptors read zeros (or fail), never bob."""
-    first = _lease(owner, "acme", "alice")
-    att = Attacker()
-    att.load(base64.b64decode(first["agent"]))
-    _release(owner, first["lease"])
-    second = _lease(owner, "globex", "bob")
-    try:
-        for b in first["blocks"]:
-            got = att.read(b["addr"], b["size"])
-            assert got is None or not any(got), "a freed slot still holds bytes"
-            assert not _holds(got, "b0")
-    finally:
-        _release(owner, second["lease"])
+def test_a_lease_belongs_to_its_session_alone(owner):
+    att = Attacker(1 << 20)
+    with peerproto.PeerSession(owner, PEER_SECRET, 10) as first:
+        reply = first.call(_locate("globex", "bob"))
+        with peerproto.PeerSession(owner, PEER_SECRET, 10) as second:
+            n = reply["blocks"][0]["size"]
+            stolen = second.call(att.write_request(reply["lease"], [(0, n)]), progress=att.progress)
+            assert stolen["error"] == "bad_request"
+        assert first.call({"op": "release", "lease": reply["lease"]}) == {"ok": True}
+    time.sleep(0.05)
+    assert (att.buf == CANARY).all()

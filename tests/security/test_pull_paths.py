@@ -16,6 +16,7 @@ from inferscale.kvformat import SUFFIX, save_block
 from inferscale.store import KVStore
 
 from server_live_fixtures import KEYS
+from store.helpers import PEER_SECRET  # tests/store/helpers.py (tests/ is on sys.path)
 
 INTERNAL = {"Authorization": "Bearer internal-secret"}
 TENANT, USER = "globex", "mallory"  # the attacker's UserMemory; the victim is acme/victim
@@ -112,8 +113,8 @@ def test_peer_refuses_a_dir_outside_its_kv_root(tmp_path, dirs):
     elsewhere = tmp_path / "elsewhere" / TENANT / USER
     shutil.copytree(victim, elsewhere)
     owner = KVStore(tmp_path / "a", dram_budget_bytes=16 << 20, peer_port=0, peer_host="127.0.0.1",
-                    node="127.0.0.1", job_root=root)
-    puller = KVStore(tmp_path / "b", dram_budget_bytes=16 << 20)
+                    node="127.0.0.1", job_root=root, peer_secret=PEER_SECRET)
+    puller = KVStore(tmp_path / "b", dram_budget_bytes=16 << 20, peer_secret=PEER_SECRET)
     try:
         for bad in (str(elsewhere), str(victim), f"{root}/{TENANT}/{USER}/../../acme/victim"):
             with pytest.raises(UnsafePathError):

@@ -2,6 +2,8 @@ import pytest
 
 from inferscale.store import KVStore
 
+from .helpers import PEER_SECRET
+
 
 @pytest.fixture
 def open_store(tmp_path):
@@ -11,6 +13,7 @@ def open_store(tmp_path):
     def _open(root=None, **kw):
         kw.setdefault("dram_budget_bytes", 8 << 20)
         kw.setdefault("timeout_s", 5.0)
+        kw.setdefault("peer_secret", PEER_SECRET)
         s = KVStore(root or tmp_path / "kv", **kw)
         stores.append(s)
         return s

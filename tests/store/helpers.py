@@ -8,6 +8,7 @@ from inferscale.kvformat import KVBlock
 
 FP = "f" * 64  # a model fingerprint
 OTHER_FP = "e" * 64
+PEER_SECRET = "peer-secret-for-store-tests"  # INFERSCALE_PEER_SECRET of every test node
 LAYERS, HEADS, DIM = 2, 1, 2048  # 4 tokens -> 128 KiB of kv: above the store's 64 KiB block floor
 
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from inferscale import kvquant, sealing
-from inferscale.kvformat import save_block
+from inferscale import sealing
+from inferscale.kvformat import compact, save_block
 from inferscale.store import KVStore
 from inferscale.bench.node import child_process, serve_node
 
-from .helpers import FP, make_block
+from .helpers import FP, PEER_SECRET, make_block
 
 FORMATS = ("int8", "fp8", "int4")
 
@@ -20,7 +20,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_store_accounts_and_serves_the_compact_image(open_store, fmt):
     s = open_store()
-    plain, packed = make_block("m0", tokens=8), kvquant.compact(make_block("m0", tokens=8), fmt)
+    plain, packed = make_block("m0", tokens=8), compact(make_block("m0", tokens=8), fmt)
     s.put("acme", "alice", plain)
     s.put("acme", "bob", packed)
     (p_info,), (c_info,) = s.list("acme", "alice"), s.list("acme", "bob")
@@ -43,7 +43,7 @@ def test_sealed_store_and_job_dir_import_keep_the_format(open_store, tmp_path):
     keyring = sealing.Keyring.from_text(sealing.new_key_line())
     s = open_store(keyring=keyring)
     job = tmp_path / "job"
-    blocks = [kvquant.compact(make_block(f"m{i}"), f) for i, f in enumerate(FORMATS)]
+    blocks = [compact(make_block(f"m{i}"), f) for i, f in enumerate(FORMATS)]
     for b in blocks:
         save_block(b, job, keyring=keyring, tenant="acme", user="alice")  # as an encode Job writes them
     s.import_dir("acme", "alice", job)
@@ -64,15 +64,15 @@ def compact_peer(tmp_path):
     root = tmp_path / "peer"
     with KVStore(root, dram_budget_bytes=8 << 20, nixl=False) as s:
         for i, f in enumerate(FORMATS):
-            s.put("acme", "alice", kvquant.compact(make_block(f"m{i}", tokens=5), f))
-    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "preload": [("acme", "alice", FP)]}
+            s.put("acme", "alice", compact(make_block(f"m{i}", tokens=5), f))
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "preload": [("acme", "alice", FP)]}
     with child_process(serve_node, str(root), options) as info:
         yield info["peer"]
 
 
 def test_peer_pull_moves_compact_images(open_store, compact_peer):
     s = open_store(timeout_s=10.0)
-    want = [kvquant.compact(make_block(f"m{i}", tokens=5), f) for i, f in enumerate(FORMATS)]
+    want = [compact(make_block(f"m{i}", tokens=5), f) for i, f in enumerate(FORMATS)]
     r = s.pull_from_peer("acme", "alice", compact_peer)
     assert r.blocks == 3
     # the bytes moved are the compact images: well under the float blocks they came from

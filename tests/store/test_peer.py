@@ -12,7 +12,7 @@ from inferscale.errors import BlobCorruptError, NotFoundError, TransferError, Un
 from inferscale.store import KVStore
 from inferscale.bench.node import child_process, serve_node
 
-from .helpers import FP, make_block
+from .helpers import FP, PEER_SECRET, make_block
 
 ITEMS = [f"m{i}" for i in range(6)]
 
@@ -25,7 +25,7 @@ def peer_node(tmp_path):
         for it in ITEMS:
             s.put("acme", "alice", make_block(it, tokens=5))
         s.put("other", "bob", make_block("x"))
-    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "preload": [("acme", "alice", FP)]}
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "preload": [("acme", "alice", FP)]}
     with child_process(serve_node, str(root), options) as info:
         yield info["peer"]
 
@@ -90,9 +90,9 @@ def test_bad_peer_address_and_token(open_store, tmp_path):
     s = open_store()
     with pytest.raises(TransferError):
         s.pull_from_peer("acme", "alice", "no-port-here")
-    a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1", peer_secret="secret")
+    a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1", peer_secret="another-secret-0123456789")
     a.put("acme", "alice", make_block("m0"))
-    with pytest.raises(TransferError, match="unauthorized"):
+    with pytest.raises(TransferError, match="not authenticated"):
         s.pull_from_peer("acme", "alice", a.peer_address)
 
 
@@ -115,16 +115,16 @@ def test_corruption_in_peer_memory_detected(open_store, tmp_path):
 
 
 def test_lease_ends_on_completion_notification(open_store, tmp_path):
-    """The peer holds pulled blocks (no eviction mid-transfer) only until NIXL tells it the READ completed."""
+    """The peer holds pulled blocks (no eviction mid-transfer) only until its WRITE into the puller is done."""
     a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1")
     for it in ("m0", "m1", "m2"):
         a.put("acme", "alice", make_block(it))
     b = open_store(tmp_path / "b")
     assert b.pull_from_peer("acme", "alice", a.peer_address, ["m0", "m2"]).blocks == 2
     deadline = time.monotonic() + 3
-    while a.peer_service.leases and time.monotonic() < deadline:
+    while a.peer_service.leases.leases and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not a.peer_service.leases
+    assert not a.peer_service.leases.leases
     e = a.dram.acquire(("acme", "alice", FP, "m0"))
     assert e.refs == 1  # only ours: the lease's reference is gone
     a.dram.release(e)

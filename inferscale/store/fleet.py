@@ -19,15 +19,22 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
 
 from inferscale.errors import ConfigError, InvalidInputError, NotFoundError, TransferError, UnsafePathError
+from inferscale.kvformat import KVBlock
 from inferscale.store.layout import check_name
 from inferscale.store.peer import parse_peer
+from inferscale.store.pulling import peer_index
+from inferscale.store.results import FetchStats
 from inferscale.store.serving import partial_marker
+
+if TYPE_CHECKING:
+    from inferscale.store.node import FleetStore
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 256
@@ -36,21 +43,23 @@ MAX_PEERS = 256
 @dataclass
 class RemoteIndex:
     ids: list[str]
-    matrix: Any  # [n, dim] float32
+    matrix: torch.Tensor  # [n, dim] float32
     peer: str
 
 
 @dataclass
 class Fetched:
-    blocks: list[Any]
-    stats: Any  # the local store's FetchStats of the final read
+    blocks: list[KVBlock]
+    stats: FetchStats  # the local store's, of the final read
     pulled_blocks: int = 0
     pulled_bytes: int = 0
     peer: str | None = None
 
 
 class Fleet:
-    def __init__(self, store: Any) -> None:
+    """One per serving pod, built with its store (server/app.py) and shared by the tenant and internal apps."""
+
+    def __init__(self, store: FleetStore) -> None:
         self.store = store
         self.peers: list[str] = []
         self.indexes: dict[tuple[str, str, str], RemoteIndex] = {}
@@ -81,7 +90,7 @@ class Fleet:
             self._mark(tenant, user, False)
 
     # -- retrieval's two questions -----------------------------------------------------------------------------
-    def embeddings(self, tenant: str, user: str, fingerprint: str) -> tuple[list[str], Any]:
+    def embeddings(self, tenant: str, user: str, fingerprint: str) -> tuple[list[str], torch.Tensor]:
         """(ids, [n, dim]) of the user's whole list: local when this pod holds it all, else from a holder."""
         check_name("tenant", tenant), check_name("user", user)
         with self.lock:
@@ -124,12 +133,10 @@ class Fleet:
         return Fetched(blocks, stats, pulled.blocks, pulled.bytes, idx.peer)
 
     # -- finding a holder --------------------------------------------------------------------------------------
-    def _remote_index(self, tenant: str, user: str, fingerprint: str) -> tuple[list[str], Any]:
-        from inferscale.store.pulling import peer_index
-
+    def _remote_index(self, tenant: str, user: str, fingerprint: str) -> tuple[list[str], torch.Tensor]:
         with self.lock:
             peers = list(self.peers)
-        if self.store.transport is None or not getattr(self.store.transport, "has_ucx", False) or not peers:
+        if self.store.transport is None or not self.store.transport.has_ucx or not peers:
             raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this pod and it knows no "
                                 "peer to fetch them from")
         failures: list[str] = []
@@ -153,15 +160,10 @@ class Fleet:
         raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this pod or any of its "
                             f"{len(peers)} peer(s)")
 
-    def _job_dir_name(self, tenant: str, user: str) -> str | None:
-        root = getattr(self.store, "job_root", None)
-        return None if root is None else f"{Path(root)}/{tenant}/{user}"
-
     def _local_job_dir(self, tenant: str, user: str) -> Path | None:
-        name = self._job_dir_name(tenant, user)
-        if name is None:
+        if self.store.job_root is None:
             return None
-        path = Path(name)
+        path = Path(self.store.job_root) / tenant / user
         return path if path.is_dir() and not path.is_symlink() else None
 
     def _marker(self, tenant: str, user: str) -> Path:
@@ -177,16 +179,3 @@ class Fleet:
             m.touch()
         else:
             m.unlink(missing_ok=True)
-
-
-_FLEETS: weakref.WeakKeyDictionary[Any, Fleet] = weakref.WeakKeyDictionary()
-_FLEETS_LOCK = threading.Lock()
-
-
-def fleet_for(store: Any) -> Fleet:
-    """The one Fleet of a store (the tenant routes and the internal API share it without app wiring)."""
-    with _FLEETS_LOCK:
-        f = _FLEETS.get(store)
-        if f is None:
-            f = _FLEETS[store] = Fleet(store)
-        return f

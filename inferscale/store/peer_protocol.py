@@ -1,0 +1,133 @@
+"""The peer control protocol's messages (G4): frames, a bounded JSON reader, and the MACs of a session.
+
+Frames: 4-byte big-endian length + one JSON object. A session (one TCP connection) runs:
+
+1. server -> client ``{"v": 2, "nonce": sn}``                           (greeting, fresh per connection)
+2. client -> server ``{"cnonce": cn, "proof": MAC("client-hello", T)}``  (the client proves the secret)
+3. any number of ``request -> reply`` pairs; a request carries ``"seq"`` and ``"auth": MAC("request", T, seq,
+   request)``, its reply ``"auth": MAC("reply", T, sha256(request), reply)`` (errors and ``not_found`` too).
+
+``T``, the transcript, binds both nonces and both peer identities: the server's and the client's TCP endpoints
+(ip:port) as each side sees them on this connection. A relay (a fake peer that forwards a real peer's nonce)
+holds two connections with two different endpoint pairs, so nothing it relays verifies at the other end. Each
+MAC names its role (domain separation): no party MACs text of the other role, so neither side is a signing
+oracle for the other. The secret (``INFERSCALE_PEER_SECRET``) never travels."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import socket
+import struct
+import time
+from typing import Any
+
+PROTOCOL = b"inferscale-peer/2"
+MAX_GREETING = 1 << 10
+MAX_HELLO = 1 << 10  # the only frame read before the client has proved the secret
+MAX_REQUEST = 1 << 20
+MAX_REPLY = 8 << 20  # index: one float32 embedding per item
+MAX_DEPTH = 8  # JSON nesting of any frame; the messages above nest at most 3 deep
+MIN_SECRET_CHARS = 16
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class FrameError(ValueError):
+    """A frame over its size or depth bound, or not a JSON object."""
+
+
+def check_secret(secret: str | None, what: str = "INFERSCALE_PEER_SECRET") -> str:
+    from inferscale.errors import ConfigError
+
+    if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS:
+        raise ConfigError(f"{what} must be set, at least {MIN_SECRET_CHARS} characters: the peer plane has no "
+                          "access without it")
+    return secret
+
+
+def parse_bounded(data: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
+    """``data`` as a JSON object, refusing nesting deeper than ``max_depth`` before the parser sees it (a deeply
+    nested frame would otherwise exhaust the parser's recursion)."""
+    depth = peak = 0
+    for b in _STRINGS.sub(b"", data).translate(None, _NOT_BRACKETS):
+        depth += 1 if b in b"[{" else -1
+        peak = max(peak, depth)
+        if peak > max_depth:
+            raise FrameError(f"frame nests deeper than {max_depth}")
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise FrameError(f"frame is not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise FrameError("a frame that is not a JSON object")
+    return msg
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    data = json.dumps(msg).encode()
+    sock.sendall(struct.pack(">I", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """``n`` bytes, read in pieces (nothing is allocated for bytes that never arrive); by ``deadline``
+    (monotonic) when given, however slowly they trickle in."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("peer frame deadline passed")
+            sock.settimeout(left)
+        piece = sock.recv(min(n - len(buf), 1 << 16))
+        if not piece:
+            raise ConnectionError("peer closed the connection")
+        buf += piece
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket, limit: int = MAX_REPLY, deadline: float | None = None) -> dict[str, Any]:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+    if n > limit:
+        raise FrameError(f"frame of {n} bytes announced, over the {limit}-byte limit")
+    return parse_bounded(_recv_exact(sock, n, deadline))
+
+
+def endpoint(addr: tuple[Any, ...]) -> str:
+    """``ip:port`` of a socket address (IPv4 or IPv6 tuple)."""
+    return f"{addr[0]}:{addr[1]}"
+
+
+def canonical(msg: dict[str, Any]) -> bytes:
+    """The bytes a MAC covers: every field but "auth", keys sorted, no whitespace."""
+    return json.dumps({k: v for k, v in msg.items() if k != "auth"}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def transcript(snonce: str, cnonce: str, server_ep: str, client_ep: str) -> bytes:
+    return json.dumps([snonce, cnonce, server_ep, client_ep], separators=(",", ":")).encode()
+
+
+def _mac(secret: str, role: bytes, *parts: bytes) -> str:
+    h = hmac.new(secret.encode(), PROTOCOL + b"\0" + role, hashlib.sha256)
+    for p in parts:  # length-prefixed: no two part lists give the same bytes
+        h.update(struct.pack(">Q", len(p)) + p)
+    return h.hexdigest()
+
+
+def client_proof(secret: str, t: bytes) -> str:
+    return _mac(secret, b"client-hello", t)
+
+
+def request_mac(secret: str, t: bytes, msg: dict[str, Any]) -> str:
+    return _mac(secret, b"request", t, canonical(msg))
+
+
+def reply_mac(secret: str, t: bytes, request: dict[str, Any], reply: dict[str, Any]) -> str:
+    return _mac(secret, b"reply", t, hashlib.sha256(canonical(request)).digest(), canonical(reply))
+
+
+def verify(got: Any, expected: str) -> bool:
+    return isinstance(got, str) and hmac.compare_digest(got.encode(), expected.encode())
