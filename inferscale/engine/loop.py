@@ -174,7 +174,7 @@ class ServingLoop:
     def _admit(self, req: GenRequest) -> None:
         """Give ``req`` a slot holding what it starts from: the prefix, plus its blocks in kv modes."""
         eng = self.engine
-        req.span = self._span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks)})
+        req.span = request_span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks)})
         if req.sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(req.sampling.seed)
         req.slot = len(self.rows)
@@ -225,7 +225,7 @@ class ServingLoop:
         req.span.set_attribute("inferscale.memory_tokens", sum(b.num_tokens for b in req.blocks))
         req.span.set_attribute("inferscale.query_tokens", len(req.ids))
         req.span.end()
-        req.span = self._span(req, "decode")
+        req.span = request_span(req, "decode")
         if req.keep_first_logits:
             req.first_logits = logits.detach().float().cpu().clone()
         # It decodes from now on: move it to the end of the decoding rows.
@@ -349,12 +349,6 @@ class ServingLoop:
         self.rows[req.slot], self.rows[dst] = other, req
         other.slot, req.slot = req.slot, dst
 
-    @staticmethod
-    def _span(req: GenRequest, name: str, **attrs):
-        if req.tracer is None:
-            return _NO_SPAN
-        return req.tracer.start_span(name, context=req.context, attributes=attrs)
-
 
 class _NoSpan:
     def set_attribute(self, *_: object) -> None: ...
@@ -363,3 +357,10 @@ class _NoSpan:
 
 
 _NO_SPAN = _NoSpan()
+
+
+def request_span(req: GenRequest, name: str, **attrs):
+    """A child span of the request's own (prefill, decode), or a no-op span when the request carries no tracer."""
+    if req.tracer is None:
+        return _NO_SPAN
+    return req.tracer.start_span(name, context=req.context, attributes=attrs)

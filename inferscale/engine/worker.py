@@ -34,7 +34,7 @@ class _Call:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-class _PromptSide:
+class PromptSide:
     """What turning text into prompt ids needs: the template and a tokenizer that only this side uses."""
 
     question_ids = Engine.question_ids
@@ -54,7 +54,7 @@ class EngineWorker:
         self.engine = engine
         self.loop = engine.serving_loop(config)
         self.max_prompt_chars = engine.loaded.layout.max_positions * CHARS_PER_TOKEN_LIMIT
-        self._prompt_side = _PromptSide(engine)
+        self._prompt_side = PromptSide(engine)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-tokenize")
         self._calls: deque[_Call] = deque()
         self._cv = threading.Condition()

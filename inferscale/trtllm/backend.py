@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from inferscale.engine.engine import Engine
-from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
-from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, _PromptSide
+from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent, request_span
+from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, PromptSide
 from inferscale.errors import ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError, TransferError
 from inferscale.trtllm.core import cache_salt
 from inferscale.trtllm.plans import InjectionEntry, PlanRegistry, prompt_key
@@ -78,7 +78,7 @@ class TrtllmBackend:
         self.registry = PlanRegistry(self._plan_dir)
         self._secret = os.urandom(32)  # salts live as long as this process's KV pages do
         self.max_prompt_chars = engine.loaded.layout.max_positions * CHARS_PER_TOKEN_LIMIT
-        self._prompt_side = _PromptSide(engine)
+        self._prompt_side = PromptSide(engine)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-tokenize")
         self._model_calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-engine")
         self._lock = threading.Lock()
@@ -212,7 +212,7 @@ class TrtllmBackend:
         """Stream one request's outputs as typed events. Its plan is withdrawn before its final event goes out."""
         memory = sum(b.num_tokens for b in req.blocks)
         final: DoneEvent | ErrorEvent | None = None
-        span = ServingLoop._span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks),
+        span = request_span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks),
                                                     "inferscale.engine": "trtllm"})
         try:
             out = self.llm.generate_async(prompt, self._params(req), streaming=True, cache_salt=salt)
@@ -235,7 +235,7 @@ class TrtllmBackend:
                     span.set_attribute("inferscale.prompt_tokens", len(prompt))
                     span.set_attribute("inferscale.memory_tokens", memory)
                     span.end()
-                    span = ServingLoop._span(req, "decode")
+                    span = request_span(req, "decode")
                 if new or done.text_diff:
                     req.emit(TokenEvent(new[-1] if new else None, done.text_diff, time.perf_counter()))
                 if update.finished:

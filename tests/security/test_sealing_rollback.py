@@ -22,6 +22,7 @@ from store.helpers import FP, make_block  # tests/store/helpers.py (tests/ is on
 def sealed(tmp_path):
     path = tmp_path / "kek"
     path.write_text(sealing.new_key_line("k1"))
+    path.chmod(0o600)  # a KEK file others can read is refused
     stores = []
 
     def open_store(**kw):
@@ -124,6 +125,7 @@ def test_embeddings_are_not_in_clear_in_the_catalogue(sealed):
 def test_rotation_reseals_rows_so_the_old_key_can_be_dropped(tmp_path):
     kek = tmp_path / "kek"
     kek.write_text(sealing.new_key_line("k1"))
+    kek.chmod(0o600)
     s = KVStore(tmp_path / "kv", dram_budget_bytes=8 << 20, nixl=False, keyring=sealing.Keyring.load(kek))
     block = make_block("m0")
     s.put("acme", "alice", block, cache=False)
