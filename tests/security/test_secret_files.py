@@ -38,9 +38,9 @@ def test_a_private_kek_file_opens(tmp_path: Path, mode: int) -> None:
 
 def test_server_credentials_come_from_files(tmp_path: Path) -> None:
     token = _file(tmp_path / "internal-token", "tok-123\n", 0o440)
-    peer = _file(tmp_path / "peer-secret", "peer-456", 0o400)
+    peer = _file(tmp_path / "peer-secret", "peer-secret-456789", 0o400)
     s = Settings.from_env({"INFERSCALE_INTERNAL_TOKEN_FILE": str(token), "INFERSCALE_PEER_SECRET_FILE": str(peer)})
-    assert (s.internal_token, s.peer_secret) == ("tok-123", "peer-456")
+    assert (s.internal_token, s.peer_secret) == ("tok-123", "peer-secret-456789")
 
 
 @pytest.mark.parametrize("env,match", [
