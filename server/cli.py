@@ -1,7 +1,11 @@
 """``inferscale serve``: engine, store, retrieval and the OpenAI-compatible API in one process (single node).
 
 Settings come from ``INFERSCALE_*`` (docs/interfaces.md) and these flags, which win. With no tenants file, one is
-created holding a single tenant, and that tenant's fresh API key is printed once (only its hash is stored)."""
+created holding a single tenant, and that tenant's fresh API key is printed once (only its hash is stored).
+
+If the engine worker fails (a bug, an exhausted device), the listeners shut down gracefully and ``serve`` exits
+with ``EXIT_ENGINE_FAILED``, so Kubernetes restarts the container; every shutdown waits at most
+INFERSCALE_SHUTDOWN_GRACE_S for open requests and streams, then cancels them."""
 
 from __future__ import annotations
 
@@ -9,9 +13,13 @@ import argparse
 import asyncio
 import logging
 import sys
+import threading
 
 from inferscale.contract import KV_DTYPES, MODES
 from inferscale.errors import ConfigError
+
+log = logging.getLogger(__name__)
+EXIT_ENGINE_FAILED = 3  # the process exit status when the engine worker failed (the container is restarted)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,32 +71,48 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(settings)
     print(f"InferScale serving {settings.model} on http://{settings.host}:{settings.port}  (store: {settings.store_dir}, "
           f"tenants: {', '.join(app.state.tenants.names)})", flush=True)
-    # INFO by default: access logs are how operators see traffic; -v adds debug. Each line carries trace ids.
+    # INFO by default: access logs (route templates, server/accesslog.py) are how operators see traffic; -v adds
+    # debug. Each line carries trace ids. uvicorn's own access log would print the raw path: off.
     level = "debug" if logging.getLogger().level <= logging.DEBUG else "info"
+
+    def listener(asgi_app, port: int, **kw) -> uvicorn.Server:
+        return uvicorn.Server(uvicorn.Config(asgi_app, host=settings.host, port=port, access_log=False,
+                                             log_config=uvicorn_log_config(level),
+                                             timeout_graceful_shutdown=settings.shutdown_grace_s, **kw))
+
+    servers = [listener(app, settings.port)]
     internal_app = app.state.internal_app
-    if internal_app is None:  # single node: the tenant API only
-        uvicorn.run(app, host=settings.host, port=settings.port, log_config=uvicorn_log_config(level), access_log=True)
-        return 0
-    print(f"Internal API (operator only) on http://{settings.host}:{settings.internal_port}/internal/v1", flush=True)
-    asyncio.run(serve_together([
-        uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                      log_config=uvicorn_log_config(level), access_log=True)),
-        uvicorn.Server(uvicorn.Config(internal_app, host=settings.host, port=settings.internal_port,
-                                      log_config=uvicorn_log_config(level), access_log=True, lifespan="off")),
-    ]))
-    return 0
+    if internal_app is not None:  # else single node: the tenant API only
+        print(f"Internal API (operator only) on http://{settings.host}:{settings.internal_port}/internal/v1",
+              flush=True)
+        servers.append(listener(internal_app, settings.internal_port, lifespan="off"))
+    return asyncio.run(serve_together(servers, engine_failed=app.state.worker.died))
 
 
-async def serve_together(servers: list) -> None:
-    """Run uvicorn servers in one event loop (one process, shared store and engine); when one stops (a
-    signal, a failed bind), stop the others too."""
+async def serve_together(servers: list, engine_failed: threading.Event | None = None) -> int:
+    """Run uvicorn servers in one event loop (one process, shared store and engine); when one stops (a signal, a
+    failed bind) or the engine worker fails, stop them all (each answers what it has open first, within its
+    graceful-shutdown timeout). The process exit status: EXIT_ENGINE_FAILED after an engine failure, else 0."""
     tasks = [asyncio.create_task(s.serve()) for s in servers]
+    watch = asyncio.create_task(_until_set(engine_failed)) if engine_failed is not None else None
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([*tasks, *([watch] if watch else [])], return_when=asyncio.FIRST_COMPLETED)
     finally:
         for s in servers:
             s.should_exit = True
+        if watch is not None:
+            watch.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    if engine_failed is not None and engine_failed.is_set():
+        log.critical("the engine worker failed: exiting with status %d so that the container is restarted",
+                     EXIT_ENGINE_FAILED)
+        return EXIT_ENGINE_FAILED
+    return 0
+
+
+async def _until_set(event: threading.Event, poll_s: float = 0.1) -> None:
+    while not event.is_set():
+        await asyncio.sleep(poll_s)
 
 
 def _client_host(host: str) -> str:

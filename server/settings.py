@@ -26,6 +26,8 @@ ENV = {
     "internal_token": "INFERSCALE_INTERNAL_TOKEN",
     "internal_port": "INFERSCALE_INTERNAL_PORT",
     "peer_secret": "INFERSCALE_PEER_SECRET",
+    "metrics_token": "INFERSCALE_METRICS_TOKEN",
+    "shutdown_grace_s": "INFERSCALE_SHUTDOWN_GRACE_S",
     "ucx_port_range": "INFERSCALE_UCX_PORT_RANGE",
     "node_name": "INFERSCALE_NODE_NAME",
     "pod_name": "INFERSCALE_POD_NAME",
@@ -67,6 +69,11 @@ class Settings(BaseModel):
     internal_port: int = Field(8001, ge=0, le=65535)
     # The peer plane (server <-> server): MACs peer requests (never sent); None = no peer service.
     peer_secret: str | None = None
+    # Bearer token of GET /metrics (Prometheus); None = /metrics is not served (it shows every tenant's activity).
+    metrics_token: str | None = None
+    # A graceful shutdown (SIGTERM, or the engine worker failed) waits this long for open requests and streams,
+    # then cancels them: below the pod's terminationGracePeriodSeconds (30 s by default).
+    shutdown_grace_s: float = Field(20.0, gt=0, le=3600)
     # UCX's TCP data ports (UCX_TCP_PORT_RANGE), so a NetworkPolicy can name them.
     ucx_port_range: str = Field("5556-5599", pattern=r"^[0-9]{1,5}-[0-9]{1,5}$")
     node_name: str = Field(default_factory=lambda: os.uname().nodename)

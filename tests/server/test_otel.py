@@ -112,7 +112,7 @@ def test_failed_request_records_error_type(live):
 
 
 def _scrape(live) -> dict[str, list]:
-    r = httpx.get(live.url + "/metrics")
+    r = live.scrape()
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {f.name: f.samples for f in text_string_to_metric_families(r.text)}
 

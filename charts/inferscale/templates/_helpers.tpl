@@ -154,6 +154,16 @@ OTEL_SDK_DISABLED: "true"
       key: internal-token
 {{- end }}
 
+{{/* optional: an existingSecret without the key leaves /metrics unserved. */}}
+{{- define "inferscale.metricsTokenEnv" -}}
+- name: INFERSCALE_METRICS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "inferscale.internalTokenSecretName" . }}
+      key: metrics-token
+      optional: true
+{{- end }}
+
 {{- define "inferscale.peerSecretEnv" -}}
 - name: INFERSCALE_PEER_SECRET
   valueFrom:
