@@ -189,8 +189,8 @@ class ServingLoop:
         req.span = self._span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks)})
         req.slot = len(self.rows)
         self.rows.append(req)
-        if req.sampling.seed is not None:
-            req.generator = torch.Generator().manual_seed(req.sampling.seed)
+        if req.sampling.seed is not None:  # on the logits' device: a CPU generator cannot draw on CUDA tensors
+            req.generator = torch.Generator(device=eng.device).manual_seed(req.sampling.seed)
         if req.mode == "kv-recompute" and req.blocks:
             from inferscale.engine.recompute import recompute_kv
 

@@ -95,4 +95,8 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p
         keep[0] = True  # the likeliest token always (a top_p below float32's range compares as 0)
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # The exponential race: argmax(p / E) with E ~ Exp(1) draws from p, as torch.multinomial does (vLLM samples so),
+    # but probabilities that are not finite cannot trip a device-side assert, which on CUDA would fail every later
+    # kernel of the process: a request's numbers stay that request's problem.
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / race))

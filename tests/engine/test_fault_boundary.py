@@ -168,3 +168,17 @@ def test_a_failed_worker_answers_every_request_at_once_and_refuses_new_ones(engi
     with pytest.raises(EngineUnavailableError):
         worker.submit(_req(engine, QUESTIONS[0], "late")[0])
     worker.close(1)
+
+
+def test_sampling_draws_from_the_distribution_and_survives_non_finite_logits():
+    from inferscale.engine.sampling import sample
+
+    logits = torch.log(torch.tensor([0.8, 0.2, 0.0]))
+    g = torch.Generator().manual_seed(5)
+    draws = [sample(logits, Sampling(temperature=1.0), g) for _ in range(4000)]
+    assert 2 not in draws and abs(draws.count(0) / len(draws) - 0.8) < 0.03
+    again = torch.Generator().manual_seed(5)
+    assert [sample(logits, Sampling(temperature=1.0), again) for _ in range(50)] == draws[:50]  # seeded: repeatable
+    for bad in (torch.tensor([float("nan")] * 3), torch.tensor([float("inf"), 0.0, float("-inf")]),
+                torch.full((3,), float("-inf"))):
+        assert sample(bad, Sampling(temperature=1.0, top_p=0.5), g) in (0, 1, 2)  # no device-side assert to trip
