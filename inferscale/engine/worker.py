@@ -121,11 +121,14 @@ class EngineWorker:
         self._tokenize_pool.shutdown(wait=False)
 
     def _check_running(self) -> None:
+        if self._stop or self.died.is_set():
+            raise self._unavailable()
+
+    def _unavailable(self) -> EngineUnavailableError:
         if self.died.is_set():
-            raise EngineUnavailableError("the engine worker failed; this replica is restarting, retry later",
-                                         retry_after_s=self.loop.scheduler.retry_after_s())
-        if self._stop:
-            raise EngineUnavailableError("the server is shutting down; retry later")
+            return EngineUnavailableError("the engine worker failed; this replica is restarting, retry later",
+                                          retry_after_s=self.loop.scheduler.retry_after_s())
+        return EngineUnavailableError("the server is shutting down; retry later")
 
     # ---- the worker thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -135,10 +138,7 @@ class EngineWorker:
             log.critical("the engine worker failed; failing every request and stopping", exc_info=True)
             with self._cv:
                 self.died.set()
-            self._abandon(EngineUnavailableError("the engine worker failed; this replica is restarting, retry later",
-                                                 retry_after_s=self.loop.scheduler.retry_after_s()))
-        else:
-            self._abandon(EngineUnavailableError("the server is shutting down; retry later"))
+        self._abandon(self._unavailable())
 
     def _serve(self) -> None:
         while True:
