@@ -3,8 +3,8 @@
 Settings come from ``INFERSCALE_*`` (docs/interfaces.md) and these flags, which win. With no tenants file, one is
 created holding a single tenant, and that tenant's fresh API key is printed once (only its hash is stored).
 
-If the engine worker fails (a bug, an exhausted device), the listeners shut down gracefully and ``serve`` exits
-with ``EXIT_ENGINE_FAILED``, so Kubernetes restarts the container; every shutdown waits at most
+If the engine fails (its worker thread died: a bug, an exhausted device), the listeners shut down gracefully and
+``serve`` exits with ``EXIT_ENGINE_FAILED``, so Kubernetes restarts the container; every shutdown waits at most
 INFERSCALE_SHUTDOWN_GRACE_S for open requests and streams, then cancels them."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import logging
 import sys
-import threading
+from collections.abc import Callable
 
 from inferscale.contract import KV_DTYPES, MODES
 from inferscale.errors import ConfigError
@@ -86,32 +86,39 @@ def run(args: argparse.Namespace) -> int:
         print(f"Internal API (operator only) on http://{settings.host}:{settings.internal_port}/internal/v1",
               flush=True)
         servers.append(listener(internal_app, settings.internal_port, lifespan="off"))
-    return asyncio.run(serve_together(servers, engine_failed=app.state.worker.died))
+    worker = app.state.worker
+    return asyncio.run(serve_together(servers, engine_alive=lambda: worker.alive))
 
 
-async def serve_together(servers: list, engine_failed: threading.Event | None = None) -> int:
+async def serve_together(servers: list, engine_alive: Callable[[], bool] | None = None) -> int:
     """Run uvicorn servers in one event loop (one process, shared store and engine); when one stops (a signal, a
-    failed bind) or the engine worker fails, stop them all (each answers what it has open first, within its
-    graceful-shutdown timeout). The process exit status: EXIT_ENGINE_FAILED after an engine failure, else 0."""
+    failed bind) or the engine stops on its own (``engine_alive()`` turns false), stop them all (each answers what
+    it has open first, within its graceful-shutdown timeout). The exit status: EXIT_ENGINE_FAILED when the engine
+    stopped first, else 0."""
     tasks = [asyncio.create_task(s.serve()) for s in servers]
-    watch = asyncio.create_task(_until_set(engine_failed)) if engine_failed is not None else None
+    watch = asyncio.create_task(_engine_failed(servers, engine_alive)) if engine_alive is not None else None
     try:
         await asyncio.wait([*tasks, *([watch] if watch else [])], return_when=asyncio.FIRST_COMPLETED)
     finally:
         for s in servers:
             s.should_exit = True
-        if watch is not None:
+        if watch is not None and not watch.done():
             watch.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    if engine_failed is not None and engine_failed.is_set():
-        log.critical("the engine worker failed: exiting with status %d so that the container is restarted",
+    if watch is not None and not watch.cancelled() and watch.result():
+        log.critical("the engine failed: exiting with status %d so that the container is restarted",
                      EXIT_ENGINE_FAILED)
         return EXIT_ENGINE_FAILED
     return 0
 
 
-async def _until_set(event: threading.Event, poll_s: float = 0.1) -> None:
-    while not event.is_set():
+async def _engine_failed(servers: list, engine_alive: Callable[[], bool], poll_s: float = 0.1) -> bool:
+    """True once the engine stops while no listener was asked to (a shutdown closes the engine too: not a failure)."""
+    while True:
+        if any(s.should_exit for s in servers):
+            return False
+        if not engine_alive():
+            return True
         await asyncio.sleep(poll_s)
 
 

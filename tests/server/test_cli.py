@@ -32,8 +32,8 @@ def test_serve_creates_tenant_and_prints_key(tmp_path, monkeypatch, capsys, tiny
                            store=KVStore(settings.store_dir, dram_budget_bytes=16 << 20, nixl=False))
 
     monkeypatch.setattr(app_mod, "create_app", fake_create)
-    async def serve(servers, engine_failed=None):  # stands in for the listeners: records what they were given
-        seen.update(port=servers[0].config.port, configs=[s.config for s in servers], engine_failed=engine_failed)
+    async def serve(servers, engine_alive=None):  # stands in for the listeners: records what they were given
+        seen.update(port=servers[0].config.port, configs=[s.config for s in servers], engine_alive=engine_alive)
         return 0
 
     monkeypatch.setattr(cli, "serve_together", serve)
@@ -47,7 +47,7 @@ def test_serve_creates_tenant_and_prints_key(tmp_path, monkeypatch, capsys, tiny
     assert seen["port"] == 9002 and seen["settings"].default_k == 7  # flags win over the environment
     # uvicorn's access log (raw paths) is off; shutdown waits at most the grace; an engine failure ends serving.
     assert [(c.access_log, c.timeout_graceful_shutdown) for c in seen["configs"]] == [(False, 20.0)]
-    assert seen["engine_failed"] is not None and not seen["engine_failed"].is_set()
+    assert seen["engine_alive"] is not None and seen["engine_alive"]()
     reg = TenantRegistry(tmp_path / "tenants.json", max_k=1, max_tokens=1, max_in_flight=1)
     assert reg.authenticate(key).name == "team-a"
     # A second start keeps the file and prints no key.
