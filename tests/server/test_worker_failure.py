@@ -118,6 +118,7 @@ def test_a_dead_worker_answers_503_at_once_and_serve_exits(serving):
             answers = [f.result() for f in queued]
             waited = time.monotonic() - t0
         stream_lines = [line for line in stream.iter_lines() if line]
+    print(f"4 queued requests answered 503 in {waited:.2f} s after the worker died")
     assert waited < 2, waited
     for r in answers:
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
@@ -154,5 +155,6 @@ def test_graceful_shutdown_completes_within_its_grace_with_a_stream_open(tmp_pat
         assert serving.exited.wait(10), "graceful shutdown did not complete"
         took = time.monotonic() - t0
         idle.close()
+    print(f"graceful shutdown with a stream open took {took:.2f} s (grace 1 s)")
     assert took < 1 + 5, took  # the grace, then the engine's close
     assert serving.status == 0
