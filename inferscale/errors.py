@@ -77,3 +77,8 @@ class EngineBusyError(InferScaleError):
     def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EngineUnavailableError(EngineBusyError):
+    """The engine worker is not running (it died, or the server is shutting down): this replica answers nothing
+    more; the client should retry, on another replica once this one is restarted."""

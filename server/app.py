@@ -8,14 +8,13 @@ import time
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse
 
 from inferscale import __version__
-from inferscale.server import chat, httperrors, internal, memories
+from inferscale.server import chat, httperrors, internal, memories, ops
+from inferscale.server.accesslog import RouteAccessLog
 from inferscale.server.auth import TenantRegistry, require_tenant
 from inferscale.server.guard import TenantGuard
-from inferscale.server.httperrors import response as error_response
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.worker import EngineWorker
 from inferscale.engine.backend import EngineBackend
@@ -78,8 +77,9 @@ def open_backend(settings: Settings, engine: Engine) -> EngineBackend:
 
 
 def plane_credentials(settings: Settings) -> dict[str, str]:
-    """The internal token and peer secret that are set, by the variable that holds them."""
-    creds = {"INFERSCALE_INTERNAL_TOKEN": settings.internal_token, "INFERSCALE_PEER_SECRET": settings.peer_secret}
+    """The internal token, peer secret and metrics token that are set, by the variable that holds them."""
+    creds = {"INFERSCALE_INTERNAL_TOKEN": settings.internal_token, "INFERSCALE_PEER_SECRET": settings.peer_secret,
+             "INFERSCALE_METRICS_TOKEN": settings.metrics_token}
     return {k: v for k, v in creds.items() if v}
 
 
@@ -94,6 +94,7 @@ def create_internal_app(settings: Settings, store, telemetry, fleet: Fleet) -> F
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token)
     app.include_router(internal.router)
     telemetry.instrument(app)
+    app.add_middleware(RouteAccessLog)
     return app
 
 
@@ -145,7 +146,9 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, tenants=tenants)
     app.include_router(chat.router)
     app.include_router(memories.router)
+    app.include_router(ops.router)
     telemetry.instrument(app)
+    app.add_middleware(RouteAccessLog)  # outermost: it sees every answer, the guard's refusals included
     st.internal_app = create_internal_app(settings, store, telemetry, fleet) if settings.internal_token else None
 
     def model_card() -> ModelCard:  # the inferscale field shows the profile: its default stop and modes
@@ -162,22 +165,6 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         if model_id not in st.model_ids:
             raise httperrors.ApiError(404, f"model {model_id!r} does not exist", code="model_not_found", param="model")
         return model_card()
-
-    @app.get("/healthz", tags=["ops"])
-    async def healthz():
-        if not worker.alive:
-            return error_response(503, "engine worker is not running", "server_error", "unhealthy")
-        return {"status": "ok"}
-
-    @app.get("/readyz", tags=["ops"])
-    async def readyz():
-        if not worker.alive:
-            return error_response(503, "engine worker is not running", "server_error", "not_ready")
-        return {"status": "ready", "model": settings.model, "active": worker.active, "queued": worker.queued}
-
-    @app.get("/metrics", tags=["ops"], response_class=Response)
-    async def prometheus_metrics():
-        return Response(generate_latest(telemetry.prometheus), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

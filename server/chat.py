@@ -16,7 +16,7 @@ from inferscale.engine.loop import DoneEvent, ErrorEvent, Event, GenRequest, Tok
 from inferscale.engine.sampling import Sampling
 from inferscale.server.auth import Tenant, require_tenant
 from inferscale.server.genai_metrics import ChatTelemetry
-from inferscale.server.httperrors import ApiError, body as error_body, from_typed, request_id
+from inferscale.server.httperrors import ApiError, body as error_body, from_exception, from_typed, request_id
 from inferscale.server.scheduler import EventStream
 from inferscale.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionRequest, Choice, ErrorBody,
                                        MemoryOptions, MemoryUsage, PromptTokensDetails, Usage)
@@ -36,7 +36,7 @@ def _prompt(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
 
 
 def _raise(err: BaseException):
-    raise from_typed(err) if isinstance(err, InferScaleError) else err
+    raise from_exception(err)
 
 
 def _limits(req: ChatCompletionRequest, tenant: Tenant, settings) -> tuple[MemoryOptions, int, str, int]:
@@ -211,10 +211,9 @@ async def _stream(job: EventStream, first: Event, rid: str, req: ChatCompletionR
                                 "choices": [], "usage": usage.model_dump()})
                 break
             else:  # an error after the first token: report it in-band, as OpenAI does
-                err = ev.error
-                a = from_typed(err) if isinstance(err, InferScaleError) else ApiError(500, str(err), type="server_error")
+                a = from_exception(ev.error)
                 rec.fail(a, message=a.message)
-                yield _sse(error_body(a.message, a.type, a.code))
+                yield _sse(error_body(a.message, a.type, a.code, a.param))
                 break
             ev = await job.next()
         yield "data: [DONE]\n\n"

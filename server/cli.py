@@ -1,7 +1,11 @@
 """``inferscale serve``: engine, store, retrieval and the OpenAI-compatible API in one process (single node).
 
 Settings come from ``INFERSCALE_*`` (docs/interfaces.md) and these flags, which win. With no tenants file, one is
-created holding a single tenant, and that tenant's fresh API key is printed once (only its hash is stored)."""
+created holding a single tenant, and that tenant's fresh API key is printed once (only its hash is stored).
+
+If the engine fails (its worker thread died: a bug, an exhausted device), the listeners shut down gracefully and
+``serve`` exits with ``EXIT_ENGINE_FAILED``, so Kubernetes restarts the container; every shutdown waits at most
+INFERSCALE_SHUTDOWN_GRACE_S for open requests and streams, then cancels them."""
 
 from __future__ import annotations
 
@@ -9,9 +13,13 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 
 from inferscale.contract import ENGINES, KV_DTYPES, MODES
 from inferscale.errors import ConfigError
+
+log = logging.getLogger(__name__)
+EXIT_ENGINE_FAILED = 3  # the process exit status when the engine worker failed (the container is restarted)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,32 +75,55 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(settings)
     print(f"InferScale serving {settings.model} on http://{settings.host}:{settings.port}  (store: {settings.store_dir}, "
           f"tenants: {', '.join(app.state.tenants.names)})", flush=True)
-    # INFO by default: access logs are how operators see traffic; -v adds debug. Each line carries trace ids.
+    # INFO by default: access logs (route templates, server/accesslog.py) are how operators see traffic; -v adds
+    # debug. Each line carries trace ids. uvicorn's own access log would print the raw path: off.
     level = "debug" if logging.getLogger().level <= logging.DEBUG else "info"
+
+    def listener(asgi_app, port: int, **kw) -> uvicorn.Server:
+        return uvicorn.Server(uvicorn.Config(asgi_app, host=settings.host, port=port, access_log=False,
+                                             log_config=uvicorn_log_config(level),
+                                             timeout_graceful_shutdown=settings.shutdown_grace_s, **kw))
+
+    servers = [listener(app, settings.port)]
     internal_app = app.state.internal_app
-    if internal_app is None:  # single node: the tenant API only
-        uvicorn.run(app, host=settings.host, port=settings.port, log_config=uvicorn_log_config(level), access_log=True)
-        return 0
-    print(f"Internal API (operator only) on http://{settings.host}:{settings.internal_port}/internal/v1", flush=True)
-    asyncio.run(serve_together([
-        uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                      log_config=uvicorn_log_config(level), access_log=True)),
-        uvicorn.Server(uvicorn.Config(internal_app, host=settings.host, port=settings.internal_port,
-                                      log_config=uvicorn_log_config(level), access_log=True, lifespan="off")),
-    ]))
-    return 0
+    if internal_app is not None:  # else single node: the tenant API only
+        print(f"Internal API (operator only) on http://{settings.host}:{settings.internal_port}/internal/v1",
+              flush=True)
+        servers.append(listener(internal_app, settings.internal_port, lifespan="off"))
+    worker = app.state.worker
+    return asyncio.run(serve_together(servers, engine_alive=lambda: worker.alive))
 
 
-async def serve_together(servers: list) -> None:
-    """Run uvicorn servers in one event loop (one process, shared store and engine); when one stops (a
-    signal, a failed bind), stop the others too."""
+async def serve_together(servers: list, engine_alive: Callable[[], bool] | None = None) -> int:
+    """Run uvicorn servers in one event loop (one process, shared store and engine); when one stops (a signal, a
+    failed bind) or the engine stops on its own (``engine_alive()`` turns false), stop them all (each answers what
+    it has open first, within its graceful-shutdown timeout). The exit status: EXIT_ENGINE_FAILED when the engine
+    stopped first, else 0."""
     tasks = [asyncio.create_task(s.serve()) for s in servers]
+    watch = asyncio.create_task(_engine_failed(servers, engine_alive)) if engine_alive is not None else None
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([*tasks, *([watch] if watch else [])], return_when=asyncio.FIRST_COMPLETED)
     finally:
         for s in servers:
             s.should_exit = True
+        if watch is not None and not watch.done():
+            watch.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    if watch is not None and not watch.cancelled() and watch.result():
+        log.critical("the engine failed: exiting with status %d so that the container is restarted",
+                     EXIT_ENGINE_FAILED)
+        return EXIT_ENGINE_FAILED
+    return 0
+
+
+async def _engine_failed(servers: list, engine_alive: Callable[[], bool], poll_s: float = 0.1) -> bool:
+    """True once the engine stops while no listener was asked to (a shutdown closes the engine too: not a failure)."""
+    while True:
+        if any(s.should_exit for s in servers):
+            return False
+        if not engine_alive():
+            return True
+        await asyncio.sleep(poll_s)
 
 
 def _client_host(host: str) -> str:

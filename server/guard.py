@@ -43,7 +43,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-def _bearer(scope: Scope) -> str | None:
+def bearer_token(scope: Scope) -> str | None:
     scheme, _, token = (_header(scope, b"authorization") or b"").decode("latin-1").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
@@ -63,7 +63,7 @@ class TenantGuard:
         if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
             return await self._too_large(scope, receive, send)
         if self.internal_token and scope.get("path", "").startswith("/internal/"):
-            got = _bearer(scope) or ""
+            got = bearer_token(scope) or ""
             if not hmac.compare_digest(got.encode(), self.internal_token.encode()):
                 resp = error_response(401, "incorrect internal token", "authentication_error", "invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
@@ -71,7 +71,7 @@ class TenantGuard:
         tenant = None
         if self.tenants is not None and scope.get("path", "").startswith("/v1/"):
             try:
-                tenant = self.tenants.authenticate(_bearer(scope))
+                tenant = self.tenants.authenticate(bearer_token(scope))
             except AuthError as e:
                 resp = error_response(e.status, str(e), "authentication_error", e.code,
                                       headers={"WWW-Authenticate": "Bearer", "Connection": "close"})

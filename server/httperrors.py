@@ -52,14 +52,27 @@ _TYPED: list[tuple[type, int, str, str]] = [
 
 
 def from_typed(e: E.InferScaleError) -> ApiError:
-    if isinstance(e, E.EngineBusyError):  # queue full or queue timeout: the client should come back later
-        return ApiError(503, str(e), type="server_error", code="engine_busy",
-                        headers={"Retry-After": str(e.retry_after_s)})
+    if isinstance(e, E.EngineBusyError):  # queue full, queue timeout, or no engine: come back later
+        code = "engine_unavailable" if isinstance(e, E.EngineUnavailableError) else "engine_busy"
+        return ApiError(503, str(e), type="server_error", code=code, headers={"Retry-After": str(e.retry_after_s)})
     for cls, status, type_, code in _TYPED:
         if isinstance(e, cls):
             headers = {"Retry-After": "1"} if status == 429 else None  # every 429 says when to come back
             return ApiError(status, str(e), type=type_, code=code, param=getattr(e, "param", None), headers=headers)
     return ApiError(500, str(e), type="server_error")
+
+
+def from_exception(e: BaseException) -> ApiError:
+    """What a client is told of ``e``: a typed error's own status (400 when its input caused it), else a 500 that
+    names only an error id; the traceback is logged under that id, never sent."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, E.InferScaleError):
+        return from_typed(e)
+    error_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s", error_id, exc_info=(type(e), e, e.__traceback__))
+    return ApiError(500, f"internal error (id {error_id}); report this id to the operator", type="server_error",
+                    code="internal_error")
 
 
 # Pydantic names the member of a union it tried in an error's location ("list[constrained-str]", "str"): not a param.
@@ -145,5 +158,5 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
-        log.exception("unhandled error")
-        return response(500, f"internal error: {type(e).__name__}", "server_error", "internal_error")
+        a = from_exception(e)
+        return response(a.status, a.message, a.type, a.code, a.param, a.headers)

@@ -1,5 +1,5 @@
 """Log records carry the current trace and span ids (``otelTraceID``/``otelSpanID``, "0" outside a span), and the
-server logs, access log included, at INFO by default with those ids in every line."""
+server logs, access log included (``server/accesslog.py``), at INFO by default with those ids in every line."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def uvicorn_log_config(level: str = "info") -> dict[str, Any]:
         handler.setdefault("filters", []).append("trace_ids")
     for logger in config["loggers"].values():
         logger["level"] = level.upper()
-    # Our own modules log through the same handler and format.
+    # Our own modules log through the same handler and format; the access log (route templates, never the raw
+    # path: server/accesslog.py) through uvicorn's access handler, whose own access log is off.
     config["loggers"]["inferscale"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    config["loggers"]["inferscale.access"] = {"handlers": ["access"], "level": level.upper(), "propagate": False}
     return config

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from inferscale.contract import ID_PATTERN, TENANT_PATTERN, TTFT_GRANULARITY_MS, USER_MAX_LEN, Mode
-from inferscale.engine.sampling import MAX_STOP
+from inferscale.engine.sampling import MAX_STOP, MAX_TEMPERATURE, SEED_MAX, SEED_MIN
 
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")  # JSON "\\ud800" parses to one; it has no UTF-8 form
 
@@ -53,6 +53,7 @@ ApiUser = Annotated[str, StringConstraints(min_length=1, max_length=USER_MAX_LEN
 StopText = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 TenantName = Annotated[str, StringConstraints(pattern=TENANT_PATTERN)]
 HARD_MAX_K = 1000
+MAX_MESSAGES = 10_000  # turns of one chat: far more than any context holds, and a bound on validation work
 
 
 # ---- errors -------------------------------------------------------------------------------------------------
@@ -111,14 +112,15 @@ class ChatCompletionRequest(NoLoneSurrogates):
     a known one this server cannot honour is refused by ``unsupported()`` (400 naming the ``param``)."""
     model_config = ConfigDict(extra="forbid")
     model: str
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: max_completion_tokens wins")
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, description=(
+        "below 1e-5: greedy; below 0.01: raised to 0.01 (vLLM's floors: a smaller one overflows the logits)"))
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="a 64-bit signed integer, as vLLM takes")
     n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = Field(
         None, description="up to 4 sequences; replaces the model's default stop (see GET /v1/models)")
@@ -126,16 +128,17 @@ class ChatCompletionRequest(NoLoneSurrogates):
                                  "string, mapped to a store id by inferscale.contract.user_store_id")
     safety_identifier: ApiUser | None = Field(None, description="accepted; not acted on")
     prompt_cache_key: str | None = Field(None, max_length=1024, description="accepted; caching is by memory")
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="accepted; recorded nowhere")
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(
+        max_length=512)]] | None = Field(None, max_length=16, description="accepted; recorded nowhere")
     service_tier: Literal["auto", "default"] | None = None
     store: bool | None = None
     # Known OpenAI fields this server cannot honour: typed here so that a harmless value passes and any other
     # answers 400 with ``param`` (see unsupported()).
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's ranges, then refused unless harmless
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None

@@ -32,6 +32,9 @@ ENV = {
     "internal_port": "INFERSCALE_INTERNAL_PORT",
     "peer_secret": "INFERSCALE_PEER_SECRET",
     "peer_secret_file": "INFERSCALE_PEER_SECRET_FILE",
+    "metrics_token": "INFERSCALE_METRICS_TOKEN",
+    "metrics_token_file": "INFERSCALE_METRICS_TOKEN_FILE",
+    "shutdown_grace_s": "INFERSCALE_SHUTDOWN_GRACE_S",
     "ucx_port_range": "INFERSCALE_UCX_PORT_RANGE",
     "node_name": "INFERSCALE_NODE_NAME",
     "pod_name": "INFERSCALE_POD_NAME",
@@ -84,6 +87,12 @@ class Settings(BaseModel):
     # The peer plane (server <-> server): MACs peer requests (never sent); None = no peer service.
     peer_secret: str | None = None
     peer_secret_file: Path | None = None
+    # Bearer token of GET /metrics (Prometheus); None = /metrics is not served (it shows every tenant's activity).
+    metrics_token: str | None = None
+    metrics_token_file: Path | None = None
+    # A graceful shutdown (SIGTERM, or the engine worker failed) waits this long for open requests and streams,
+    # then cancels them: below the pod's terminationGracePeriodSeconds (30 s by default).
+    shutdown_grace_s: float = Field(20.0, gt=0, le=3600)
     # UCX's TCP data ports (UCX_TCP_PORT_RANGE), so a NetworkPolicy can name them.
     ucx_port_range: str = Field("5556-5599", pattern=r"^[0-9]{1,5}-[0-9]{1,5}$")
     node_name: str = Field(default_factory=lambda: os.uname().nodename)
@@ -117,9 +126,10 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _credentials_from_files(self) -> Settings:
-        """INFERSCALE_INTERNAL_TOKEN_FILE / INFERSCALE_PEER_SECRET_FILE: read (private files only) into the values;
-        then the peer secret's own rules, whichever way it came."""
-        for value, path in (("internal_token", "internal_token_file"), ("peer_secret", "peer_secret_file")):
+        """INFERSCALE_INTERNAL_TOKEN_FILE / INFERSCALE_PEER_SECRET_FILE / INFERSCALE_METRICS_TOKEN_FILE: read (private
+        files only) into the values; then the peer secret's own rules, whichever way it came."""
+        for value, path in (("internal_token", "internal_token_file"), ("peer_secret", "peer_secret_file"),
+                            ("metrics_token", "metrics_token_file")):
             file = getattr(self, path)
             if file is None:
                 continue

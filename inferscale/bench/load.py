@@ -127,47 +127,43 @@ async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: i
             "idle_ttft_ms": idle.ttft_s * 1e3, "arrival_ttft_ms": arrival * 1e3 if arrival is not None else None}
 
 
-async def _wait_for(url: str, ready, timeout_s: float = 3600) -> None:
-    """Poll /readyz until ``ready(body)``: the background load is in place."""
-    import httpx
+def _in_engine(server: LiveServer) -> int:
+    """Requests running or queued in the engine. Read in process: no endpoint shows load to a tenant."""
+    worker = server.app.state.worker
+    return worker.active + worker.queued
 
+
+async def _wait_for(server: LiveServer, requests: int, timeout_s: float = 3600) -> None:
+    """Wait until ``requests`` are in the engine: the background load is in place."""
     deadline = time.perf_counter() + timeout_s
-    async with httpx.AsyncClient() as http:
-        while time.perf_counter() < deadline:
-            if ready((await http.get(url + "/readyz")).json()):
-                return
-            await asyncio.sleep(0.01)
+    while time.perf_counter() < deadline and _in_engine(server) < requests:
+        await asyncio.sleep(0.01)
 
 
 PROBES = 3  # tenant B's requests, idle and during the flood (medians)
 
 
-async def _flood(url: str, model: str, k: int, tokens: int, requests: int) -> dict:
+async def _flood(server: LiveServer, model: str, k: int, tokens: int, requests: int) -> dict:
     """Tenant A queues ``requests`` long text prompts; then tenant B sends one kv request."""
     from openai import AsyncOpenAI
+
+    url = server.url
 
     a = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
     b = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-b"], max_retries=0, timeout=3600)
     idle = [(await _stream(b, model, "kv", k, tokens, user="maya")).ttft_s for _ in range(PROBES)]
     flood = [asyncio.create_task(_stream(a, model, "text", k, tokens)) for _ in range(requests)]
     # Every one of A's requests is in the engine (running or queued) before B asks: the whole flood is ahead of B.
-    await _wait_for(url, lambda r: r["active"] + r["queued"] >= requests)
+    await _wait_for(server, requests)
     during = [(await _stream(b, model, "kv", k, tokens, user="maya")).ttft_s for _ in range(PROBES)]
-    queued_after = await _readyz(url)
+    in_engine_after = _in_engine(server)
     await asyncio.gather(*flood)
     await a.close()
     await b.close()
     b_idle, b_flood = statistics.median(idle), statistics.median(during)
     return {"flood_requests": requests, "probes": PROBES, "b_idle_ttft_ms": b_idle * 1e3,
             "b_flood_ttft_ms": b_flood * 1e3, "b_flood_ttft_max_ms": max(during) * 1e3,
-            "a_in_engine_after_probes": queued_after["active"] + queued_after["queued"], "ratio": b_flood / b_idle}
-
-
-async def _readyz(url: str) -> dict:
-    import httpx
-
-    async with httpx.AsyncClient() as http:
-        return (await http.get(url + "/readyz")).json()
+            "a_in_engine_after_probes": in_engine_after, "ratio": b_flood / b_idle}
 
 
 def _load_memories(server: LiveServer, k: int) -> None:
@@ -197,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         _load_memories(server, args.k)
         rows = [asyncio.run(_concurrent(server.url, server.model, mode, n, args.k, args.tokens))
                 for n in ns for mode in modes]
-        flood = asyncio.run(_flood(server.url, server.model, args.k, args.tokens, args.flood_requests)) \
+        flood = asyncio.run(_flood(server, server.model, args.k, args.tokens, args.flood_requests)) \
             if args.flood else None
     finally:
         server.close()

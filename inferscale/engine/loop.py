@@ -8,12 +8,18 @@ worker thread are all clients of ``ServingLoop``.
   postprocess  sample, detokenize, emit events, stop, free slots
 A long ``text`` prompt is prefilled chunk by chunk, so running streams wait at most one chunk per step.
 
+The fault boundary: whatever one request's admission, prompt chunk, decode row or sampling raises fails that
+request alone (an ``ErrorEvent`` to its client) and the step goes on for the others. A batched decode pass that
+raises is run again row by row, so only the rows that fail alone fail. An exception out of ``step`` itself is a
+bug of the loop, not of a request: the worker treats it as fatal (``inferscale.engine.worker``).
+
 Slots: rows [0, decoding) hold decoding sequences, the rows after them sequences still prefilling, so the batched
 decode reads contiguous rows (a view, no gather). Rows move only when a sequence starts decoding or finishes.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +38,7 @@ from inferscale.kvformat import KVBlock
 if TYPE_CHECKING:
     from inferscale.engine.loopengine import LoopEngine as Engine  # what the loop reads of an Engine
 
+log = logging.getLogger(__name__)
 
 # ---- events: what a request's client receives ------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class GenRequest:
     answer: str | None = None  # the final text when a stop sequence ended it
     generator: torch.Generator | None = None
     span: Any = None
+    ended: bool = False  # its DoneEvent or ErrorEvent was emitted: nothing more is
 
     cancelled: bool = False  # set by cancel(); a backend without a ScheduledRequest polls it
 
@@ -154,13 +162,13 @@ class ServingLoop:
                 retry_after_s=self.scheduler.retry_after_s())))
         decode = [s.payload for s in out.decode]
         for s in out.admitted:
-            self._admit(s.payload)
+            self._guarded(s.payload, self._admit)
         # Prompt chunks first, in the scheduler's turn order (a newcomer's first): a short question that fits in
         # one chunk gets its first token before this step's decode pass, not after it.
         for s, n in out.prefill:
             req = s.payload
             if req.slot >= 0 and req.pending:
-                self._prefill_chunk(req, n)
+                self._guarded(req, self._prefill_chunk, n)
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self._decode(decode)
@@ -171,46 +179,46 @@ class ServingLoop:
             self.step()
 
     # ---- beats ------------------------------------------------------------------------------------------------
+    def _guarded(self, req: GenRequest, beat: Callable[..., None], *args: object) -> None:
+        """The fault boundary: run ``beat(req, *args)``; what it raises fails ``req`` alone."""
+        try:
+            beat(req, *args)
+        except Exception as e:  # noqa: BLE001 - the request's own failure, reported to its client
+            self._fail(req, e)
+
     def _admit(self, req: GenRequest) -> None:
         """Give ``req`` a slot holding what it starts from: the prefix, plus its blocks in kv modes."""
         eng = self.engine
         req.span = request_span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks)})
-        if req.sampling.seed is not None:
-            req.generator = torch.Generator().manual_seed(req.sampling.seed)
         req.slot = len(self.rows)
         self.rows.append(req)
-        try:
-            if req.mode == "kv-recompute" and req.blocks:
-                from inferscale.engine.recompute import recompute_kv
+        if req.sampling.seed is not None:  # on the logits' device: a CPU generator cannot draw on CUDA tensors
+            req.generator = torch.Generator(device=eng.device).manual_seed(req.sampling.seed)
+        if req.mode == "kv-recompute" and req.blocks:
+            from inferscale.engine.recompute import recompute_kv
 
-                kv, logits = recompute_kv(eng, req.blocks, req.ids, req.recompute_ratio)
-                self.slots.write(req.slot, kv)
-                req.length = kv.shape[3]
-                self._prompt_done(req, logits)
-                return
-            if req.mode == "text":
-                kv = eng.prefix_kv
-                req.pending = [t for b in req.blocks for t in b.token_ids] + list(req.ids)
-            elif req.blocks:  # straight into the slot, each layer group windowed: flat in k
-                req.length = self.slots.write_groups(req.slot, injected_groups(eng.prefix_kv, req.blocks,
-                                                                               eng.loaded.layout))
-                req.pending = list(req.ids)
-                return
-            else:
-                kv = eng.prefix_kv
-                req.pending = list(req.ids)
+            kv, logits = recompute_kv(eng, req.blocks, req.ids, req.recompute_ratio)
             self.slots.write(req.slot, kv)
             req.length = kv.shape[3]
-        except Exception as e:  # noqa: BLE001 - reported to the request
-            self._fail(req, e)
+            self._prompt_done(req, logits)
+            return
+        if req.mode == "text":
+            kv = eng.prefix_kv
+            req.pending = [t for b in req.blocks for t in b.token_ids] + list(req.ids)
+        elif req.blocks:  # straight into the slot, each layer group windowed: flat in k
+            req.length = self.slots.write_groups(req.slot, injected_groups(eng.prefix_kv, req.blocks,
+                                                                           eng.loaded.layout))
+            req.pending = list(req.ids)
+            return
+        else:
+            kv = eng.prefix_kv
+            req.pending = list(req.ids)
+        self.slots.write(req.slot, kv)
+        req.length = kv.shape[3]
 
     def _prefill_chunk(self, req: GenRequest, n: int) -> None:
         ids, req.pending = req.pending[:n], req.pending[n:]
-        try:
-            logits = self._forward([req.slot], [req.length], torch.tensor([ids]))[0]
-        except Exception as e:  # noqa: BLE001
-            self._fail(req, e)
-            return
+        logits = self._forward([req.slot], [req.length], torch.tensor([ids]))[0]
         req.length += len(ids)
         self.scheduler.computed(req.sched, len(ids))
         if not req.pending:
@@ -238,14 +246,21 @@ class ServingLoop:
         try:
             logits = self._forward([r.slot for r in reqs], [r.length for r in reqs],
                                    torch.tensor([[r.last] for r in reqs]))
-        except Exception as e:  # noqa: BLE001 - every row of the failed pass fails
+        except Exception:  # noqa: BLE001 - one row may have broken the pass: each row again, alone
+            log.warning("batched decode of %d rows failed; retrying each row alone", len(reqs), exc_info=True)
             for r in reqs:
-                self._fail(r, e)
+                if r.slot >= 0:
+                    self._guarded(r, self._decode_alone)
             return
         for r, lg in zip(reqs, logits):
             r.length += 1
         for r, lg in zip(reqs, logits):
-            self._postprocess(r, lg)
+            self._guarded(r, self._postprocess, lg)
+
+    def _decode_alone(self, req: GenRequest) -> None:
+        logits = self._forward([req.slot], [req.length], torch.tensor([[req.last]]))[0]
+        req.length += 1
+        self._postprocess(req, logits)
 
     def _forward(self, rows: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
         """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits of each row's last token [B, vocab]."""
@@ -309,6 +324,7 @@ class ServingLoop:
             if len(text) > req.sent and text.startswith(req.text[:req.sent]):
                 req.emit(TokenEvent(None, text[req.sent:], time.perf_counter()))
         self._end_span(req)  # before the client hears of it: its trace is complete when the answer is
+        req.ended = True
         req.emit(DoneEvent(reason, req.sched.prompt_tokens, sum(b.num_tokens for b in req.blocks), len(req.output),
                            req.first_token))
         self._free(req)
@@ -317,7 +333,12 @@ class ServingLoop:
         if req.span is not None:
             req.span.record_exception(e)
         self._end_span(req)
-        req.emit(ErrorEvent(e))
+        if not req.ended:
+            req.ended = True
+            try:
+                req.emit(ErrorEvent(e))
+            except Exception:  # noqa: BLE001 - a client that cannot hear of it must not stop the others
+                log.exception("could not report a failed request to its client")
         self._free(req)
 
     def _end_span(self, req: GenRequest) -> None:

@@ -10,6 +10,14 @@ import torch
 from inferscale.errors import InvalidInputError
 
 MAX_STOP = 4  # stop sequences per request, as OpenAI allows
+# Seeds are 64-bit signed integers, as vLLM's API takes them; torch.Generator.manual_seed maps a negative one to
+# 2**64 + seed. A seed outside is refused (a 400 naming ``seed``), never reduced.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# vLLM's floors: below GREEDY_BELOW a temperature means greedy decoding; up to MIN_TEMPERATURE it is raised to
+# MIN_TEMPERATURE. Logits divided by a smaller one overflow float32 (1e-300 made every probability inf/nan).
+GREEDY_BELOW = 1e-5
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0 to 2
 
 
 @dataclass
@@ -30,6 +38,17 @@ class Sampling:
             raise InvalidInputError(f"max_new_tokens={self.max_new_tokens}: expected 1 or more", param="max_tokens")
         if self.min_tokens < 0:
             raise InvalidInputError(f"min_tokens={self.min_tokens}: expected 0 or more", param="min_tokens")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidInputError(f"seed={self.seed}: expected a 64-bit signed integer", param="seed")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # False for NaN too
+            raise InvalidInputError(f"temperature={self.temperature}: expected 0 to {MAX_TEMPERATURE:g}",
+                                    param="temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidInputError(f"top_p={self.top_p}: expected more than 0, at most 1", param="top_p")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        elif self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = (self.stop,)
@@ -74,5 +93,10 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     if sampling.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p
+        keep[0] = True  # the likeliest token always (a top_p below float32's range compares as 0)
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # The exponential race: argmax(p / E) with E ~ Exp(1) draws from p, as torch.multinomial does (vLLM samples so),
+    # but probabilities that are not finite cannot trip a device-side assert, which on CUDA would fail every later
+    # kernel of the process: a request's numbers stay that request's problem.
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / race))

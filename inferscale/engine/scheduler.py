@@ -172,6 +172,16 @@ class Scheduler:
         with self._lock:
             self._remove(req)
 
+    def drain(self) -> list[ScheduledRequest]:
+        """Every request held, running or queued, oldest first by list; the scheduler is left empty (the engine
+        stops: each gets an error)."""
+        with self._lock:
+            held = [*self._decoding, *itertools.chain(*self._prefilling.values(), *self._waiting.values())]
+            self._decoding.clear()
+            self._prefilling.clear()
+            self._waiting.clear()
+            return held
+
     # ---- internals (lock held) ------------------------------------------------------------------------------
     def _remove(self, req: ScheduledRequest) -> None:
         if req in self._decoding:

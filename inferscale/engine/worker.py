@@ -4,6 +4,11 @@ run on it between two steps, so the model is never used from two threads.
 Requests are validated and queued from the caller's thread (``submit``: typed errors raise there, before any
 model work). Prompts are tokenized off the worker thread too, on a tokenizer copy of their own, after a length
 check in characters (a 16 MB message never reaches a tokenizer).
+
+A request's own failure stays with it (the loop's fault boundary). Anything that escapes a step is a bug or an
+exhausted device: the worker is then dead for good. At once every queued and running request and every pending
+call gets ``EngineUnavailableError`` (503 + Retry-After), later ones too, ``alive`` turns false (liveness fails)
+and ``died`` is set, so the process can exit and be restarted.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -21,7 +27,9 @@ from inferscale.contract import MODES
 from inferscale.engine.engine import Engine
 from inferscale.engine.loop import ErrorEvent, GenRequest
 from inferscale.engine.scheduler import SchedulerConfig
-from inferscale.errors import PromptTooLongError
+from inferscale.errors import EngineUnavailableError, PromptTooLongError
+
+log = logging.getLogger(__name__)
 
 # No tokenizer we support spends more than this many characters per token on ordinary text; longer prompts are
 # refused before tokenization (the exact token check follows it).
@@ -59,13 +67,14 @@ class EngineWorker:
         self._calls: deque[_Call] = deque()
         self._cv = threading.Condition()
         self._stop = False
+        self.died = threading.Event()  # set once the worker thread failed: this replica must be restarted
         self._thread = threading.Thread(target=self._run, name="inferscale-engine", daemon=True)
         self._thread.start()
 
     # ---- any thread -------------------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop
+        return self._thread.is_alive() and not self._stop and not self.died.is_set()
 
     @property
     def active(self) -> int:
@@ -95,18 +104,16 @@ class EngineWorker:
 
     def submit(self, req: GenRequest) -> None:
         """Queue a generation; its events go to ``req.emit`` on the worker thread. Typed errors raise here."""
-        if self._stop:
-            raise RuntimeError("engine worker stopped")
-        self.loop.add(req)
-        with self._cv:
+        with self._cv:  # under the lock: a request is either refused here or answered by _abandon
+            self._check_running()
+            self.loop.add(req)
             self._cv.notify()
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` on the worker thread, between two steps."""
         job = _Call(fn)
         with self._cv:
-            if self._stop:
-                raise RuntimeError("engine worker stopped")
+            self._check_running()
             self._calls.append(job)
             self._cv.notify()
         return await asyncio.wrap_future(job.future)
@@ -118,8 +125,27 @@ class EngineWorker:
         self._thread.join(timeout)
         self._tokenize_pool.shutdown(wait=False)
 
+    def _check_running(self) -> None:
+        if self._stop or self.died.is_set():
+            raise self._unavailable()
+
+    def _unavailable(self) -> EngineUnavailableError:
+        if self.died.is_set():
+            return EngineUnavailableError("the engine worker failed; this replica is restarting, retry later",
+                                          retry_after_s=self.loop.scheduler.retry_after_s())
+        return EngineUnavailableError("the server is shutting down; retry later")
+
     # ---- the worker thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # noqa: BLE001 - outside every request's boundary: a bug or an exhausted device
+            log.critical("the engine worker failed; failing every request and stopping", exc_info=True)
+            with self._cv:
+                self.died.set()
+        self._abandon(self._unavailable())
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not self._stop and not self._calls and not self.loop.has_work():
@@ -133,7 +159,6 @@ class EngineWorker:
             calls = job = None  # drop references (leased DRAM views) before waiting
             if self.loop.has_work():
                 self.loop.step()
-        self._shutdown()
 
     def _run_call(self, job: _Call) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -143,16 +168,18 @@ class EngineWorker:
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             job.future.set_exception(e)
 
-    def _shutdown(self) -> None:
-        err = RuntimeError("server shutting down")
-        for req in list(self.loop.rows):
-            req.emit(ErrorEvent(err))
-            self.loop.scheduler.finish(req.sched)
-        while self.loop.scheduler.num_waiting:
-            out = self.loop.scheduler.schedule()
-            for s in [*out.admitted, *out.expired]:
+    def _abandon(self, err: EngineUnavailableError) -> None:
+        """Answer every request the scheduler holds, queued or running, and every pending call with ``err``."""
+        with self._cv:  # submit() and call() hold it too: nothing joins after this
+            self._stop = True
+            requests = self.loop.scheduler.drain()
+            calls = list(self._calls)
+            self._calls.clear()
+        for s in requests:
+            try:
                 s.payload.emit(ErrorEvent(err))
-                self.loop.scheduler.finish(s)
-        for job in self._calls:
+            except Exception:  # noqa: BLE001 - tell the others all the same
+                log.exception("could not report the engine's stop to a request")
+        for job in calls:
             if not job.future.done():
                 job.future.set_exception(err)

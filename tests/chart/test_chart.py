@@ -673,6 +673,21 @@ def test_service_monitor_off_by_default_and_gated_on_the_api():
     assert len(matched) == 1 and matched[0]["spec"]["clusterIP"] == "None"  # one scrape per pod
     assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in matched[0]["spec"]["ports"]}
     assert sm["spec"]["namespaceSelector"]["matchNames"] == ["inferscale"]
+    # /metrics answers only to the metrics token: the scrape sends the one the servers hold (issue 20).
+    auth = sm["spec"]["endpoints"][0]["authorization"]
+    srv = effective_env(m, workload(m, "server"))["INFERSCALE_METRICS_TOKEN"]["secretKeyRef"]
+    assert auth["type"] == "Bearer" and auth["credentials"] == {"name": srv["name"], "key": srv["key"]}
+    secret = one(m, "Secret", srv["name"])
+    token = base64.b64decode(secret["data"][srv["key"]]).decode()
+    assert len(token) >= 32 and token not in {base64.b64decode(v).decode() for k, v in secret["data"].items()
+                                              if k != srv["key"]}
+
+
+def test_shutdown_grace_fits_the_pods_grace_period():
+    m = docs("values.yaml", sets=("server.terminationGracePeriodSeconds=45",))
+    cm = one(m, "ConfigMap", "-server")
+    assert cm["data"]["INFERSCALE_SHUTDOWN_GRACE_S"] == "40"
+    assert workload(m, "server")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 45
 
 
 def test_daemonset_mode():

@@ -28,6 +28,7 @@ KEYS = {"acme": "isk-acme-key", "globex": "isk-globex-key", "tight": "isk-tight-
 BUDGETS = {"small": {"max_memories": 3, "dram_bytes": 32 << 20}, "slow": {"encode_tokens_per_minute": 150},
            "nodisk": {"max_disk_bytes": 1}}
 MODEL = "gemma-3-270m"
+METRICS_TOKEN = "metrics-secret"  # INFERSCALE_METRICS_TOKEN of the live server: the only key to /metrics
 
 
 def free_port() -> int:
@@ -63,6 +64,12 @@ class Live:
     def headers(self, tenant: str = "acme") -> dict:
         return {"Authorization": f"Bearer {KEYS[tenant]}"}
 
+    def scrape(self):
+        """GET /metrics as Prometheus does: with the metrics token."""
+        import httpx
+
+        return httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, timeout=30)
+
 
 def _serve(data, engine, embedder, engine_name: str = "pytorch"):
     """A live app (tenant and internal listeners) over ``engine``, served by the ``engine_name`` backend."""
@@ -81,6 +88,7 @@ def _serve(data, engine, embedder, engine_name: str = "pytorch"):
         **{t: {"keys": [hash_key(KEYS[t])], **b} for t, b in BUDGETS.items()},
     }))
     settings = Settings(data_dir=data, tenants_file=tenants, model=MODEL, internal_token="internal-secret",
+                        metrics_token=METRICS_TOKEN,
                         default_max_tokens=8, max_tokens=64, max_k=50, node_name="node-a", pod_name="pod-a",
                         kv_host_path=data / "kv", engine=engine_name, trtllm_tokens_per_block=8)
     spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()

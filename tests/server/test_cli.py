@@ -18,8 +18,6 @@ def _args(mod, argv):
 
 
 def test_serve_creates_tenant_and_prints_key(tmp_path, monkeypatch, capsys, tiny_engine, embedder):
-    import uvicorn
-
     from inferscale.server import app as app_mod
 
     seen = {}
@@ -34,7 +32,11 @@ def test_serve_creates_tenant_and_prints_key(tmp_path, monkeypatch, capsys, tiny
                            store=KVStore(settings.store_dir, dram_budget_bytes=16 << 20, nixl=False))
 
     monkeypatch.setattr(app_mod, "create_app", fake_create)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    async def serve(servers, engine_alive=None):  # stands in for the listeners: records what they were given
+        seen.update(port=servers[0].config.port, configs=[s.config for s in servers], engine_alive=engine_alive)
+        return 0
+
+    monkeypatch.setattr(cli, "serve_together", serve)
     monkeypatch.setenv("INFERSCALE_PORT", "9001")
     args = _args(cli, ["--data-dir", str(tmp_path), "--port", "9002", "--tenant", "team-a", "--default-k", "7"])
     assert cli.run(args) == 0
@@ -43,6 +45,9 @@ def test_serve_creates_tenant_and_prints_key(tmp_path, monkeypatch, capsys, tiny
     stored = json.loads((tmp_path / "tenants.json").read_text())
     assert stored == {"team-a": [hash_key(key)]} and key not in (tmp_path / "tenants.json").read_text()
     assert seen["port"] == 9002 and seen["settings"].default_k == 7  # flags win over the environment
+    # uvicorn's access log (raw paths) is off; shutdown waits at most the grace; an engine failure ends serving.
+    assert [(c.access_log, c.timeout_graceful_shutdown) for c in seen["configs"]] == [(False, 20.0)]
+    assert seen["engine_alive"] is not None and seen["engine_alive"]()
     reg = TenantRegistry(tmp_path / "tenants.json", max_k=1, max_tokens=1, max_in_flight=1)
     assert reg.authenticate(key).name == "team-a"
     # A second start keeps the file and prints no key.

@@ -112,7 +112,7 @@ def test_failed_request_records_error_type(live):
 
 
 def _scrape(live) -> dict[str, list]:
-    r = httpx.get(live.url + "/metrics")
+    r = live.scrape()
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {f.name: f.samples for f in text_string_to_metric_families(r.text)}
 
@@ -189,6 +189,8 @@ inject_trace_ids_into_logs()
 with TracerProvider().get_tracer("t").start_as_current_span("s") as span:
     logging.getLogger("inferscale.app").info("inside")
     logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "GET", "/v1/models", "1.1", 200)
+    logging.getLogger("inferscale.access").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "PUT", "/v1/memories/{user}",
+                                                "1.1", 404)
     print("TRACE", format(span.get_span_context().trace_id, "032x"), flush=True)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -198,3 +200,22 @@ with TracerProvider().get_tracer("t").start_as_current_span("s") as span:
     assert "before the factory trace_id=0" in out.stderr and "Logging error" not in out.stderr
     assert f"inside trace_id={trace_id}" in out.stderr
     assert f'"GET /v1/models HTTP/1.1" 200 OK trace_id={trace_id}' in out.stdout
+    assert f'"PUT /v1/memories/{{user}} HTTP/1.1" 404 Not Found trace_id={trace_id}' in out.stdout
+
+
+def test_access_log_names_the_route_never_the_user(live, caplog):
+    """`PUT /v1/memories/alice%40example.com` is logged as `PUT /v1/memories/{user}`: the raw user string (often an
+    e-mail address, kept by the store only as an opaque id) never reaches a log line, refused requests included."""
+    item = {"items": [{"id": "a1", "text": "alice likes tea"}]}
+    with caplog.at_level(logging.INFO, logger="inferscale.access"):
+        assert httpx.put(f"{live.url}/v1/memories/alice%40example.com", json=item, headers=live.headers(),
+                         timeout=60).status_code == 200
+        httpx.get(f"{live.url}/v1/memories/alice%40example.com?q=alice", headers=live.headers())
+        httpx.get(f"{live.url}/v1/memories/alice%40example.com", headers={"Authorization": "Bearer wrong"})
+        httpx.delete(f"{live.url}/v1/memories/alice%40example.com/a1", headers=live.headers())
+        httpx.get(f"{live.url}/nowhere/alice%40example.com")
+    lines = [r.getMessage() for r in caplog.records if r.name == "inferscale.access"]
+    assert len(lines) == 5 and not [line for line in lines if "alice" in line], lines
+    assert sum('"PUT /v1/memories/{user} HTTP/1.1" 200' in line for line in lines) == 1
+    assert sum('"GET /v1/memories/{user} HTTP/1.1" 401' in line for line in lines) == 1
+    assert sum("/v1/memories/{user}/{item}" in line for line in lines) == 1 and "<no route>" in lines[-1]
