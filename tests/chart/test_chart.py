@@ -675,12 +675,16 @@ def test_service_monitor_off_by_default_and_gated_on_the_api():
     assert sm["spec"]["namespaceSelector"]["matchNames"] == ["inferscale"]
     # /metrics answers only to the metrics token: the scrape sends the one the servers hold (issue 20).
     auth = sm["spec"]["endpoints"][0]["authorization"]
-    srv = effective_env(m, workload(m, "server"))["INFERSCALE_METRICS_TOKEN"]["secretKeyRef"]
-    assert auth["type"] == "Bearer" and auth["credentials"] == {"name": srv["name"], "key": srv["key"]}
-    secret = one(m, "Secret", srv["name"])
-    token = base64.b64decode(secret["data"][srv["key"]]).decode()
+    w = workload(m, "server")
+    path = effective_env(m, w)["INFERSCALE_METRICS_TOKEN_FILE"]  # a file from a Secret volume, never an env value
+    mount = next(vm for vm in container(w)["volumeMounts"] if path.startswith(vm["mountPath"] + "/"))
+    vol = next(v for v in w["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])["secret"]
+    key = next(i["key"] for i in vol["items"] if i["path"] == path[len(mount["mountPath"]) + 1:])
+    assert auth["type"] == "Bearer" and auth["credentials"] == {"name": vol["secretName"], "key": key}
+    secret = one(m, "Secret", vol["secretName"])
+    token = base64.b64decode(secret["data"][key]).decode()
     assert len(token) >= 32 and token not in {base64.b64decode(v).decode() for k, v in secret["data"].items()
-                                              if k != srv["key"]}
+                                              if k != key}
 
 
 def test_shutdown_grace_fits_the_pods_grace_period():
