@@ -82,7 +82,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     if engine is None:
         from inferscale.engine import Engine
 
-        engine = Engine.load(settings.model, device=settings.device, kv_dtype=settings.kv_dtype)
+        engine = Engine.load(settings.model, device=settings.device, kv_dtype=settings.kv_dtype,
+                             threads=settings.torch_threads)
     if embedder is None:
         from inferscale.retrieval import Embedder
 

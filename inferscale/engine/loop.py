@@ -239,13 +239,16 @@ class ServingLoop:
             for r in reqs:
                 self._fail(r, e)
             return
-        for r, lg in zip(reqs, logits):
+        # One argmax over the batch's logits serves every greedy row (no per-row fp32 copy of the vocabulary).
+        greedy = logits.argmax(dim=-1).tolist()
+        for r in reqs:
             r.length += 1
-        for r, lg in zip(reqs, logits):
-            self._postprocess(r, lg)
+        for r, lg, g in zip(reqs, logits, greedy):
+            self._postprocess(r, lg, g)
 
     def _forward(self, rows: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits of each row's last token [B, vocab]."""
+        """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits of each row's last token [B, vocab], in
+        the model's dtype (converting them is the sampler's business: argmax needs no fp32 copy)."""
         q = ids.shape[1]
         dev = self.engine.device
         cache = self.slots.view(rows, starts, q)
@@ -253,13 +256,17 @@ class ServingLoop:
         out = self.engine.loaded.model(input_ids=ids.to(dev), position_ids=pos.to(dev),
                                        attention_mask=self.slots.mask(starts, q), cache=cache, use_cache=True,
                                        logits_to_keep=1)
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]
 
-    def _postprocess(self, req: GenRequest, logits: torch.Tensor) -> None:
-        """Sample the next token, emit its text, and stop or keep the request running."""
+    def _postprocess(self, req: GenRequest, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """Sample the next token (``greedy``: the argmax of ``logits``, when already known), emit its text, and stop
+        or keep the request running."""
         eng, sampling = self.engine, req.sampling
         banned = eng.stop_ids if len(req.output) < sampling.min_tokens else ()
-        token = sample(logits, sampling, req.generator, banned)
+        if greedy is not None and sampling.temperature <= 0 and not banned:
+            token = greedy  # what sample() would choose: argmax is exact in any dtype (bf16 -> fp32 is lossless)
+        else:
+            token = sample(logits.float(), sampling, req.generator, banned)
         if req.first_token is None:
             req.first_token = token
         if not sampling.ignore_eos and token in eng.stop_ids:
