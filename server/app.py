@@ -98,7 +98,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
     worker = EngineWorker(engine, SchedulerConfig(
         max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
-        max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
+        max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s,
+        step_time_s=settings.step_time_s))
     telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
                                 metric_reader=metric_reader, load=lambda: (worker.active, worker.queued))
     inject_trace_ids_into_logs()

@@ -154,13 +154,18 @@ class ServingLoop:
             self._admit(s.payload)
         # Prompt chunks first, in the scheduler's turn order (a newcomer's first): a short question that fits in
         # one chunk gets its first token before this step's decode pass, not after it.
+        cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
+        t0, tokens = time.perf_counter(), 0
         for s, n in out.prefill:
             req = s.payload
             if req.slot >= 0 and req.pending:
-                self._prefill_chunk(req, n)
+                tokens += self._prefill_chunk(req, n)
+        t1 = time.perf_counter()
+        cost.observe_prefill(tokens, t1 - t0)
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self._decode(decode)
+            cost.observe_decode(time.perf_counter() - t1)
         self.steps += 1
 
     def run_until_done(self) -> None:
@@ -201,17 +206,19 @@ class ServingLoop:
         except Exception as e:  # noqa: BLE001 - reported to the request
             self._fail(req, e)
 
-    def _prefill_chunk(self, req: GenRequest, n: int) -> None:
+    def _prefill_chunk(self, req: GenRequest, n: int) -> int:
+        """Compute the next ``n`` prompt tokens of ``req``; returns how many were computed."""
         ids, req.pending = req.pending[:n], req.pending[n:]
         try:
             logits = self._forward([req.slot], [req.length], torch.tensor([ids]))[0]
         except Exception as e:  # noqa: BLE001
             self._fail(req, e)
-            return
+            return 0
         req.length += len(ids)
         self.scheduler.computed(req.sched, len(ids))
         if not req.pending:
             self._prompt_done(req, logits)
+        return len(ids)
 
     def _prompt_done(self, req: GenRequest, logits: torch.Tensor) -> None:
         if req.sched.remaining_prompt > 0:  # kv-recompute computed it all at once
