@@ -119,6 +119,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         blocks = None  # the request holds them until it is done
         app.worker.submit(job.request)
         first = await job.next()
+        while isinstance(first, TokenEvent) and not first.text:  # nothing visible yet (a partial character)
+            first = await job.next()
         if isinstance(first, ErrorEvent):
             _raise(first.error)
         ttft = rec.first_token(first.t if isinstance(first, TokenEvent) else None)

@@ -4,8 +4,16 @@ The server runs in this process on loopback (uvicorn, the production app); clien
 async client. Every request is forced to the same output length with vLLM's ``ignore_eos``. Per N concurrent
 streams and mode it reports: aggregate decode tokens/s (all completion tokens / wall time of the N streams), TTFT
 p50/p95, time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode
-against the same request on the idle server. ``--flood`` adds issue 12's scenario: 32 long ``text`` requests from
-tenant A queued, then one request of tenant B; B's TTFT against its idle TTFT.
+against the same request on the idle server. TTFT ends at the first chunk with visible content, as aiperf and
+the SDK's users count it.
+
+Beside them (issue 22) it measures, in the same process and thread settings, the decode step's floor: the model's
+weight bytes over the read bandwidth of a reduction over its largest weight (the embedding, which is the LM head);
+and it prints the single-stream step (TPOT p50 at N=1) against that floor and each N's tokens/s against N=1's.
+``--flood`` adds issue 12's scenario on a second server with the production queue settings: tenant A sends
+``--flood-requests`` long ``text`` requests (k=``--flood-k``), then tenant B sends kv requests (k=3, one token);
+B's TTFT against its idle TTFT, and how fast A's excess is refused. ``--repeats`` runs it all again on the same
+servers and reports medians with min and max.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", type=int, default=20, help="memories per request")
     p.add_argument("--flood", action="store_true", help="also run the tenant flood scenario (issue 12)")
     p.add_argument("--flood-requests", type=int, default=32, help="tenant A's long text requests in the flood")
+    p.add_argument("--flood-k", type=int, default=40, help="memories in each of tenant A's flood requests")
+    p.add_argument("--repeats", type=int, default=1, help="run every measurement this many times (medians)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of aggregate tokens/s vs N")
     p.add_argument("--device", default=None)
@@ -57,7 +67,7 @@ def _pct(values: list[float], q: float) -> float:
 class LiveServer:
     """The production app on a free loopback port, in a thread of this process."""
 
-    def __init__(self, model: str | None, device: str | None, max_tokens: int) -> None:
+    def __init__(self, model: str | None, device: str | None, max_tokens: int, **scheduler) -> None:
         from inferscale.bench.live import LoopbackServer
         from inferscale.server.app import create_app
         from inferscale.server.auth import hash_key
@@ -68,9 +78,9 @@ class LiveServer:
         tenants.write_text(json.dumps({t: {"keys": [hash_key(k)], "max_in_flight": 128, "max_k": 64,
                                            "max_tokens": max_tokens} for t, k in KEYS.items()}))
         overrides = {"model": model} if model else {}
+        queueing = scheduler or {"max_active": 128, "max_queued_per_tenant": 128, "queue_timeout_s": 600}
         settings = Settings(data_dir=self.data, tenants_file=tenants, device=device, max_tokens=max_tokens,
-                            max_in_flight=128, max_active=128, max_queued_per_tenant=128, queue_timeout_s=600,
-                            **overrides)
+                            max_in_flight=128, **queueing, **overrides)
         self.app = create_app(settings)
         self.live = LoopbackServer(self.app)
         self.url = self.live.url
@@ -86,15 +96,17 @@ async def _stream(client, model: str, mode: str, k: int, tokens: int, question: 
     stream = await client.chat.completions.create(
         model=model, user=user, stream=True, max_tokens=tokens, messages=[{"role": "user", "content": question}],
         stream_options={"include_usage": True}, extra_body={"inferscale": {"k": k, "mode": mode}, "ignore_eos": True})
-    ttft = time.perf_counter() - t0  # the server answers once the first token exists
-    if first is not None:
-        first.set()
     times, used = [], 0
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        if chunk.choices and chunk.choices[0].delta.content:  # visible content: what TTFT ends at
             times.append(time.perf_counter())
+            if first is not None and len(times) == 1:
+                first.set()
         if chunk.usage is not None:
             used = chunk.usage.completion_tokens
+    if first is not None:
+        first.set()
+    ttft = (times[0] if times else time.perf_counter()) - t0
     tpot = (times[-1] - times[0]) / (used - 1) if len(times) >= 2 and used > 1 else None
     return Stream(ttft, tpot, used)
 
@@ -137,27 +149,64 @@ async def _wait_for(url: str, ready, timeout_s: float = 3600) -> None:
 
 
 PROBES = 3  # tenant B's requests, idle and during the flood (medians)
+B_K = 3  # tenant B's memories per request: a short kv prompt
+
+
+async def _refusable(client, model: str, k: int, tokens: int, refused: list[float]) -> None:
+    """One of tenant A's flood requests; a refusal (429/503) is recorded as its seconds from sending."""
+    from openai import APIStatusError
+
+    t0 = time.perf_counter()
+    try:
+        await _stream(client, model, "text", k, tokens)
+    except APIStatusError as e:
+        if e.status_code not in (429, 503):
+            raise
+        refused.append(time.perf_counter() - t0)
 
 
 async def _flood(url: str, model: str, k: int, tokens: int, requests: int) -> dict:
-    """Tenant A queues ``requests`` long text prompts; then tenant B sends one kv request."""
+    """Tenant A sends ``requests`` long text prompts at once; then tenant B sends short kv requests, one token."""
     from openai import AsyncOpenAI
 
     a = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
     b = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-b"], max_retries=0, timeout=3600)
-    idle = [(await _stream(b, model, "kv", k, tokens, user="maya")).ttft_s for _ in range(PROBES)]
-    flood = [asyncio.create_task(_stream(a, model, "text", k, tokens)) for _ in range(requests)]
-    # Every one of A's requests is in the engine (running or queued) before B asks: the whole flood is ahead of B.
-    await _wait_for(url, lambda r: r["active"] + r["queued"] >= requests)
-    during = [(await _stream(b, model, "kv", k, tokens, user="maya")).ttft_s for _ in range(PROBES)]
+    idle = [(await _stream(b, model, "kv", B_K, 1, user="maya")).ttft_s for _ in range(PROBES)]
+    refused: list[float] = []
+    flood = [asyncio.create_task(_refusable(a, model, k, tokens, refused)) for _ in range(requests)]
+    # Every one of A's requests is in the engine (running or queued) or refused before B asks.
+    await _wait_for(url, lambda r: r["active"] + r["queued"] + len(refused) >= requests)
+    during = [(await _stream(b, model, "kv", B_K, 1, user="maya")).ttft_s for _ in range(PROBES)]
     queued_after = await _readyz(url)
     await asyncio.gather(*flood)
     await a.close()
     await b.close()
     b_idle, b_flood = statistics.median(idle), statistics.median(during)
-    return {"flood_requests": requests, "probes": PROBES, "b_idle_ttft_ms": b_idle * 1e3,
+    return {"flood_requests": requests, "flood_k": k, "probes": PROBES, "b_idle_ttft_ms": b_idle * 1e3,
             "b_flood_ttft_ms": b_flood * 1e3, "b_flood_ttft_max_ms": max(during) * 1e3,
-            "a_in_engine_after_probes": queued_after["active"] + queued_after["queued"], "ratio": b_flood / b_idle}
+            "a_in_engine_after_probes": queued_after["active"] + queued_after["queued"], "ratio": b_flood / b_idle,
+            "a_refused": len(refused), "a_refused_p50_ms": _pct(refused, 0.5) * 1e3 if refused else None,
+            "a_refused_max_ms": max(refused) * 1e3 if refused else None}
+
+
+def _floor(server: LiveServer, reps: int = 5) -> dict:
+    """The decode step's floor, in this process with the engine's thread settings: every weight byte read once,
+    at the bandwidth of a reduction over the largest weight (the embedding, which the LM head reads too)."""
+    import torch
+
+    params = {p.data_ptr(): p for p in server.app.state.engine.loaded.model.parameters()}.values()  # tied: once
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    big = max(params, key=lambda p: p.numel())
+    with torch.inference_mode():
+        big.sum()  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            float(big.sum())
+            times.append(time.perf_counter() - t0)
+    bandwidth = big.numel() * big.element_size() / statistics.median(times)
+    return {"weight_bytes": weight_bytes, "read_gb_per_s": bandwidth / 1e9, "floor_ms": weight_bytes / bandwidth * 1e3,
+            "torch_threads": torch.get_num_threads()}
 
 
 async def _readyz(url: str) -> dict:
@@ -182,26 +231,69 @@ def _load_memories(server: LiveServer, k: int) -> None:
             raise ConfigError(f"bench load: loading memories for {tenant} failed: {r.status_code} {r.text[:200]}")
 
 
+def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
+    """The ratios issue 22's bar reads, from one repeat."""
+    one = {r["mode"]: r for r in rows if r["n"] == 1}
+    top = max(r["n"] for r in rows)
+    out = {"floor_ms": floor["floor_ms"]}
+    for mode, r in one.items():
+        out[f"{mode}_step_ms"] = r["tpot_p50_ms"]
+        out[f"{mode}_step_over_floor"] = r["tpot_p50_ms"] / floor["floor_ms"]
+        wide = next(w for w in rows if w["mode"] == mode and w["n"] == top)
+        out[f"{mode}_tokens_per_s_{top}_over_1"] = wide["tokens_per_s"] / r["tokens_per_s"]
+    if flood:
+        out["flood_ratio"] = flood["ratio"]
+        out["flood_refused_p50_ms"] = flood["a_refused_p50_ms"]
+        out["flood_refused_max_ms"] = flood["a_refused_max_ms"]
+    return out
+
+
+def _spread(summaries: list[dict]) -> dict:
+    """Median, min and max of each ratio over the repeats."""
+    out = {}
+    for key in summaries[0]:
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        if values:
+            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     ns = sorted({int(n) for n in args.n.split(",") if n.strip()})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not ns or ns[0] < 1:
         raise ConfigError(f"--n {args.n!r}: expected positive integers")
-    if args.tokens < 2 or args.k < 0:
-        raise ConfigError("--tokens must be 2 or more and -k 0 or more")
+    if args.tokens < 2 or args.k < 0 or args.repeats < 1:
+        raise ConfigError("--tokens must be 2 or more, -k 0 or more and --repeats 1 or more")
+    repeats = []
     server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4)
     try:
         _load_memories(server, args.k)
-        rows = [asyncio.run(_concurrent(server.url, server.model, mode, n, args.k, args.tokens))
-                for n in ns for mode in modes]
-        flood = asyncio.run(_flood(server.url, server.model, args.k, args.tokens, args.flood_requests)) \
-            if args.flood else None
+        for _ in range(args.repeats):
+            repeats.append({"floor": _floor(server),
+                            "rows": [asyncio.run(_concurrent(server.url, server.model, mode, n, args.k, args.tokens))
+                                     for n in ns for mode in modes]})
     finally:
         server.close()
-    result = {"model": server.model, "device": args.device or "cpu", "threads": os.cpu_count(),
+    if args.flood:  # the production queue settings: a request that would outwait them is refused
+        server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, max_active=64,
+                            max_queued_per_tenant=64, queue_timeout_s=30)
+        try:
+            _load_memories(server, max(args.flood_k, B_K))
+            for rep in repeats:
+                rep["flood"] = asyncio.run(_flood(server.url, server.model, args.flood_k, args.tokens,
+                                                  args.flood_requests))
+        finally:
+            server.close()
+    summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
+    result = {"model": server.model, "device": args.device or "cpu", "cores": os.cpu_count(),
               "torch_threads": __import__("torch").get_num_threads(), "platform": platform.platform(),
-              "tokens": args.tokens, "k": args.k, "rows": rows, "flood": flood}
-    _print(result, modes)
+              "tokens": args.tokens, "k": args.k, "repeats": repeats, "summary": _spread(summaries),
+              # the first repeat's rows under the names earlier versions wrote
+              "rows": repeats[0]["rows"], "flood": repeats[0].get("flood"), "floor": repeats[0]["floor"]}
+    for rep in repeats:
+        _print(result, rep)
+    _print_summary(result["summary"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
@@ -209,18 +301,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(result: dict, modes: list[str]) -> None:
-    print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}")
+def _print(result: dict, rep: dict) -> None:
+    fl = rep["floor"]
+    print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}; decode floor "
+          f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
+          f"{fl['torch_threads']} torch threads)")
     print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} {'p95':>8} "
           f"{'arrival TTFT':>13} {'idle TTFT':>10}  (ms)")
-    for r in result["rows"]:
+    for r in rep["rows"]:
         arrival = f"{r['arrival_ttft_ms']:.1f}" if r["arrival_ttft_ms"] is not None else "-"
         print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} "
               f"{r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
-    f = result["flood"]
+    f = rep.get("flood")
     if f:
-        print(f"flood: {f['flood_requests']} long text requests of tenant A; tenant B's TTFT "
+        shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
+                if f["a_refused"] else "none refused")
+        print(f"flood: {f['flood_requests']} text requests (k={f['flood_k']}) of tenant A, {shed}; tenant B's TTFT "
               f"{f['b_flood_ttft_ms']:.1f} ms vs {f['b_idle_ttft_ms']:.1f} ms idle ({f['ratio']:.2f}x)")
+
+
+def _print_summary(summary: dict) -> None:
+    print("summary (median [min, max] over repeats):")
+    for key, v in summary.items():
+        print(f"  {key:<28} {v['median']:10.2f}  [{v['min']:.2f}, {v['max']:.2f}]")
 
 
 def _plot(result: dict, modes: list[str], path: str) -> None:
