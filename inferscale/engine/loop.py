@@ -24,7 +24,7 @@ import torch
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import injected_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
-from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
 from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongError
 from inferscale.kvformat import KVBlock
@@ -127,6 +127,10 @@ class ServingLoop:
         computed = p if req.mode == "text" else p + memory
         req.sched = ScheduledRequest(tenant=req.tenant, prompt_tokens=total, computed_tokens=computed, payload=req)
         self.scheduler.add(req.sched)
+
+    def expect(self, tenant: str) -> Arrival:
+        """Announce a request of ``tenant`` before its blocks are fetched (Scheduler.expect: refused early)."""
+        return self.scheduler.expect(tenant)
 
     @property
     def active(self) -> int:

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferscale.engine.stepcost import StepCost
+from inferscale.engine.stepcost import StepCost, ewma
 from inferscale.errors import ConfigError, EngineBusyError
 
 
@@ -55,6 +55,23 @@ class SchedulerOutput:
     admitted: list[ScheduledRequest]  # newly given a slot this step (the engine sets up their cache first)
     expired: list[ScheduledRequest]  # waited longer than the queue timeout; never ran
     cancelled: list[ScheduledRequest]  # cancelled by the client; the engine frees what they hold
+
+
+# Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
+# rows that the requests ahead add once their prompts are done, so it runs short under a flood.
+SHED_AT = 0.8
+
+
+class Arrival:
+    """A request announced to the scheduler before it is added (``Scheduler.expect``); ``close`` is idempotent."""
+
+    def __init__(self, scheduler: Scheduler, tenant: str) -> None:
+        self._scheduler, self._tenant = scheduler, tenant
+
+    def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.arrived(self._tenant)
+            self._scheduler = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,8 @@ class Scheduler:
         self._served_at: dict[str, int] = {}  # tenant -> the step it last computed a prompt chunk
         self._steps = 0
         self.cost = StepCost()  # the loop reports what its steps took
+        self._arriving: dict[str, int] = {}  # tenant -> requests announced by ``expect``, not yet added
+        self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
@@ -101,13 +120,29 @@ class Scheduler:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {len(queue)} requests queued (limit "
                                       f"{self.config.max_queued_per_tenant}); retry later",
                                       retry_after_s=self.retry_after_s())
-            wait = self._predicted_wait(req.tenant)
-            if wait > self.config.queue_timeout_s:
-                raise EngineBusyError(f"tenant {req.tenant!r}'s queue would take about {wait:.0f} s to reach this "
-                                      f"request (queue timeout {self.config.queue_timeout_s:g} s); retry later",
-                                      retry_after_s=max(1, math.ceil(wait - self.config.queue_timeout_s)))
+            self._refuse_a_long_wait(req.tenant)
+            self._typical_prompt[req.tenant] = ewma(self._typical_prompt.get(req.tenant), req.remaining_prompt)
             req.arrived = self.clock()
             self._waiting.setdefault(req.tenant, deque()).append(req)
+
+    def expect(self, tenant: str) -> Arrival:
+        """A request of ``tenant`` is on its way (retrieval and KV fetch come before ``add``): EngineBusyError now
+        when the tenant's queue would outwait the timeout, before any work is spent on it. Until the arrival is
+        closed (just before ``add``, or when the request fails) it counts as one of the tenant's typical prompts
+        in every prediction, so a burst is refused on arrival, not after its retrievals."""
+        with self._lock:
+            self._refuse_a_long_wait(tenant)
+            self._arriving[tenant] = self._arriving.get(tenant, 0) + 1
+        return Arrival(self, tenant)
+
+    def arrived(self, tenant: str) -> None:
+        """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
+        with self._lock:
+            left = self._arriving.get(tenant, 0) - 1
+            if left > 0:
+                self._arriving[tenant] = left
+            else:
+                self._arriving.pop(tenant, None)
 
     def cancel(self, req: ScheduledRequest) -> None:
         with self._lock:
@@ -199,11 +234,20 @@ class Scheduler:
             budget = min(budget, max(timed, cfg.chunk_tokens // 4, 1))
         return budget
 
+    def _refuse_a_long_wait(self, tenant: str) -> None:
+        wait, limit = self._predicted_wait(tenant), self.config.queue_timeout_s
+        if wait > SHED_AT * limit:
+            raise EngineBusyError(f"tenant {tenant!r}'s queue would take about {wait:.0f} s to reach this request "
+                                  f"(queue timeout {limit:g} s); retry later",
+                                  retry_after_s=max(1, math.ceil(wait - SHED_AT * limit)))
+
     def _predicted_wait(self, tenant: str) -> float:
         """Seconds until a request of ``tenant`` queued now would get a slot: the prompt tokens of the tenant's
-        requests ahead of it, at its round-robin share of the measured prompt rate."""
+        requests ahead of it (those still arriving at its typical size), at its round-robin share of the measured
+        prompt rate."""
         ahead = sum(r.remaining_prompt for r in itertools.chain(self._prefilling.get(tenant, ()),
                                                                  self._waiting.get(tenant, ())))
+        ahead += round(self._arriving.get(tenant, 0) * self._typical_prompt.get(tenant, 0.0))
         if not ahead:
             return 0.0
         share = len({*self._prefilling, *(t for t, q in self._waiting.items() if q), tenant})

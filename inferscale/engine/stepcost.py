@@ -23,11 +23,11 @@ class StepCost:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
-            self.prompt_token_s = _ewma(self.prompt_token_s, seconds / tokens)
+            self.prompt_token_s = ewma(self.prompt_token_s, seconds / tokens)
 
     def observe_decode(self, seconds: float) -> None:
         if seconds > 0:
-            self.decode_pass_s = _ewma(self.decode_pass_s, seconds)
+            self.decode_pass_s = ewma(self.decode_pass_s, seconds)
 
     def prompt_tokens_within(self, seconds: float, decoding: bool) -> int | None:
         """How many prompt tokens fit in ``seconds`` (beside one decode pass when ``decoding``); None before a
@@ -46,5 +46,6 @@ class StepCost:
         return total * self.prompt_token_s + math.ceil(total / max(per_step, 1)) * (self.decode_pass_s or 0.0)
 
 
-def _ewma(old: float | None, new: float) -> float:
+def ewma(old: float | None, new: float) -> float:
+    """The moving average after ``new`` (``old`` None: the first observation)."""
     return new if old is None else old + SMOOTHING * (new - old)
