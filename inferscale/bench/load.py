@@ -55,6 +55,8 @@ class Stream:
     ttft_s: float
     tpot_s: float | None  # (last token - first token) / (tokens - 1)
     tokens: int
+    first_t: float | None = None  # perf_counter of the first and the last visible content
+    last_t: float | None = None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -108,7 +110,7 @@ async def _stream(client, model: str, mode: str, k: int, tokens: int, question: 
         first.set()
     ttft = (times[0] if times else time.perf_counter()) - t0
     tpot = (times[-1] - times[0]) / (used - 1) if len(times) >= 2 and used > 1 else None
-    return Stream(ttft, tpot, used)
+    return Stream(ttft, tpot, used, times[0] if times else None, times[-1] if times else None)
 
 
 async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:
@@ -131,9 +133,20 @@ async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: i
     await client.close()
     ttfts, tpots = [r.ttft_s for r in results], [r.tpot_s for r in results if r.tpot_s is not None]
     return {"mode": mode, "n": n, "tokens_per_s": sum(r.tokens for r in results) / wall,
+            "decode_tokens_per_s": _decode_rate(results),
             "ttft_p50_ms": _pct(ttfts, 0.5) * 1e3, "ttft_p95_ms": _pct(ttfts, 0.95) * 1e3,
             "tpot_p50_ms": _pct(tpots, 0.5) * 1e3, "tpot_p95_ms": _pct(tpots, 0.95) * 1e3,
             "idle_ttft_ms": idle.ttft_s * 1e3, "arrival_ttft_ms": arrival * 1e3 if arrival is not None else None}
+
+
+def _decode_rate(streams: list[Stream]) -> float:
+    """Tokens after each stream's first, over the time from the first stream's first token to the last one's last:
+    the aggregate decode rate, without the prompts' queueing and prefill."""
+    done = [s for s in streams if s.first_t is not None and s.tokens > 1]
+    if not done:
+        return float("nan")
+    span = max(s.last_t for s in done) - min(s.first_t for s in done)
+    return sum(s.tokens - 1 for s in done) / span if span > 0 else float("nan")
 
 
 async def _wait_for(url: str, ready, timeout_s: float = 3600) -> None:
@@ -243,6 +256,7 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
         out[f"{mode}_step_over_floor"] = r["tpot_p50_ms"] / floor["floor_ms"]
         wide = next(w for w in rows if w["mode"] == mode and w["n"] == top)
         out[f"{mode}_tokens_per_s_{top}_over_1"] = wide["tokens_per_s"] / r["tokens_per_s"]
+        out[f"{mode}_decode_tokens_per_s_{top}_over_1"] = wide["decode_tokens_per_s"] / r["decode_tokens_per_s"]
     if flood:
         out["flood_ratio"] = flood["ratio"]
         out["flood_refused_p50_ms"] = flood["a_refused_p50_ms"]
@@ -308,12 +322,12 @@ def _print(result: dict, rep: dict) -> None:
     print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}; decode floor "
           f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
           f"{fl['torch_threads']} torch threads)")
-    print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} {'p95':>8} "
+    print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} {'p95':>8} "
           f"{'arrival TTFT':>13} {'idle TTFT':>10}  (ms)")
     for r in rep["rows"]:
         arrival = f"{r['arrival_ttft_ms']:.1f}" if r["arrival_ttft_ms"] is not None else "-"
-        print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} "
-              f"{r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
+        print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['decode_tokens_per_s']:>8.1f} "
+              f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} {r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
     f = rep.get("flood")
     if f:
         shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
