@@ -73,7 +73,8 @@ def open_backend(settings: Settings, engine: Engine) -> EngineBackend:
             max_in_flight_per_tenant=settings.max_active + settings.max_queued_per_tenant))
     return EngineWorker(engine, SchedulerConfig(
         max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
-        max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s))
+        max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s,
+        step_time_s=settings.step_time_s))
 
 
 def plane_credentials(settings: Settings) -> dict[str, str]:
@@ -106,7 +107,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     if engine is None:
         from inferscale.engine import Engine
 
-        engine = Engine.load(settings.model, device=settings.device, kv_dtype=settings.kv_dtype)
+        engine = Engine.load(settings.model, device=settings.device, kv_dtype=settings.kv_dtype,
+                             threads=settings.torch_threads)
     if embedder is None:
         from inferscale.retrieval import Embedder
 

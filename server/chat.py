@@ -96,9 +96,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         "inferscale.tenant": tenant.name, "inferscale.user": owner or "", "inferscale.k": k,
         "inferscale.stream": bool(req.stream), "inferscale.request_id": request_id(request)})
     span, ctx = rec.span, rec.context
-    job = None
+    job = arrival = None
     handed_off = False
     try:
+        # Refused here (503 + Retry-After) when this tenant's queue would outwait the timeout: before retrieval.
+        arrival = app.worker.expect(tenant.name)
         blocks, chosen = [], []
         if mode != "none" and owner is not None:
             try:
@@ -117,8 +119,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
             tracer=tel.tracer, context=ctx,
             recompute_ratio=opts.recompute_ratio if opts.recompute_ratio is not None else settings.recompute_ratio)
         blocks = None  # the request holds them until it is done
+        arrival.close()  # from here on it counts in the queue itself
         app.worker.submit(job.request)
         first = await job.next()
+        while isinstance(first, TokenEvent) and not first.text:  # nothing visible yet (a partial character)
+            first = await job.next()
         if isinstance(first, ErrorEvent):
             _raise(first.error)
         ttft = rec.first_token(first.t if isinstance(first, TokenEvent) else None)
@@ -144,6 +149,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         rec.fail(from_typed(e) if isinstance(e, InferScaleError) else e)  # error.type = the status it answers
         raise
     finally:
+        if arrival is not None:
+            arrival.close()
         if not handed_off:
             tenant.release()
             rec.end()

@@ -50,6 +50,8 @@ ENV = {
     "chunk_tokens": "INFERSCALE_CHUNK_TOKENS",
     "max_queued_per_tenant": "INFERSCALE_MAX_QUEUED_PER_TENANT",
     "queue_timeout_s": "INFERSCALE_QUEUE_TIMEOUT_S",
+    "torch_threads": "INFERSCALE_TORCH_THREADS",
+    "step_time_s": "INFERSCALE_STEP_TIME_S",
     "tenant_max_memories": "INFERSCALE_TENANT_MAX_MEMORIES",
     "tenant_max_disk_bytes": "INFERSCALE_TENANT_MAX_DISK_BYTES",
     "tenant_dram_bytes": "INFERSCALE_TENANT_DRAM_BYTES",
@@ -121,6 +123,8 @@ class Settings(BaseModel):
     chunk_tokens: int = Field(128, ge=1)
     max_queued_per_tenant: int = Field(64, ge=1)
     queue_timeout_s: float = Field(30.0, gt=0)
+    step_time_s: float = Field(0.25, gt=0)  # a step's target wall time (scheduler.py: what an arrival waits for)
+    torch_threads: int = Field(0, ge=0)  # torch's CPU threads; 0: all usable cores but one (engine/threads.py)
     console_traces: bool = False
     max_body_bytes: int = Field(16 << 20, ge=1024)
 

@@ -4,8 +4,16 @@ The server runs in this process on loopback (uvicorn, the production app); clien
 async client. Every request is forced to the same output length with vLLM's ``ignore_eos``. Per N concurrent
 streams and mode it reports: aggregate decode tokens/s (all completion tokens / wall time of the N streams), TTFT
 p50/p95, time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode
-against the same request on the idle server. ``--flood`` adds issue 12's scenario: 32 long ``text`` requests from
-tenant A queued, then one request of tenant B; B's TTFT against its idle TTFT.
+against the same request on the idle server. TTFT ends at the first chunk with visible content, as aiperf and
+the SDK's users count it.
+
+Beside them (issue 22) it measures, in the same process and thread settings, the decode step's floor: the model's
+weight bytes over the read bandwidth of a reduction over its largest weight (the embedding, which is the LM head);
+and it prints the single-stream step (TPOT p50 at N=1) against that floor and each N's tokens/s against N=1's.
+``--flood`` adds issue 12's scenario on a second server with the production queue settings: tenant A sends
+``--flood-requests`` long ``text`` requests (k=``--flood-k``), then tenant B sends kv requests (k=3, one token);
+B's TTFT against its idle TTFT, and how fast A's excess is refused. ``--repeats`` runs it all again on the same
+servers and reports medians with min and max.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", type=int, default=20, help="memories per request")
     p.add_argument("--flood", action="store_true", help="also run the tenant flood scenario (issue 12)")
     p.add_argument("--flood-requests", type=int, default=32, help="tenant A's long text requests in the flood")
+    p.add_argument("--flood-k", type=int, default=40, help="memories in each of tenant A's flood requests")
+    p.add_argument("--repeats", type=int, default=1, help="run every measurement this many times (medians)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of aggregate tokens/s vs N")
     p.add_argument("--device", default=None)
@@ -48,6 +59,8 @@ class Stream:
     ttft_s: float
     tpot_s: float | None  # (last token - first token) / (tokens - 1)
     tokens: int
+    first_t: float | None = None  # perf_counter of the first and the last visible content
+    last_t: float | None = None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -60,7 +73,8 @@ def _pct(values: list[float], q: float) -> float:
 class LiveServer:
     """The production app on a free loopback port, in a thread of this process."""
 
-    def __init__(self, model: str | None, device: str | None, max_tokens: int, engine: str = DEFAULT_ENGINE) -> None:
+    def __init__(self, model: str | None, device: str | None, max_tokens: int, engine: str = DEFAULT_ENGINE,
+                 **scheduler) -> None:
         from inferscale.bench.live import LoopbackServer
         from inferscale.server.app import create_app
         from inferscale.server.auth import hash_key
@@ -71,9 +85,9 @@ class LiveServer:
         tenants.write_text(json.dumps({t: {"keys": [hash_key(k)], "max_in_flight": 128, "max_k": 64,
                                            "max_tokens": max_tokens} for t, k in KEYS.items()}))
         overrides = {"model": model} if model else {}
+        queueing = scheduler or {"max_active": 128, "max_queued_per_tenant": 128, "queue_timeout_s": 600}
         settings = Settings(data_dir=self.data, tenants_file=tenants, device=device, max_tokens=max_tokens,
-                            max_in_flight=128, max_active=128, max_queued_per_tenant=128, queue_timeout_s=600,
-                            engine=engine, **overrides)
+                            max_in_flight=128, engine=engine, **queueing, **overrides)
         self.app = create_app(settings)
         self.live = LoopbackServer(self.app)
         self.url = self.live.url
@@ -89,17 +103,19 @@ async def _stream(client, model: str, mode: str, k: int, tokens: int, question: 
     stream = await client.chat.completions.create(
         model=model, user=user, stream=True, max_tokens=tokens, messages=[{"role": "user", "content": question}],
         stream_options={"include_usage": True}, extra_body={"inferscale": {"k": k, "mode": mode}, "ignore_eos": True})
-    ttft = time.perf_counter() - t0  # the server answers once the first token exists
-    if first is not None:
-        first.set()
     times, used = [], 0
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
+        if chunk.choices and chunk.choices[0].delta.content:  # visible content: what TTFT ends at
             times.append(time.perf_counter())
+            if first is not None and len(times) == 1:
+                first.set()
         if chunk.usage is not None:
             used = chunk.usage.completion_tokens
+    if first is not None:
+        first.set()
+    ttft = (times[0] if times else time.perf_counter()) - t0
     tpot = (times[-1] - times[0]) / (used - 1) if len(times) >= 2 and used > 1 else None
-    return Stream(ttft, tpot, used)
+    return Stream(ttft, tpot, used, times[0] if times else None, times[-1] if times else None)
 
 
 async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:
@@ -122,6 +138,7 @@ async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: i
     await client.close()
     ttfts, tpots = [r.ttft_s for r in results], [r.tpot_s for r in results if r.tpot_s is not None]
     return {"mode": mode, "n": n, "tokens_per_s": sum(r.tokens for r in results) / wall,
+            "decode_tokens_per_s": _decode_rate(results),
             "ttft_p50_ms": _pct(ttfts, 0.5) * 1e3, "ttft_p95_ms": _pct(ttfts, 0.95) * 1e3,
             "tpot_p50_ms": _pct(tpots, 0.5) * 1e3, "tpot_p95_ms": _pct(tpots, 0.95) * 1e3,
             "idle_ttft_ms": idle.ttft_s * 1e3, "arrival_ttft_ms": arrival * 1e3 if arrival is not None else None}
@@ -133,37 +150,87 @@ def _in_engine(server: LiveServer) -> int:
     return worker.active + worker.queued
 
 
-async def _wait_for(server: LiveServer, requests: int, timeout_s: float = 3600) -> None:
-    """Wait until ``requests`` are in the engine: the background load is in place."""
+def _decode_rate(streams: list[Stream]) -> float:
+    """Tokens after each stream's first, over the time from the first stream's first token to the last one's last:
+    the aggregate decode rate, without the prompts' queueing and prefill."""
+    done = [s for s in streams if s.first_t is not None and s.tokens > 1]
+    if not done:
+        return float("nan")
+    span = max(s.last_t for s in done) - min(s.first_t for s in done)
+    return sum(s.tokens - 1 for s in done) / span if span > 0 else float("nan")
+
+
+async def _wait_for(ready: Callable[[], bool], timeout_s: float = 3600) -> None:
+    """Wait until ``ready()``: the background load is in place."""
     deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline and _in_engine(server) < requests:
+    while time.perf_counter() < deadline and not ready():
         await asyncio.sleep(0.01)
 
 
 PROBES = 3  # tenant B's requests, idle and during the flood (medians)
+B_K = 3  # tenant B's memories per request: a short kv prompt
+
+
+async def _refusable(client, model: str, k: int, tokens: int, refused: list[float]) -> None:
+    """One of tenant A's flood requests; a refusal (429/503) is recorded as its seconds from sending."""
+    from openai import APIStatusError
+
+    t0 = time.perf_counter()
+    try:
+        await _stream(client, model, "text", k, tokens)
+    except APIStatusError as e:
+        if e.status_code not in (429, 503):
+            raise
+        refused.append(time.perf_counter() - t0)
 
 
 async def _flood(server: LiveServer, model: str, k: int, tokens: int, requests: int) -> dict:
-    """Tenant A queues ``requests`` long text prompts; then tenant B sends one kv request."""
+    """Tenant A sends ``requests`` long text prompts at once; then tenant B sends short kv requests, one token."""
     from openai import AsyncOpenAI
 
     url = server.url
 
     a = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
     b = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-b"], max_retries=0, timeout=3600)
-    idle = [(await _stream(b, model, "kv", k, tokens, user="maya")).ttft_s for _ in range(PROBES)]
-    flood = [asyncio.create_task(_stream(a, model, "text", k, tokens)) for _ in range(requests)]
-    # Every one of A's requests is in the engine (running or queued) before B asks: the whole flood is ahead of B.
-    await _wait_for(server, requests)
-    during = [(await _stream(b, model, "kv", k, tokens, user="maya")).ttft_s for _ in range(PROBES)]
+    idle = [(await _stream(b, model, "kv", B_K, 1, user="maya")).ttft_s for _ in range(PROBES)]
+    refused: list[float] = []
+    flood = [asyncio.create_task(_refusable(a, model, k, tokens, refused)) for _ in range(requests)]
+    # Every one of A's requests is in the engine (running or queued) or refused before B asks.
+    await _wait_for(lambda: _in_engine(server) + len(refused) >= requests)
+    during = [(await _stream(b, model, "kv", B_K, 1, user="maya")).ttft_s for _ in range(PROBES)]
     in_engine_after = _in_engine(server)
     await asyncio.gather(*flood)
     await a.close()
     await b.close()
     b_idle, b_flood = statistics.median(idle), statistics.median(during)
-    return {"flood_requests": requests, "probes": PROBES, "b_idle_ttft_ms": b_idle * 1e3,
+    return {"flood_requests": requests, "flood_k": k, "probes": PROBES, "b_idle_ttft_ms": b_idle * 1e3,
             "b_flood_ttft_ms": b_flood * 1e3, "b_flood_ttft_max_ms": max(during) * 1e3,
-            "a_in_engine_after_probes": in_engine_after, "ratio": b_flood / b_idle}
+            "a_in_engine_after_probes": in_engine_after, "ratio": b_flood / b_idle,
+            "a_refused": len(refused), "a_refused_p50_ms": _pct(refused, 0.5) * 1e3 if refused else None,
+            "a_refused_max_ms": max(refused) * 1e3 if refused else None}
+
+
+def _floor(server: LiveServer, reps: int = 5) -> dict:
+    """The decode step's floor, in this process with the engine's thread settings: every weight byte read once,
+    at the bandwidth of a reduction over the largest weight (the embedding, which the LM head reads too)."""
+    import torch
+
+    params = {p.data_ptr(): p for p in server.app.state.engine.loaded.model.parameters()}.values()  # tied: once
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    big = max(params, key=lambda p: p.numel()).detach().flatten()
+    # Its bytes summed as float32 (a bf16 sum converts every element and runs below memory speed on a CPU).
+    words = big.view(torch.float32) if big.numel() * big.element_size() % 4 == 0 else big
+    with torch.inference_mode():
+        words.sum()  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            float(words.sum())
+            times.append(time.perf_counter() - t0)
+    bandwidth = big.numel() * big.element_size() / statistics.median(times)
+    return {"weight_bytes": weight_bytes, "read_gb_per_s": bandwidth / 1e9, "floor_ms": weight_bytes / bandwidth * 1e3,
+            "torch_threads": torch.get_num_threads()}
+
 
 
 def _load_memories(server: LiveServer, k: int) -> None:
@@ -181,26 +248,70 @@ def _load_memories(server: LiveServer, k: int) -> None:
             raise ConfigError(f"bench load: loading memories for {tenant} failed: {r.status_code} {r.text[:200]}")
 
 
+def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
+    """The ratios issue 22's bar reads, from one repeat."""
+    one = {r["mode"]: r for r in rows if r["n"] == 1}
+    top = max(r["n"] for r in rows)
+    out = {"floor_ms": floor["floor_ms"]}
+    for mode, r in one.items():
+        out[f"{mode}_step_ms"] = r["tpot_p50_ms"]
+        out[f"{mode}_step_over_floor"] = r["tpot_p50_ms"] / floor["floor_ms"]
+        wide = next(w for w in rows if w["mode"] == mode and w["n"] == top)
+        out[f"{mode}_tokens_per_s_{top}_over_1"] = wide["tokens_per_s"] / r["tokens_per_s"]
+        out[f"{mode}_decode_tokens_per_s_{top}_over_1"] = wide["decode_tokens_per_s"] / r["decode_tokens_per_s"]
+    if flood:
+        out["flood_ratio"] = flood["ratio"]
+        out["flood_refused_p50_ms"] = flood["a_refused_p50_ms"]
+        out["flood_refused_max_ms"] = flood["a_refused_max_ms"]
+    return out
+
+
+def _spread(summaries: list[dict]) -> dict:
+    """Median, min and max of each ratio over the repeats."""
+    out = {}
+    for key in summaries[0]:
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        if values:
+            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     ns = sorted({int(n) for n in args.n.split(",") if n.strip()})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not ns or ns[0] < 1:
         raise ConfigError(f"--n {args.n!r}: expected positive integers")
-    if args.tokens < 2 or args.k < 0:
-        raise ConfigError("--tokens must be 2 or more and -k 0 or more")
+    if args.tokens < 2 or args.k < 0 or args.repeats < 1:
+        raise ConfigError("--tokens must be 2 or more, -k 0 or more and --repeats 1 or more")
+    repeats = []
     server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine)
     try:
         _load_memories(server, args.k)
-        rows = [asyncio.run(_concurrent(server.url, server.model, mode, n, args.k, args.tokens))
-                for n in ns for mode in modes]
-        flood = asyncio.run(_flood(server, server.model, args.k, args.tokens, args.flood_requests)) \
-            if args.flood else None
+        for _ in range(args.repeats):
+            repeats.append({"floor": _floor(server),
+                            "rows": [asyncio.run(_concurrent(server.url, server.model, mode, n, args.k, args.tokens))
+                                     for n in ns for mode in modes]})
     finally:
         server.close()
-    result = {"model": server.model, "device": args.device or "cpu", "threads": os.cpu_count(),
+    if args.flood:  # the production queue settings: a request that would outwait them is refused
+        server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine, max_active=64,
+                            max_queued_per_tenant=64, queue_timeout_s=30)
+        try:
+            _load_memories(server, max(args.flood_k, B_K))
+            for rep in repeats:
+                rep["flood"] = asyncio.run(_flood(server, server.model, args.flood_k, args.tokens,
+                                                  args.flood_requests))
+        finally:
+            server.close()
+    summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
+    result = {"model": server.model, "device": args.device or "cpu", "cores": os.cpu_count(),
               "torch_threads": __import__("torch").get_num_threads(), "platform": platform.platform(),
-              "tokens": args.tokens, "k": args.k, "rows": rows, "flood": flood}
-    _print(result, modes)
+              "tokens": args.tokens, "k": args.k, "repeats": repeats, "summary": _spread(summaries),
+              # the first repeat's rows under the names earlier versions wrote
+              "rows": repeats[0]["rows"], "flood": repeats[0].get("flood"), "floor": repeats[0]["floor"]}
+    for rep in repeats:
+        _print(result, rep)
+    _print_summary(result["summary"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
@@ -208,18 +319,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(result: dict, modes: list[str]) -> None:
-    print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}")
-    print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} {'p95':>8} "
+def _print(result: dict, rep: dict) -> None:
+    fl = rep["floor"]
+    print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}; decode floor "
+          f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
+          f"{fl['torch_threads']} torch threads)")
+    print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} {'p95':>8} "
           f"{'arrival TTFT':>13} {'idle TTFT':>10}  (ms)")
-    for r in result["rows"]:
+    for r in rep["rows"]:
         arrival = f"{r['arrival_ttft_ms']:.1f}" if r["arrival_ttft_ms"] is not None else "-"
-        print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} "
-              f"{r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
-    f = result["flood"]
+        print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['decode_tokens_per_s']:>8.1f} "
+              f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} {r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
+    f = rep.get("flood")
     if f:
-        print(f"flood: {f['flood_requests']} long text requests of tenant A; tenant B's TTFT "
+        shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
+                if f["a_refused"] else "none refused")
+        print(f"flood: {f['flood_requests']} text requests (k={f['flood_k']}) of tenant A, {shed}; tenant B's TTFT "
               f"{f['b_flood_ttft_ms']:.1f} ms vs {f['b_idle_ttft_ms']:.1f} ms idle ({f['ratio']:.2f}x)")
+
+
+def _print_summary(summary: dict) -> None:
+    print("summary (median [min, max] over repeats):")
+    for key, v in summary.items():
+        print(f"  {key:<28} {v['median']:10.2f}  [{v['min']:.2f}, {v['max']:.2f}]")
 
 
 def _plot(result: dict, modes: list[str], path: str) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from inferscale.engine.engine import Engine
+from inferscale.engine.scheduler import Arrival
 from inferscale.engine.loop import DoneEvent, ErrorEvent, Event, GenRequest, TokenEvent
 
 T = TypeVar("T")
@@ -43,6 +44,10 @@ class EngineBackend(Protocol):
 
     async def prompt_ids(self, turns: list[tuple[str, str]]) -> list[int]:
         """The prompt ids of a chat, tokenized off the engine's thread."""
+
+    def expect(self, tenant: str) -> Arrival:
+        """Announce a request of ``tenant`` before retrieval (``EngineBusyError`` now when it would outwait its
+        queue); the caller closes the arrival once the request is submitted or given up."""
 
     def submit(self, req: GenRequest) -> None:
         """Admit ``req``; typed errors (bad mode, foreign block, too long, busy) raise here, before any work."""

@@ -25,6 +25,7 @@ from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoo
 from inferscale.engine.sampling import Sampling, sample
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS, encode_items
+from inferscale.engine.threads import configure_threads
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
 from inferscale.errors import ConfigError, InvalidInputError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
 from inferscale.kvformat import KVBlock, list_blobs, load_block
@@ -89,7 +90,10 @@ class Engine:
 
     @classmethod
     def load(cls, name_or_path: str | None = None, *, device: str | None = None, dtype: str | None = None,
-             context_tokens: int = DEFAULT_CONTEXT_TOKENS, kv_dtype: str = DEFAULT_KV_DTYPE) -> Engine:
+             context_tokens: int = DEFAULT_CONTEXT_TOKENS, kv_dtype: str = DEFAULT_KV_DTYPE,
+             threads: int | None = None) -> Engine:
+        """Load a model and build its engine; ``threads``: torch's CPU threads (None/0: threads.py's default)."""
+        configure_threads(threads)
         return cls(load_model(name_or_path, device=device, dtype=dtype), context_tokens=context_tokens,
                    kv_dtype=kv_dtype)
 

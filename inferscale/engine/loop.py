@@ -23,14 +23,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import injected_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
-from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
 from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongError
 from inferscale.kvformat import KVBlock
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from inferscale.engine.loopengine import LoopEngine as Engine  # what the loop reads of an Engine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # ---- events: what a request's client receives ------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -139,6 +140,10 @@ class ServingLoop:
         req.sched = ScheduledRequest(tenant=req.tenant, prompt_tokens=total, computed_tokens=computed, payload=req)
         self.scheduler.add(req.sched)
 
+    def expect(self, tenant: str) -> Arrival:
+        """Announce a request of ``tenant`` before its blocks are fetched (Scheduler.expect: refused early)."""
+        return self.scheduler.expect(tenant)
+
     @property
     def active(self) -> int:
         return self.scheduler.num_running
@@ -165,13 +170,18 @@ class ServingLoop:
             self._guarded(s.payload, self._admit)
         # Prompt chunks first, in the scheduler's turn order (a newcomer's first): a short question that fits in
         # one chunk gets its first token before this step's decode pass, not after it.
+        cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
+        t0, tokens = time.perf_counter(), 0
         for s, n in out.prefill:
             req = s.payload
             if req.slot >= 0 and req.pending:
-                self._guarded(req, self._prefill_chunk, n)
+                tokens += self._guarded(req, self._prefill_chunk, n) or 0
+        t1 = time.perf_counter()
+        cost.observe_prefill(tokens, t1 - t0)
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self._decode(decode)
+            cost.observe_decode(time.perf_counter() - t1)
         self.steps += 1
 
     def run_until_done(self) -> None:
@@ -179,12 +189,14 @@ class ServingLoop:
             self.step()
 
     # ---- beats ------------------------------------------------------------------------------------------------
-    def _guarded(self, req: GenRequest, beat: Callable[..., None], *args: object) -> None:
-        """The fault boundary: run ``beat(req, *args)``; what it raises fails ``req`` alone."""
+    def _guarded(self, req: GenRequest, beat: Callable[..., T], *args: object) -> T | None:
+        """The fault boundary: run ``beat(req, *args)`` and return what it returns; what it raises fails ``req``
+        alone (None then)."""
         try:
-            beat(req, *args)
+            return beat(req, *args)
         except Exception as e:  # noqa: BLE001 - the request's own failure, reported to its client
             self._fail(req, e)
+            return None
 
     def _admit(self, req: GenRequest) -> None:
         """Give ``req`` a slot holding what it starts from: the prefix, plus its blocks in kv modes."""
@@ -216,13 +228,15 @@ class ServingLoop:
         self.slots.write(req.slot, kv)
         req.length = kv.shape[3]
 
-    def _prefill_chunk(self, req: GenRequest, n: int) -> None:
+    def _prefill_chunk(self, req: GenRequest, n: int) -> int:
+        """Compute the next ``n`` prompt tokens of ``req``; returns how many were computed."""
         ids, req.pending = req.pending[:n], req.pending[n:]
         logits = self._forward([req.slot], [req.length], torch.tensor([ids]))[0]
         req.length += len(ids)
         self.scheduler.computed(req.sched, len(ids))
         if not req.pending:
             self._prompt_done(req, logits)
+        return len(ids)
 
     def _prompt_done(self, req: GenRequest, logits: torch.Tensor) -> None:
         if req.sched.remaining_prompt > 0:  # kv-recompute computed it all at once
@@ -252,10 +266,12 @@ class ServingLoop:
                 if r.slot >= 0:
                     self._guarded(r, self._decode_alone)
             return
-        for r, lg in zip(reqs, logits):
+        # One argmax over the batch's logits serves every greedy row (no per-row fp32 copy of the vocabulary).
+        greedy = logits.argmax(dim=-1).tolist()
+        for r in reqs:
             r.length += 1
-        for r, lg in zip(reqs, logits):
-            self._guarded(r, self._postprocess, lg)
+        for r, lg, g in zip(reqs, logits, greedy):
+            self._guarded(r, self._postprocess, lg, g)
 
     def _decode_alone(self, req: GenRequest) -> None:
         logits = self._forward([req.slot], [req.length], torch.tensor([[req.last]]))[0]
@@ -263,7 +279,8 @@ class ServingLoop:
         self._postprocess(req, logits)
 
     def _forward(self, rows: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits of each row's last token [B, vocab]."""
+        """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits of each row's last token [B, vocab], in
+        the model's dtype (converting them is the sampler's business: argmax needs no fp32 copy)."""
         q = ids.shape[1]
         dev = self.engine.device
         cache = self.slots.view(rows, starts, q)
@@ -271,13 +288,17 @@ class ServingLoop:
         out = self.engine.loaded.model(input_ids=ids.to(dev), position_ids=pos.to(dev),
                                        attention_mask=self.slots.mask(starts, q), cache=cache, use_cache=True,
                                        logits_to_keep=1)
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]
 
-    def _postprocess(self, req: GenRequest, logits: torch.Tensor) -> None:
-        """Sample the next token, emit its text, and stop or keep the request running."""
+    def _postprocess(self, req: GenRequest, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """Sample the next token (``greedy``: the argmax of ``logits``, when already known), emit its text, and stop
+        or keep the request running."""
         eng, sampling = self.engine, req.sampling
         banned = eng.stop_ids if len(req.output) < sampling.min_tokens else ()
-        token = sample(logits, sampling, req.generator, banned)
+        if greedy is not None and sampling.temperature <= 0 and not banned:
+            token = greedy  # what sample() would choose: argmax is exact in any dtype (bf16 -> fp32 is lossless)
+        else:
+            token = sample(logits.float(), sampling, req.generator, banned)
         if req.first_token is None:
             req.first_token = token
         if not sampling.ignore_eos and token in eng.stop_ids:

@@ -10,18 +10,24 @@ token per running decode, and what is left goes to prompt chunks. Fairness betwe
     served longest ago (a newcomer) takes the first turn;
   - a tenant continues its started prompts (oldest first) before it starts another, which keeps half-computed
     slots to what one step's budget can hold.
+Time, not only tokens (issue 22): a step's prompt budget is also bounded by ``step_time_s`` at the measured cost
+of a prompt token and a decode pass (stepcost.py), so a request arriving during a flood waits at most one short
+step before its own prompt runs first; and ``add`` refuses a request whose predicted wait for a slot exceeds the
+queue timeout at once (EngineBusyError: 503 + Retry-After), instead of after waiting it out.
 Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish`` from the engine thread.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferscale.engine.stepcost import StepCost, ewma
 from inferscale.errors import ConfigError, EngineBusyError
 
 
@@ -51,6 +57,23 @@ class SchedulerOutput:
     cancelled: list[ScheduledRequest]  # cancelled by the client; the engine frees what they hold
 
 
+# Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
+# rows that the requests ahead add once their prompts are done, so it runs short under a flood.
+SHED_AT = 0.8
+
+
+class Arrival:
+    """A request announced to the scheduler before it is added (``Scheduler.expect``); ``close`` is idempotent."""
+
+    def __init__(self, scheduler: Scheduler | None, tenant: str) -> None:
+        self._scheduler, self._tenant = scheduler, tenant  # None: a backend whose own scheduler queues (no-op)
+
+    def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.arrived(self._tenant)
+            self._scheduler = None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64  # slots: sequences in prefill or decode at once
@@ -60,13 +83,17 @@ class SchedulerConfig:
     chunk_tokens: int = 128  # the most prompt tokens one request computes per turn
     max_queued_per_tenant: int = 64
     queue_timeout_s: float = 30.0
+    # A step's target wall time: its prompt tokens are cut to what fits beside its decode pass (at least
+    # ``chunk_tokens // 4``, so prompts always progress). What a request arriving mid-step waits for.
+    step_time_s: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("max_running", "step_tokens", "chunk_tokens", "max_queued_per_tenant"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"scheduler {name}={getattr(self, name)}: expected 1 or more")
-        if self.queue_timeout_s <= 0:
-            raise ConfigError(f"scheduler queue_timeout_s={self.queue_timeout_s}: expected > 0")
+        for name in ("queue_timeout_s", "step_time_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"scheduler {name}={getattr(self, name)}: expected > 0")
 
 
 class Scheduler:
@@ -79,18 +106,43 @@ class Scheduler:
         self._decoding: list[ScheduledRequest] = []
         self._served_at: dict[str, int] = {}  # tenant -> the step it last computed a prompt chunk
         self._steps = 0
+        self.cost = StepCost()  # the loop reports what its steps took
+        self._arriving: dict[str, int] = {}  # tenant -> requests announced by ``expect``, not yet added
+        self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
-        """Queue ``req``; EngineBusyError when its tenant's queue is full."""
+        """Queue ``req``; EngineBusyError when its tenant's queue is full or its predicted wait for a slot exceeds
+        the queue timeout."""
         with self._lock:
-            queue = self._waiting.setdefault(req.tenant, deque())
+            queue = self._waiting.get(req.tenant, ())
             if len(queue) >= self.config.max_queued_per_tenant:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {len(queue)} requests queued (limit "
                                       f"{self.config.max_queued_per_tenant}); retry later",
                                       retry_after_s=self.retry_after_s())
+            self._refuse_a_long_wait(req.tenant)
+            self._typical_prompt[req.tenant] = ewma(self._typical_prompt.get(req.tenant), req.remaining_prompt)
             req.arrived = self.clock()
-            queue.append(req)
+            self._waiting.setdefault(req.tenant, deque()).append(req)
+
+    def expect(self, tenant: str) -> Arrival:
+        """A request of ``tenant`` is on its way (retrieval and KV fetch come before ``add``): EngineBusyError now
+        when the tenant's queue would outwait the timeout, before any work is spent on it. Until the arrival is
+        closed (just before ``add``, or when the request fails) it counts as one of the tenant's typical prompts
+        in every prediction, so a burst is refused on arrival, not after its retrievals."""
+        with self._lock:
+            self._refuse_a_long_wait(tenant)
+            self._arriving[tenant] = self._arriving.get(tenant, 0) + 1
+        return Arrival(self, tenant)
+
+    def arrived(self, tenant: str) -> None:
+        """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
+        with self._lock:
+            left = self._arriving.get(tenant, 0) - 1
+            if left > 0:
+                self._arriving[tenant] = left
+            else:
+                self._arriving.pop(tenant, None)
 
     def cancel(self, req: ScheduledRequest) -> None:
         with self._lock:
@@ -116,8 +168,7 @@ class Scheduler:
             cancelled = self._drop_cancelled()
             expired = self._expire()
             decode = list(self._decoding)
-            # Prompts always keep a quarter of the budget, so a full decode batch cannot starve them.
-            budget = max(self.config.step_tokens - len(decode), self.config.step_tokens // 4, 1)
+            budget = self._prompt_budget(len(decode))
             admitted: list[ScheduledRequest] = []
             prefill: list[tuple[ScheduledRequest, int]] = []
             # Rounds of turns until the budget is spent: in each round every tenant with prompt work computes one
@@ -183,6 +234,35 @@ class Scheduler:
             return held
 
     # ---- internals (lock held) ------------------------------------------------------------------------------
+    def _prompt_budget(self, decoding: int) -> int:
+        """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at
+        least, so a full decode batch cannot starve prompts), cut to what fits in ``step_time_s``."""
+        cfg = self.config
+        budget = max(cfg.step_tokens - decoding, cfg.step_tokens // 4, 1)
+        timed = self.cost.prompt_tokens_within(cfg.step_time_s, decoding > 0)
+        if timed is not None:
+            budget = min(budget, max(timed, cfg.chunk_tokens // 4, 1))
+        return budget
+
+    def _refuse_a_long_wait(self, tenant: str) -> None:
+        wait, limit = self._predicted_wait(tenant), self.config.queue_timeout_s
+        if wait > SHED_AT * limit:
+            raise EngineBusyError(f"tenant {tenant!r}'s queue would take about {wait:.0f} s to reach this request "
+                                  f"(queue timeout {limit:g} s); retry later",
+                                  retry_after_s=max(1, math.ceil(wait - SHED_AT * limit)))
+
+    def _predicted_wait(self, tenant: str) -> float:
+        """Seconds until a request of ``tenant`` queued now would get a slot: the prompt tokens of the tenant's
+        requests ahead of it (those still arriving at its typical size), at its round-robin share of the measured
+        prompt rate."""
+        ahead = sum(r.remaining_prompt for r in itertools.chain(self._prefilling.get(tenant, ()),
+                                                                 self._waiting.get(tenant, ())))
+        ahead += round(self._arriving.get(tenant, 0) * self._typical_prompt.get(tenant, 0.0))
+        if not ahead:
+            return 0.0
+        share = len({*self._prefilling, *(t for t, q in self._waiting.items() if q), tenant})
+        return self.cost.prompt_seconds(ahead, share, self._prompt_budget(len(self._decoding)))
+
     def _remove(self, req: ScheduledRequest) -> None:
         if req in self._decoding:
             self._decoding.remove(req)

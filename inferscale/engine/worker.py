@@ -26,7 +26,7 @@ from typing import Any
 from inferscale.contract import MODES
 from inferscale.engine.engine import Engine
 from inferscale.engine.loop import ErrorEvent, GenRequest
-from inferscale.engine.scheduler import SchedulerConfig
+from inferscale.engine.scheduler import Arrival, SchedulerConfig
 from inferscale.errors import EngineUnavailableError, PromptTooLongError
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,10 @@ class EngineWorker:
         side = self._prompt_side
         build = (lambda: side.question_ids(turns[0][1])) if len(turns) == 1 else (lambda: side.chat_ids(turns))
         return await asyncio.wrap_future(self._tokenize_pool.submit(build))
+
+    def expect(self, tenant: str) -> Arrival:
+        """Announce a request of ``tenant`` before retrieval: EngineBusyError now when it would outwait its queue."""
+        return self.loop.expect(tenant)
 
     def submit(self, req: GenRequest) -> None:
         """Queue a generation; its events go to ``req.emit`` on the worker thread. Typed errors raise here."""

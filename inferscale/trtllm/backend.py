@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from inferscale.engine.engine import Engine
+from inferscale.engine.scheduler import Arrival
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent, request_span
 from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, PromptSide
 from inferscale.errors import ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError, TransferError
@@ -111,6 +112,10 @@ class TrtllmBackend:
     # The prompt side is the PyTorch worker's: the same character bound, the same template, its own tokenizer.
     check_chars = EngineWorker.check_chars
     prompt_ids = EngineWorker.prompt_ids
+
+    def expect(self, tenant: str) -> Arrival:
+        """TensorRT-LLM queues in its own scheduler: the per-tenant bound is checked at ``submit``."""
+        return Arrival(None, tenant)
 
     def submit(self, req: GenRequest) -> None:
         if self._closed:

@@ -39,9 +39,9 @@ def loop_logits(loop: ServingLoop, requests: list[GenRequest]) -> dict[int, list
     seen: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
     original = loop._postprocess
 
-    def spy(req, logits):
-        seen[id(req)].append(logits.clone())
-        original(req, logits)
+    def spy(req, logits, *greedy):
+        seen[id(req)].append(logits.float().clone())
+        original(req, logits, *greedy)
 
     loop._postprocess = spy
     for r in requests:

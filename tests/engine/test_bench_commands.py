@@ -104,6 +104,11 @@ def test_bench_load_json(model_dir, tmp_path):
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
         assert (row["arrival_ttft_ms"] is None) == (row["n"] == 1)
     assert result["flood"]["b_flood_ttft_ms"] > 0 and result["flood"]["b_idle_ttft_ms"] > 0
+    # Issue 22's bar, printed and written: the floor beside the step, N/1 ratios, the flood's ratio.
+    assert result["floor"]["floor_ms"] > 0 and result["floor"]["weight_bytes"] > 0
+    summary = result["summary"]
+    for key in ("floor_ms", "kv_step_over_floor", "kv_decode_tokens_per_s_2_over_1", "flood_ratio"):
+        assert summary[key]["min"] <= summary[key]["median"] <= summary[key]["max"]
 
 
 def test_bench_fleet_json(model_dir, tmp_path):

@@ -160,3 +160,69 @@ def test_a_full_decode_batch_does_not_starve_prompts():
     s.add(new)
     out = s.schedule()
     assert len(out.decode) == 40 and out.prefill == [(new, 8)]  # a quarter of the budget
+
+
+def test_a_step_computes_only_the_prompt_tokens_that_fit_its_time_beside_the_decode_pass():
+    """Issue 22: with a prompt token measured at 1 ms and a decode pass at 100 ms, a 150 ms step leaves 50 tokens
+    for prompts, though the token budget would allow 120."""
+    s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.15))
+    running = [ScheduledRequest("a", 5, 4) for _ in range(8)]
+    for r in running:
+        s.add(r)
+    run_prefill(s, s.schedule())
+    s.add(ScheduledRequest("a", prompt_tokens=2000))
+    s.cost.observe_prefill(100, 0.1)
+    s.cost.observe_decode(0.1)
+    out = s.schedule()
+    assert len(out.decode) == 8 and sum(n for _, n in out.prefill) == 50
+
+
+def test_the_time_bound_never_stops_prompts():
+    s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.05))
+    s.add(ScheduledRequest("a", 5, 4))
+    run_prefill(s, s.schedule())
+    s.add(ScheduledRequest("a", prompt_tokens=2000))
+    s.cost.observe_prefill(10, 1.0)  # 100 ms a token: nothing fits in 50 ms
+    s.cost.observe_decode(1.0)
+    assert sum(n for _, n in s.schedule().prefill) == 128 // 4
+
+
+def test_a_request_that_would_outwait_the_queue_timeout_is_refused_at_once():
+    """Issue 22: tenant A's excess was refused only after waiting the whole queue timeout. With a prompt token at
+    10 ms, A's 4th 1000-token prompt would be 30 s of A's prompts away (over 80 % of the timeout): it is refused
+    when it arrives, with a Retry-After; another tenant is still accepted (its own queue is empty)."""
+    clock = Clock()
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30, step_tokens=1000, chunk_tokens=1000), clock=clock)
+    s.cost.observe_prefill(100, 1.0)
+    accepted = 0
+    with pytest.raises(EngineBusyError) as refused:
+        for _ in range(32):
+            s.add(ScheduledRequest("a", prompt_tokens=1000))
+            accepted += 1
+    assert accepted == 3 and refused.value.retry_after_s >= 1 and clock.now == 0  # no waiting: refused on arrival
+    s.add(ScheduledRequest("b", prompt_tokens=20))
+
+
+def test_nothing_is_refused_on_a_guess_before_a_step_was_measured():
+    s = Scheduler(SchedulerConfig(queue_timeout_s=1))
+    for _ in range(32):
+        s.add(ScheduledRequest("a", prompt_tokens=100_000))
+
+
+def test_a_burst_still_fetching_its_memories_is_refused_on_arrival():
+    """Issue 22: 32 requests of A arrive at once; each is announced (``expect``) before its retrieval and KV fetch,
+    so all but the first few are refused before any of them reaches ``add``."""
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30))
+    s.cost.observe_prefill(100, 1.0)  # 10 ms a prompt token
+    s.add(ScheduledRequest("a", prompt_tokens=1000))  # A's typical prompt: 1000 tokens
+    arrivals, refused = [], 0
+    for _ in range(32):
+        try:
+            arrivals.append(s.expect("a"))
+        except EngineBusyError:
+            refused += 1
+    assert len(arrivals) == 2 and refused == 30
+    for a in arrivals:
+        a.close()
+        a.close()  # idempotent
+    s.expect("a").close()  # the announced ones are gone: room again

@@ -1,0 +1,51 @@
+"""What a step costs, as measured: seconds per prompt token and per decode pass (moving averages).
+
+The scheduler uses it twice (issue 22): to bound a step's *time* while other tenants wait (a flood of long prompts
+must not make every step long), and to predict how long a new request would wait for its prompt to start, so a
+request that would outwait the queue timeout is refused at once (503 + Retry-After) instead of after the timeout.
+No torch: the loop reports wall times, the scheduler reads estimates; tests feed made-up numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Weight of the newest observation: a few steps follow a change of load (a flood starting) without one slow step
+# (a page fault, another process) swinging the estimate.
+SMOOTHING = 0.2
+
+
+@dataclass
+class StepCost:
+    prompt_token_s: float | None = None  # seconds per prompt token (chunked prefill, any mode)
+    decode_pass_s: float | None = None  # seconds of one batched decode pass at the current batch size
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prompt_token_s = ewma(self.prompt_token_s, seconds / tokens)
+
+    def observe_decode(self, seconds: float) -> None:
+        if seconds > 0:
+            self.decode_pass_s = ewma(self.decode_pass_s, seconds)
+
+    def prompt_tokens_within(self, seconds: float, decoding: bool) -> int | None:
+        """How many prompt tokens fit in ``seconds`` (beside one decode pass when ``decoding``); None before a
+        prompt token was measured."""
+        if self.prompt_token_s is None:
+            return None
+        left = seconds - ((self.decode_pass_s or 0.0) if decoding else 0.0)
+        return int(max(0.0, left) / self.prompt_token_s + 1e-9)  # 0.05 / 0.001 is 49.999...
+
+    def prompt_seconds(self, tokens: int, share: int, per_step: int) -> float:
+        """Seconds until ``tokens`` prompt tokens are computed when each step computes ``per_step`` of them, split
+        ``share`` ways, beside a decode pass (0 before a prompt token was measured: never refuse on a guess)."""
+        if self.prompt_token_s is None or tokens <= 0:
+            return 0.0
+        total = tokens * share
+        return total * self.prompt_token_s + math.ceil(total / max(per_step, 1)) * (self.decode_pass_s or 0.0)
+
+
+def ewma(old: float | None, new: float) -> float:
+    """The moving average after ``new`` (``old`` None: the first observation)."""
+    return new if old is None else old + SMOOTHING * (new - old)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# NVIDIA's aiperf against `inferscale serve`, the way a user measures it (README, "Measured with aiperf").
+# aiperf is a reference client, not a dependency: install it into a venv of its own, e.g.
+#   python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf
+# Usage: scripts/aiperf.sh [PORT] [REQUESTS]   (AIPERF=path/to/aiperf; MODES="kv text"; K=20)
+# Starts a server on a fresh data dir with one tenant, stores 20 synthetic memories for user "maya", runs aiperf
+# once per mode (concurrency 1, 24-token synthetic prompts, 16 output tokens forced with ignore_eos), stops it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PORT=${1:-8000}
+REQUESTS=${2:-20}
+AIPERF=${AIPERF:-aiperf}
+K=${K:-20}
+export PYTHONSAFEPATH=1 HF_HUB_OFFLINE=1
+DATA=$(mktemp -d "${TMPDIR:-/tmp}/inferscale-aiperf.XXXX")
+TOKENIZER=$(.venv/bin/python -c "from inferscale.models.loader import load_model; print(load_model().tokenizer.name_or_path)")
+.venv/bin/python -c "
+import json, sys; from inferscale.server.auth import hash_key
+json.dump({'aiperf': {'keys': [hash_key('isk-aiperf')]}}, open(sys.argv[1], 'w'))" "$DATA/tenants.json"
+.venv/bin/inferscale serve --port "$PORT" --data-dir "$DATA" --tenants-file "$DATA/tenants.json" >"$DATA/serve.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$PORT/readyz" >/dev/null && break; sleep 1; done
+.venv/bin/python -c "
+import sys, httpx; from transformers import AutoTokenizer; from inferscale.bench.synthetic import synthetic_memories
+items = synthetic_memories(int(sys.argv[2]), AutoTokenizer.from_pretrained(sys.argv[1]))
+r = httpx.put('http://127.0.0.1:' + sys.argv[3] + '/v1/memories/maya', headers={'Authorization': 'Bearer isk-aiperf'},
+              json={'items': [{'id': it.id, 'text': it.text} for it in items]}, timeout=600)
+r.raise_for_status()" "$TOKENIZER" "$K" "$PORT"
+for MODE in ${MODES:-kv text}; do
+  echo "== aiperf, mode $MODE, k=$K"
+  "$AIPERF" profile --model gemma-3-270m --url "http://127.0.0.1:$PORT" --endpoint-type chat --streaming \
+    --api-key isk-aiperf --tokenizer "$TOKENIZER" --concurrency 1 --request-count "$REQUESTS" \
+    --warmup-request-count 2 --prompt-input-tokens-mean 24 --prompt-input-tokens-stddev 0 \
+    --prompt-output-tokens-mean 16 --prompt-output-tokens-stddev 0 \
+    --extra-inputs "{\"user\": \"maya\", \"inferscale\": {\"k\": $K, \"mode\": \"$MODE\"}, \"ignore_eos\": true}" \
+    --ui-type simple --no-server-metrics --output-artifact-dir "$DATA/aiperf-$MODE" 2>&1 \
+    | grep -v -E "^[0-9:.]+ +(INFO|WARNING|DEBUG|NOTICE)"
+done
+echo "artifacts and server log: $DATA"
