@@ -73,6 +73,7 @@ def plan_fleet(inputs: PlanInputs) -> dict:
     common = dict(block_bytes=tokens * bpt, block_tokens=tokens, scale=scale,
                   question_tokens=inputs.question_tokens, warmup=len(trace.requests) // 3)
     modes = {r.mode: r.summary() for r in (simulate.per_block(trace, node, **common),
+                                           simulate.per_block(trace, node, frequency_filter=False, **common),
                                            simulate.whole_user(trace, node, **common))}
     rate = inputs.fleet_rate() if inputs.trace is None else len(trace.requests) / trace.seconds
     recomputed = modes["per-block"]["recompute_share"] * inputs.k * tokens

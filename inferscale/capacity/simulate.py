@@ -8,6 +8,7 @@ here as the truth that produces the seconds; prefill likewise. So the plan predi
 Two ways to cache, on the same trace and node:
 - ``per-block``: keys are (user, memory); a request brings up its k blocks only, from wherever each is (or
   recomputes them, as the planner decides); frequency-filtered admission (TinyLFU).
+- ``per-block-lru``: the same without the frequency filter;
 - ``whole-user``: keys are users (what the store's DRAM LRU and the operator's placement do today): a miss on
   HBM moves the whole user up from DRAM or disk; plain LRU.
 Not modelled: queueing on a link between requests (each request's transfers are timed as if alone), and the
@@ -90,9 +91,11 @@ def _tier_of(caches: dict[str, BlockCache], key: object, size: int) -> str:
 
 
 def per_block(trace: Trace, node: NodeShape, *, block_bytes: int, block_tokens: int, scale: float,
-              question_tokens: int, warmup: int, overlap: bool = True) -> ModeResult:
-    """The trace with block caching and the fetch-or-recompute planner (priors: the node's nominal links)."""
-    res = ModeResult("per-block", caches=_caches(node, scale, frequency_filter=True))
+              question_tokens: int, warmup: int, overlap: bool = True, frequency_filter: bool = True) -> ModeResult:
+    """The trace with block caching and the fetch-or-recompute planner (priors: the node's nominal links);
+    ``frequency_filter=False`` is the same with plain LRU (mode ``per-block-lru``), to show what the filter buys."""
+    mode = "per-block" if frequency_filter else "per-block-lru"
+    res = ModeResult(mode, caches=_caches(node, scale, frequency_filter=frequency_filter))
     hbm, dram = res.caches["hbm"], res.caches["dram"]
     truth, true_prefill = node.links(), node.prefill()
     planner = FetchPlanner(tiers=node.links(), prefill=node.prefill(), overlap=overlap)

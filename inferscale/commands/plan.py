@@ -81,9 +81,11 @@ def plot(plan: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     modes = plan["modes"]
     names = list(modes)
-    for q, hatch in (("fetch_p50_s", ""), ("fetch_p99_s", "//")):
-        left.bar([f"{n}\n{q[6:9]}" for n in names], [modes[n][q] * 1e3 for n in names], hatch=hatch,
-                 color=["tab:green", "tab:red"])
+    for i, (q, hatch) in enumerate((("fetch_p50_s", ""), ("fetch_p99_s", "//"))):
+        left.bar([x + 0.4 * i for x in range(len(names))], [modes[n][q] * 1e3 for n in names], width=0.4,
+                 hatch=hatch, label=q[6:9], color=["tab:green", "tab:olive", "tab:red"][: len(names)])
+    left.set_xticks([x + 0.2 for x in range(len(names))], names)
+    left.legend()
     left.set_yscale("log")
     left.set_ylabel("fetch time per request (ms, log)")
     left.set_title(f"{plan['model']} {plan['kv_dtype']}: per-block vs whole-user")
