@@ -93,3 +93,16 @@ def test_cli_prints_the_table_and_writes_json_and_plot(tmp_path, capsys):
     assert "| per-block |" in printed and "| whole-user |" in printed and "1.55 PB" in printed
     assert json.loads(out_json.read_text())["nodes"] >= 104
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8", "int4"])
+def test_bytes_per_token_is_what_a_stored_block_takes(kv_dtype):
+    """The planner's bytes per token equal a real compact block's stored bytes (values + scales) per token."""
+    import torch
+
+    from inferscale.kvquant import quantize
+
+    layers, heads, tokens, dim = 3, 2, 7, 128
+    kv, scale = quantize(torch.randn(layers, 2, heads, tokens, dim, dtype=torch.bfloat16), kv_dtype)
+    stored = kv.nbytes + (0 if scale is None else scale.nbytes)
+    assert stored_bytes_per_token(kv_dtype, layers=layers, kv_heads=heads, head_dim=dim) * tokens == stored
