@@ -121,6 +121,10 @@ class FetchPlanner:
     tiers: dict[str, LinearCost]
     prefill: LinearCost
     overlap: bool = True
+    # A tier skipped by this many plans in a row has one block fetched anyway: only fetches measure a tier, so
+    # without a probe a tier once slow would be recomputed around forever, even after it recovers. 0: never.
+    probe_after: int = 32
+    _skipped: dict[str, int] = field(default_factory=dict, repr=False)
 
     def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
         self._tier(tier).observe(nbytes, seconds)
@@ -141,7 +145,21 @@ class FetchPlanner:
             fetched, recomputed = self._split_overlapped(movable, question_tokens)
         else:
             fetched, recomputed = self._split_serial(movable)
+        self._probe(fetched, recomputed)
         return self._build(resident, fetched, recomputed, question_tokens)
+
+    def _probe(self, fetched: list[PlanBlock], recomputed: list[PlanBlock]) -> None:
+        """Count the plans that skip each tier; at ``probe_after``, move its cheapest block to ``fetched``."""
+        used = {b.tier for b in fetched}
+        for tier in {b.tier for b in recomputed} - used:
+            self._skipped[tier] = self._skipped.get(tier, 0) + 1
+            if self.probe_after and self._skipped[tier] >= self.probe_after:
+                probe = min((b for b in recomputed if b.tier == tier), key=self.fetch_cost)
+                recomputed.remove(probe)
+                fetched.append(probe)
+                used.add(tier)
+        for tier in used:
+            self._skipped[tier] = 0
 
     def _split_serial(self, movable: list[PlanBlock]) -> tuple[list[PlanBlock], list[PlanBlock]]:
         per_token = 1.0 / self.prefill.rate  # marginal: the pass runs for the question anyway

@@ -108,3 +108,23 @@ def test_one_throttled_transfer_is_enough_to_switch():
     transfers(p, "disk", 25.0, 50e-6)
     transfers(p, "disk", 0.05, 50e-6, n=1)  # a new regime: the fit restarts rather than averaging
     assert p.plan(blocks("disk"), question_tokens=128).fetch == {}
+
+
+def test_a_skipped_tier_is_probed_so_its_recovery_is_seen():
+    """Only fetches measure a tier: the planner fetches one block of a tier it kept skipping, so when the disk
+    recovers the plan returns to fetching with no other source of measurements."""
+    p = planner()
+    p.probe_after = 8
+    disk_gbs = 0.05
+    transfers(p, "disk", disk_gbs, 50e-6, n=1)
+    probes, plans = 0, []
+    for step in range(40):
+        if step == 20:
+            disk_gbs = 25.0  # recovered; nobody tells the planner
+        plan = p.plan(blocks("disk"), question_tokens=128)
+        for _ in plan.fetch.get("disk", ()):  # what the store would report: only what it fetched
+            p.observe_transfer("disk", BYTES, 50e-6 + BYTES / (disk_gbs * GB))
+        probes += step < 20 and len(plan.fetch.get("disk", ())) == 1
+        plans.append(plan)
+    assert probes == 2  # throttled: one probe every 8 plans, the rest recomputed
+    assert plans[-1].recompute == () and len(plans[-1].fetch["disk"]) == 10
