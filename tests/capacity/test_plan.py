@@ -57,7 +57,8 @@ def test_per_block_moves_far_fewer_bytes_than_whole_user():
 def test_throttled_disk_makes_the_simulated_node_recompute():
     fast = plan_fleet(small())["modes"]["per-block"]
     throttled = plan_fleet(small(node=dataclasses.replace(H200, disk_gbs=0.05)))["modes"]["per-block"]
-    assert fast["share_disk"] > 0.05 and fast["recompute_share"] < 0.05  # throttled: only the planner's probes
+    assert fast["share_disk"] > 0.05 and fast["recompute_share"] < 0.05
+    # Throttled: the disk serves only the planner's probes; what it served when fast is recomputed instead.
     assert throttled["share_disk"] < 0.01 and throttled["recompute_share"] > fast["share_disk"] * 0.8
 
 
