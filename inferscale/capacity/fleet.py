@@ -116,7 +116,8 @@ def table(plan: dict) -> str:
              f"{plan['tokens_per_memory']} tokens, {plan['requests_per_s']:.2f} requests/s, k = {plan['k']}",
              "", "| kv dtype | bytes/token | × bf16 | storage |", "|---|---|---|---|"]
     for d, s in plan["storage_bytes"].items():
-        lines.append(f"| {d} | {plan['bytes_per_token_by_dtype'][d]:,} | {plan['bytes_per_token_ratio'][d]:.3f} | {_si(s, 'B')} |")
+        bpt, ratio = plan["bytes_per_token_by_dtype"][d], plan["bytes_per_token_ratio"][d]
+        lines.append(f"| {d} | {bpt:,} | {ratio:.3f} | {_si(s, 'B')} |")
     n = plan["node"]
     lines += ["", f"nodes: {plan['nodes']} ({plan['nodes_by_storage']} by disk, {plan['nodes_by_prefill']} by "
               f"prefill); per node {n['users']:,} users, {_si(n['disk_bytes'], 'B')} on disk, "

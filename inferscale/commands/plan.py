@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of traffic over active users")
     t.add_argument("--memory-zipf", type=float, default=1.0, help="Zipf exponent of retrieval over a user's memories")
     t.add_argument("--k", type=int, default=10, help="memories retrieved per request")
-    t.add_argument("--request-rate", type=float, default=None, help="fleet requests/s (default: from --requests-per-day)")
+    t.add_argument("--request-rate", type=float, default=None, help="fleet requests/s (default: --requests-per-day)")
     t.add_argument("--requests-per-day", type=float, default=10.0, help="requests a day per active user")
     t.add_argument("--question-tokens", type=int, default=64)
     n = p.add_argument_group("node (defaults: one H200 node)")
@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sim-requests", type=int, default=30_000, help="requests replayed (the first third warms up)")
     s.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the plan as JSON")
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG: fetch time per caching mode, storage per dtype")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="write a PNG: fetch times per caching mode, storage per dtype")
 
 
 def inputs_from(args: argparse.Namespace):
