@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ask": ("inferscale.commands.ask", "answer a question with memories from a blobs dir"),
     "keys": ("inferscale.commands.keys", "KEK file: add a key first, re-wrap a store's sealed blobs under it"),
     "serve": ("inferscale.server.cli", "run the OpenAI-compatible server (single node)"),
+    "plan": ("inferscale.commands.plan", "capacity planner: storage, hit rates, fetch times and nodes for your users"),
     "demo": ("inferscale.server.demo", "load sample memories into a running server and compare kv vs text TTFT"),
 }
 # The operator owns its flags (inferscale.operator.cli); it is handed the rest of the command line as is.

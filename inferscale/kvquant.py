@@ -118,3 +118,15 @@ def check_layout(kv_dtype: str, kv_torch_dtype: torch.dtype, kv_shape: tuple[int
     if not ok:
         raise BlobCorruptError(f"{source}: kv_scale shape {tuple(scale_shape)} does not fit {kv_dtype} kv "
                                f"{tuple(kv_shape)}")
+
+
+def stored_bytes_per_token(kv_dtype: str, *, layers: int, kv_heads: int, head_dim: int,
+                           float_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one token's K/V take in ``kv_dtype`` (values and scales) for a model of that shape: measured on what
+    ``quantize`` stores for one zero token, so a change of layout (a leaner int4) changes every plan with it."""
+    check_kv_dtype(kv_dtype)
+    if min(layers, kv_heads, head_dim) < 1:
+        raise ConfigError(f"model shape: layers {layers}, kv heads {kv_heads}, head_dim {head_dim} must be positive")
+    kv, scale = quantize(torch.zeros(1, 2, 1, 1, head_dim, dtype=float_dtype), kv_dtype)
+    per_head_layer = kv.nbytes + (0 if scale is None else scale.nbytes)
+    return layers * kv_heads * per_head_layer
