@@ -52,7 +52,7 @@ class ControlPlane:
         self.dir.mkdir(parents=True, exist_ok=True)
         found = binary or built()
         if found is None:
-            raise ControlPlaneUnavailable("the control-plane binary is not built: run `bash scripts/setup.sh` "
+            raise ControlPlaneUnavailable("the control-plane binary is not built: run `bash scripts/test.sh` "
                                           "(or `python e2e/controlplane_build.py build`)")
         self.binary = Path(found)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -192,7 +192,7 @@ def start_for_tests(workdir: Path) -> ControlPlane:
     import pytest
 
     if built() is None:
-        how = "run `bash scripts/setup.sh` (it builds the control plane; see README, 'Tests')"
+        how = "run `bash scripts/test.sh` (it builds the control plane first; see README, 'Two commands')"
         if os.environ.get("CI", "").lower() not in ("", "0", "false") or \
                 os.environ.get("INFERSCALE_E2E_SKIP_CONTROL_PLANE") != "1":
             pytest.fail(f"the real control plane is not built: {how}", pytrace=False)

@@ -15,11 +15,3 @@ echo "set up: $(.venv/bin/python -c 'import torch, transformers; print("torch", 
 [ -x .venv-tools/bin/python ] || "$PY" -m venv .venv-tools
 .venv-tools/bin/python -m pip install -q -r scripts/tools-requirements.txt
 echo "tools: $(.venv-tools/bin/checkov --version | head -1 | sed 's/^/checkov /')"
-# The e2e's real Kubernetes control plane (kube-apiserver, kube-controller-manager, kube-scheduler, etcd): one binary
-# built from the Go module proxy with Go >= 1.26, cached by version under ~/.cache/inferscale/k8s/ (README, "Tests":
-# the first build takes long, later ones find it). INFERSCALE_E2E_SKIP_CONTROL_PLANE=1 skips it (and those tests).
-if [ "${INFERSCALE_E2E_SKIP_CONTROL_PLANE:-}" = 1 ]; then
-  echo "control plane: not built (INFERSCALE_E2E_SKIP_CONTROL_PLANE=1)"
-else
-  .venv/bin/python e2e/controlplane_build.py build
-fi
