@@ -28,6 +28,9 @@ MASK64 = (1 << 64) - 1
 ROW_SEEDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
 COUNTER_MAX = 15  # 4-bit counters, as in Caffeine: frequency past 15 does not matter for admission
 HALVE = bytes(b >> 1 for b in range(256))  # bytearray.translate table: every counter halved at C speed
+# A small tier's sketch still gets this many counters a row (4 KiB in all): with 16, a scan of 50 one-touch blocks
+# collided with a hot block in all four rows often enough (about one run in six) to push it out.
+MIN_SKETCH_WIDTH = 1024
 SAMPLE_FACTOR = 10  # halve after width × this many increments (TinyLFU's sample size W)
 
 
@@ -204,7 +207,7 @@ class BlockCache:
     def _sketch(self, size: int) -> FrequencySketch:
         # Sized on first use for 4 counters per block the budget holds at this block size (TinyLFU's advice).
         if self.sketch is None:
-            self.sketch = FrequencySketch(max(16, 4 * self.budget_bytes // max(size, 1)))
+            self.sketch = FrequencySketch(max(MIN_SKETCH_WIDTH, 4 * self.budget_bytes // max(size, 1)))
         return self.sketch
 
     def _take(self, need: int, eligible, chosen: list[Hashable]) -> list[Hashable] | None:
