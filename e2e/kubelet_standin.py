@@ -43,6 +43,7 @@ from controlplane import ControlPlane
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+DEFAULT_FILE_MODE = 0o644  # a configMap/secret volume's defaultMode when the pod names none (Kubernetes' default)
 
 
 def now_rfc3339(micro: bool = False) -> str:
@@ -320,14 +321,15 @@ class KubeletStandIn:
                 ref = vol.get("configMap") or vol["secret"]
                 self._write_files(local, self._data(meta["namespace"], "configmaps" if "configMap" in vol
                                                     else "secrets", ref.get("name") or ref["secretName"],
-                                                    optional=ref.get("optional", False)), ref.get("items"))
+                                                    optional=ref.get("optional", False)), ref.get("items"),
+                                  ref.get("defaultMode", DEFAULT_FILE_MODE))
             elif "projected" in vol:
                 for source in vol["projected"]["sources"]:
-                    self._project(pod, source, local)
+                    self._project(pod, source, local, vol["projected"].get("defaultMode", DEFAULT_FILE_MODE))
             out[vol["name"]] = local
         return out
 
-    def _project(self, pod: dict[str, Any], source: dict[str, Any], local: Path) -> None:
+    def _project(self, pod: dict[str, Any], source: dict[str, Any], local: Path, mode: int) -> None:
         meta = pod["metadata"]
         if "serviceAccountToken" in source:
             sa = pod["spec"].get("serviceAccountName", "default")
@@ -343,7 +345,7 @@ class KubeletStandIn:
             ref = source.get("configMap") or source["secret"]
             kind = "configmaps" if "configMap" in source else "secrets"
             self._write_files(local, self._data(meta["namespace"], kind, ref["name"],
-                                                optional=ref.get("optional", False)), ref.get("items"))
+                                                optional=ref.get("optional", False)), ref.get("items"), mode)
         elif "downwardAPI" in source:
             for item in source["downwardAPI"].get("items") or []:
                 field = (item.get("fieldRef") or {}).get("fieldPath", "")
@@ -351,12 +353,15 @@ class KubeletStandIn:
                 (local / item["path"]).write_text(value)
 
     @staticmethod
-    def _write_files(local: Path, data: dict[str, str], items: list[dict[str, str]] | None) -> None:
-        keys = {i["key"]: i["path"] for i in items} if items else {k: k for k in data}
-        for key, path in keys.items():
+    def _write_files(local: Path, data: dict[str, str], items: list[dict[str, Any]] | None, mode: int) -> None:
+        """Each key as a file with the volume's defaultMode, or its item's own mode, as the kubelet writes them (the
+        server refuses a secret file other users can read, so the modes matter)."""
+        keys = {i["key"]: (i["path"], i.get("mode", mode)) for i in items} if items else {k: (k, mode) for k in data}
+        for key, (path, file_mode) in keys.items():
             if key in data:
                 (local / path).parent.mkdir(parents=True, exist_ok=True)
                 (local / path).write_text(data[key])
+                (local / path).chmod(file_mode)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
     def _guard(self, fn: Any, *args: Any) -> None:
