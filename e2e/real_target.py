@@ -10,7 +10,10 @@ kube-scheduler (controlplane.py), with charts/inferscale installed by `helm inst
 - the operator is the chart's Deployment, run by a stand-in under its own ServiceAccount's token;
 - tenants act with identities of their own (platform_install.py): tenant-a a user, tenant-b a ServiceAccount,
   each bound only in its namespace; every `kubectl` of the test runs as the tenant of the namespace it names;
-- the model is the tiny random-weight gemma3 (`tiny-e2e`) in the directory that plays the image.
+- the model is the tiny random-weight gemma3 (`tiny-e2e`) in the directory that plays the image;
+- Jobs: in the release namespace (the chart's default: they mount the KEK Secret, and the operator has no right on
+  that namespace's Secrets), or with `jobs_namespace` in a namespace of their own (encoder.namespace: the operator
+  holds the KEK and gives each Job a Secret of its tenant's derived keys).
 Ports (chart values) are in the 181xx range, away from the defaults other test runs on this machine may use.
 """
 
@@ -44,8 +47,9 @@ class RealTarget:
     ready_timeout, gone_timeout = 300.0, 180.0
     tenant, tenant_b = TENANTS
 
-    def __init__(self, workdir: Path, nodes: int = 1) -> None:
+    def __init__(self, workdir: Path, nodes: int = 1, jobs_namespace: str | None = None) -> None:
         self.workdir = Path(workdir)
+        self.jobs_namespace = jobs_namespace or NAMESPACE
         self.image_dir = self.workdir / "image"
         self.node_names = list(NODES)[:nodes]
         self.api_key = "isk-e2e-" + secrets.token_urlsafe(16)
@@ -74,6 +78,8 @@ class RealTarget:
                 self.cp, node, ip=NODES[node], image_dir=self.image_dir, work_dir=self.workdir / node,
                 host_root=self.disks[node], gpus=0, labels=ENCODER_LABEL if i == 0 else {}).start()
         self.platform = Platform(self.cp)
+        jobs_args = [] if self.jobs_namespace == NAMESPACE else [
+            "--set", f"encoder.namespace={self.jobs_namespace}", "--set", "encoder.createNamespace=true"]
         extra_env = [{"name": "OTEL_SDK_DISABLED", "value": "false"},
                      {"name": "INFERSCALE_CONSOLE_TRACES", "value": "true"}]
         self.platform.install(
@@ -86,7 +92,7 @@ class RealTarget:
             "--set-json", "server.extraEnv=" + json.dumps(extra_env),
             "--set-json", "apiKeys.tenants=" + json.dumps({self.tenant: [hash_key(self.api_key)],
                                                            self.tenant_b: [hash_key(self.api_key_b)]}),
-            "--wait", "--timeout", "8m")
+            *jobs_args, "--wait", "--timeout", "8m")
         self.internal_token = self.platform.internal_token
         self.http = self.cp.client()
         return self
@@ -120,7 +126,9 @@ class RealTarget:
     def events(self, tenant: str | None = None) -> list[dict[str, Any]]:
         return list((self._get(f"/api/v1/namespaces/{tenant or self.tenant}/events") or {}).get("items") or [])
 
-    def jobs(self, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    def jobs(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """The Jobs of `namespace`, by default where the operator runs them."""
+        namespace = namespace or self.jobs_namespace
         return list((self._get(f"/apis/batch/v1/namespaces/{namespace}/jobs") or {}).get("items") or [])
 
     def job_host_paths(self, job: dict[str, Any]) -> list[str]:

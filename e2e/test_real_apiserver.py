@@ -197,16 +197,20 @@ def test_deleting_a_usermemory_collects_what_it_owns(platform: Platform) -> None
 
 
 def test_deleting_a_job_collects_its_items_configmap(platform: Platform) -> None:
-    """The operator's items ConfigMap is owned by its Job (operator/jobs.py): the real GC removes it with the Job."""
-    from inferscale.operator.jobs import configmap_manifest
+    """The operator's items ConfigMap, made before its Job, is then owned by it (operator/jobs.py: the same merge
+    patch the operator sends): the real GC removes it with the Job."""
+    from inferscale.operator.jobs import configmap_manifest, owner_reference
     from inferscale.operator.settings import Settings
     from inferscale.operator.spec import Item
 
     with platform.cp.client() as c:
-        job = c.post(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=_job("enc-gc")).json()
         settings = Settings(job_namespace=NAMESPACE)
-        cm = configmap_manifest("enc-gc-items", settings, A, "caroline", "uid-1", [Item(id="m1", text="t")], job)
+        cm = configmap_manifest("enc-gc-items", settings, A, "caroline", "uid-1", [Item(id="m1", text="t")])
         assert c.post(f"/api/v1/namespaces/{NAMESPACE}/configmaps", json=cm).status_code == 201
+        job = c.post(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=_job("enc-gc")).json()
+        resp = c.patch(f"/api/v1/namespaces/{NAMESPACE}/configmaps/enc-gc-items", json=owner_reference(job),
+                       headers={"Content-Type": "application/merge-patch+json"})
+        assert resp.status_code == 200, resp.text
         resp = c.request("DELETE", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/enc-gc",
                          json={"propagationPolicy": "Background"})
         assert resp.status_code == 200, resp.text

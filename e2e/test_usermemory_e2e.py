@@ -42,7 +42,9 @@ def target(request, tmp_path_factory):
     if request.param == "real":
         from real_target import RealTarget
 
-        t = RealTarget(tmp_path_factory.mktemp("e2e-real"))
+        # The Jobs in a namespace of their own (the recommended set-up: per-Job Secrets of derived tenant keys);
+        # the fleet scenario keeps the chart's default (Jobs in the release namespace).
+        t = RealTarget(tmp_path_factory.mktemp("e2e-real"), jobs_namespace="inferscale-jobs")
     elif request.param == "cluster":
         if not os.environ.get("KUBECONFIG"):
             pytest.skip("real-cluster target: KUBECONFIG is not set (point it at a cluster to helm-install "

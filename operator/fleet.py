@@ -95,7 +95,13 @@ def delete_items_configmaps(kube: Kube, cfg: Settings, uid: str, keep: str | Non
 
 
 def delete_key_secrets(kube: Kube, cfg: Settings, uid: str) -> int:
-    """Delete the object's Job key Secrets (its tenant's derived keys) once its Job is done."""
+    """Delete the object's Job key Secrets (its tenant's derived keys) once its Job is done.
+
+    Only an operator with INFERSCALE_KEK_FILE makes such Secrets. Without one its Jobs share the platform namespace,
+    whose Secrets are the platform's: there the operator has no right on Secrets (the chart grants none), so it
+    lists none."""
+    if not cfg.kek_file:
+        return 0
     names = kube.list_secret_names(cfg.job_namespace, f"{LABEL_OWNER_UID}={uid},{LABEL_ROLE}=key")
     for name in names:
         kube.delete_secret(cfg.job_namespace, name)

@@ -84,11 +84,14 @@ class Cluster:
     def jobs(self, ns: str = JOB_NS) -> list[dict[str, Any]]:
         return self.list(f"/apis/batch/v1/namespaces/{ns}/jobs")
 
+    def requests_for(self, plural: str) -> list[str]:
+        """The methods of every request for `plural` (say "jobs") that reached the API, answered 409 included."""
+        return self.emu.call(lambda: [r.method.value for r in self.emu.emulator
+                                      if r.resource is not None and r.resource.plural == plural])
+
     def job_requests(self, method: str) -> int:
         """How many requests of `method` for Jobs reached the API (POSTs answered 409 included)."""
-        return self.emu.call(lambda: sum(1 for r in self.emu.emulator
-                                         if r.method == method and r.resource is not None
-                                         and r.resource.plural == "jobs"))
+        return self.requests_for("jobs").count(method)
 
     def finish_job(self, job: dict[str, Any], node: str = "gpu-node-0", ok: bool = True) -> None:
         """Play kubelet + job controller: a pod on `node` (controlled by the Job), then a Complete (or Failed) status."""

@@ -96,6 +96,15 @@ def test_apply_encodes_then_places(cluster: Cluster, standins: list[ServingPodSt
     wait_for(lambda: wanted <= {e.get("reason") for e in cluster.events()}, what=f"events {wanted}")
 
 
+def test_jobs_in_the_platform_namespace_touch_no_secret(cluster: Cluster, standins: list[ServingPodStandIn],
+                                                        operator: Any) -> None:
+    """No INFERSCALE_KEK_FILE: the Jobs share the platform namespace and mount the KEK Secret; the operator makes no
+    key Secret there and, the chart granting it no right on that namespace's Secrets, lists none either (a real API
+    server answers 403 and the object never got past its finished Job)."""
+    ready(cluster, standins)
+    assert cluster.requests_for("secrets") == []
+
+
 def test_edit_one_memory_encodes_only_that_item(cluster: Cluster, standins: list[ServingPodStandIn],
                                                 operator: Any) -> None:
     before = ready(cluster, standins)
