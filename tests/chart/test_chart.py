@@ -288,7 +288,8 @@ def test_env_contract_from_interfaces_md(values):
     optional_server = {"INFERSCALE_DRAM_BUDGET_BYTES", "INFERSCALE_GPU_BUDGET_BYTES", "INFERSCALE_MAX_ACTIVE",
                        "INFERSCALE_STEP_TOKENS", "INFERSCALE_CHUNK_TOKENS", "INFERSCALE_MAX_QUEUED_PER_TENANT",
                        "INFERSCALE_QUEUE_TIMEOUT_S", "INFERSCALE_TENANT_MAX_MEMORIES", "INFERSCALE_TENANT_MAX_DISK_BYTES",
-                       "INFERSCALE_TENANT_DRAM_BYTES", "INFERSCALE_TENANT_ENCODE_TOKENS_PER_MINUTE"}
+                       "INFERSCALE_TENANT_DRAM_BYTES", "INFERSCALE_TENANT_ENCODE_TOKENS_PER_MINUTE",
+                       "INFERSCALE_STEP_TIME_S", "INFERSCALE_TORCH_THREADS"}
     assert want["operator"] - set(op_env) == set()
     assert want["server"] - optional_server - set(srv_env) == set()
     for k in ("OTEL_SERVICE_NAME", "OTEL_SDK_DISABLED", "OTEL_RESOURCE_ATTRIBUTES"):
