@@ -97,8 +97,9 @@ ENV INFERSCALE_CACHE_DIR=/opt/inferscale/cache \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_VERBOSITY=error
 
-# torch first, in its own layer: the pinned version has a CPU-only wheel; otherwise PyPI's default Linux build
-# (CUDA), whose version the GPU fleet may need to choose, so the later installs leave torch as it is.
+# torch first, in its own layer: DEVICE=cpu takes the pinned version (on PyPI that is now the CUDA build, which runs on
+# CPU; a CPU-only wheel would need another index); otherwise PyPI's default Linux build, whose version the GPU fleet
+# may need to choose, so the later installs leave torch as it is.
 RUN if [ "$DEVICE" = "cpu" ]; then \
         pip install -c constraints.txt torch; \
     else \
