@@ -3,6 +3,7 @@ seam, so that no part imports the facade (``KVStore`` satisfies it structurally)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -35,6 +36,7 @@ class StoreNode(Protocol):
     transport: NixlTransport | None
     hasher: Executor  # checksum and unseal workers
     counters: dict[str, int]
+    disk_reader: Callable[[int, memoryview], None] | None  # replaces the disk read when set (throttle.py)
 
     def store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         """Write a verified plain image as the item's current version (disk, and DRAM with ``cache``)."""
