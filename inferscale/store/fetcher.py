@@ -102,6 +102,6 @@ class Fetcher:
         """One observation per tier that served blocks: a block's average bytes and seconds."""
         with self._lock:
             for tier in PLANNED_TIERS:
-                n = stats.tiers.get(tier, 0)
-                if n and stats.tier_seconds[tier] > 0:
-                    self.planner.observe_transfer(tier, stats.tier_bytes[tier] // n, stats.tier_seconds[tier] / n)
+                n, seconds = stats.tiers.get(tier, 0), stats.tier_seconds.get(tier, 0.0)
+                if n and seconds > 0:
+                    self.planner.observe_transfer(tier, stats.tier_bytes.get(tier, 0) // n, seconds / n)
