@@ -101,12 +101,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     try:
         # Refused here (503 + Retry-After) when this tenant's queue would outwait the timeout: before retrieval.
         arrival = app.worker.expect(tenant.name)
-        blocks, chosen = [], []
+        blocks, recompute_ids, chosen = [], [], []
         if mode != "none" and owner is not None:
+            # Only kv mode weighs fetching a block against recomputing it (the others need every block's KV or text).
+            rate = app.worker.prompt_token_s if mode == "kv" else None
             try:
-                blocks, chosen = await app.memories.retrieve(tenant.name, owner, query, k, tel.tracer, ctx)
+                planned, chosen = await app.memories.retrieve(tenant.name, owner, query, k, tel.tracer, ctx, rate)
+                blocks, recompute_ids = planned.blocks, planned.recompute_ids
             except NotFoundError:  # no memories yet (every user's first conversation): answer with none
-                blocks, chosen = [], []
+                blocks, recompute_ids, chosen = [], [], []
         effective_mode = mode if owner is not None else "none"
         rec.set_mode(effective_mode)
         sampling = Sampling(max_new_tokens=max_tokens, temperature=req.temperature or 0.0,
@@ -116,7 +119,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         job = EventStream()
         job.request = GenRequest(
             ids=prompt_ids, blocks=blocks, mode=effective_mode, sampling=sampling, emit=job.emit, tenant=tenant.name,
-            tracer=tel.tracer, context=ctx,
+            tracer=tel.tracer, context=ctx, recompute_ids=recompute_ids,
             recompute_ratio=opts.recompute_ratio if opts.recompute_ratio is not None else settings.recompute_ratio)
         blocks = None  # the request holds them until it is done
         arrival.close()  # from here on it counts in the queue itself

@@ -22,6 +22,7 @@ from inferscale.memories import Charge, EngineWorker, Memory, MemoryBook
 from inferscale.retrieval import Embedder, injection_order
 from inferscale.store import ItemInfo, KVStore
 from inferscale.server.auth import Tenant, require_tenant
+from inferscale.store.fetcher import Fetcher, Planned
 from inferscale.store.fleet import Fleet
 from inferscale.server.genai_metrics import ServerMetrics
 from inferscale.server.httperrors import ApiError
@@ -41,6 +42,7 @@ class MemoryService:
         self.book = MemoryBook(store, embedder, worker, engine)
         self.store, self.engine, self.meters = store, engine, meters
         self.fleet = fleet if fleet is not None else Fleet(store)  # the pod's one fleet (server/app.py)
+        self.fetcher = Fetcher(self.fleet)  # fetch or recompute each retrieved block (inferscale/store/fetcher.py)
         self.locks = self.book.locks
 
     @property
@@ -113,10 +115,12 @@ class MemoryService:
         return Removed(removed_blocks=done.blocks, removed_bytes=done.bytes)
 
     async def retrieve(self, tenant: str, user: str, query: str, k: int, tracer: trace.Tracer,
-                       ctx: Any) -> tuple[list[KVBlock], list[str]]:
-        """Top-k of the user's memories for ``query``, fetched from the store (spans: retrieval, kv_fetch).
+                       ctx: Any, prompt_token_s: float | None = None) -> tuple[Planned, list[str]]:
+        """Top-k of the user's memories for ``query``, each fetched from the store or planned for recompute
+        (spans: retrieval, kv_fetch). ``prompt_token_s``: the engine's measured prefill cost (None: fetch all).
 
-        Returns (blocks in injection order: least relevant first, ids best first)."""
+        Returns (the fetched blocks and the memories to recompute, each in injection order: least relevant first;
+        ids best first)."""
         with tracer.start_as_current_span("retrieval", context=ctx, attributes={"inferscale.k": k}) as span:
             # The fleet path (inferscale/store/fleet.py): this pod's store, else this node's Job dir, else a peer's.
             fleet = self.fleet
@@ -125,12 +129,13 @@ class MemoryService:
             chosen = await asyncio.to_thread(self.book.rank, query, ids, matrix, k)
             span.set_attribute("inferscale.retrieved", len(chosen))
         if not chosen:
-            return [], []
+            return Planned([], [], None), []
         with tracer.start_as_current_span("kv_fetch", context=ctx) as span:
-            got = await asyncio.to_thread(fleet.blocks, tenant, user, injection_order(chosen), self.book.fingerprint)
-            blocks, stats = got.blocks, got.stats
+            planned = await asyncio.to_thread(self.fetcher.fetch, tenant, user, injection_order(chosen),
+                                              self.book.fingerprint, prompt_token_s)
+            blocks, stats, got = planned.blocks, planned.stats, planned.fetched
             tiers = {tier: n for tier, n in stats.tiers.items() if n}
-            if got.pulled_blocks:  # leased from a peer over NIXL UCX just now (then served from DRAM)
+            if got is not None and got.pulled_blocks:  # leased from a peer over NIXL UCX just now (then from DRAM)
                 tiers["dram"] = tiers.get("dram", 0) - got.pulled_blocks
                 tiers["peer"] = got.pulled_blocks
                 tiers = {t: c for t, c in tiers.items() if c > 0}
@@ -138,11 +143,13 @@ class MemoryService:
             span.set_attribute("inferscale.kv.tier", ",".join(sorted(tiers)) or "none")
             span.set_attribute("inferscale.kv.bytes", stats.bytes)
             span.set_attribute("inferscale.kv.blocks", len(blocks))
+            span.set_attribute("inferscale.kv.recomputed_blocks", len(planned.recompute))
             for tier, n in tiers.items():
                 span.set_attribute(f"inferscale.kv.blocks.{tier}", n)
+            span.set_attributes(planned.attributes())
             if self.meters is not None:
                 self.meters.kv_fetched(",".join(sorted(tiers)) or "none", stats.bytes)
-        return blocks, chosen
+        return planned, chosen
 
 
 class DiskBudget:

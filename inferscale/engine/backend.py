@@ -39,6 +39,12 @@ class EngineBackend(Protocol):
     def queued(self) -> int:
         """Requests and calls waiting for the engine."""
 
+    @property
+    def prompt_token_s(self) -> float | None:
+        """Seconds per prompt token as this backend measures them (what the fetch planner weighs recomputing a
+        memory by); None before a measurement, or when the backend cannot compute memory tokens behind injected
+        ones (``GenRequest.recompute_ids``): then every retrieved block is fetched."""
+
     def check_chars(self, texts: list[str]) -> None:
         """Refuse a prompt too long in characters (``PromptTooLongError``) before any tokenizer sees it."""
 

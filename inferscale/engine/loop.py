@@ -81,6 +81,9 @@ class GenRequest:
     tracer: Any = None  # an OpenTelemetry tracer (duck-typed: the engine imports no OTel)
     context: Any = None  # the request span's context
     keep_first_logits: bool = False  # keep the first token's logits in ``first_logits`` (benchmarks compare them)
+    # kv mode: memory tokens computed in the prompt pass, after the injected blocks and before ``ids`` (the memories
+    # the fetch planner chose to recompute rather than fetch: their text-mode tokens, inferscale/store/fetcher.py)
+    recompute_ids: list[int] = field(default_factory=list)
     # loop state
     sched: ScheduledRequest | None = None
     slot: int = -1
@@ -100,6 +103,11 @@ class GenRequest:
     ended: bool = False  # its DoneEvent or ErrorEvent was emitted: nothing more is
 
     cancelled: bool = False  # set by cancel(); a backend without a ScheduledRequest polls it
+
+    @property
+    def memory_tokens(self) -> int:
+        """Memory tokens in the prompt: injected and recomputed."""
+        return sum(b.num_tokens for b in self.blocks) + len(self.recompute_ids)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -128,10 +136,12 @@ class ServingLoop:
         blocks = [] if req.mode == "none" else req.blocks
         for b in blocks:
             eng.check_block(b)
+        if req.recompute_ids and req.mode != "kv":
+            raise InvalidInputError(f"memory tokens to recompute need mode 'kv', not {req.mode!r}", param="mode")
         req.blocks = blocks
         req.stops = req.sampling.stops(eng.template.default_stop)
         p, memory = len(eng.prefix_ids), sum(b.num_tokens for b in blocks)
-        total = p + memory + len(req.ids)
+        total = p + memory + len(req.recompute_ids) + len(req.ids)
         limit = eng.loaded.layout.max_positions
         if total + req.sampling.max_new_tokens > limit:
             raise PromptTooLongError(f"prompt of {total} tokens + {req.sampling.max_new_tokens} to generate exceeds "
@@ -220,11 +230,11 @@ class ServingLoop:
         elif req.blocks:  # straight into the slot, each layer group windowed: flat in k
             req.length = self.slots.write_groups(req.slot, injected_groups(eng.prefix_kv, req.blocks,
                                                                            eng.loaded.layout))
-            req.pending = list(req.ids)
+            req.pending = list(req.recompute_ids) + list(req.ids)  # computed behind the injected blocks, chunked
             return
         else:
             kv = eng.prefix_kv
-            req.pending = list(req.ids)
+            req.pending = list(req.recompute_ids) + list(req.ids)
         self.slots.write(req.slot, kv)
         req.length = kv.shape[3]
 
@@ -244,7 +254,8 @@ class ServingLoop:
         else:
             self.scheduler.computed(req.sched, 0)
         req.span.set_attribute("inferscale.prompt_tokens", req.sched.prompt_tokens)
-        req.span.set_attribute("inferscale.memory_tokens", sum(b.num_tokens for b in req.blocks))
+        req.span.set_attribute("inferscale.memory_tokens", req.memory_tokens)
+        req.span.set_attribute("inferscale.recomputed_tokens", len(req.recompute_ids))
         req.span.set_attribute("inferscale.query_tokens", len(req.ids))
         req.span.end()
         req.span = request_span(req, "decode")
@@ -346,8 +357,7 @@ class ServingLoop:
                 req.emit(TokenEvent(None, text[req.sent:], time.perf_counter()))
         self._end_span(req)  # before the client hears of it: its trace is complete when the answer is
         req.ended = True
-        req.emit(DoneEvent(reason, req.sched.prompt_tokens, sum(b.num_tokens for b in req.blocks), len(req.output),
-                           req.first_token))
+        req.emit(DoneEvent(reason, req.sched.prompt_tokens, req.memory_tokens, len(req.output), req.first_token))
         self._free(req)
 
     def _fail(self, req: GenRequest, e: BaseException) -> None:

@@ -85,6 +85,10 @@ class EngineWorker:
         return self.loop.queued + len(self._calls)
 
     @property
+    def prompt_token_s(self) -> float | None:
+        return self.loop.scheduler.cost.prompt_token_s  # the loop's own measurement (stepcost.py)
+
+    @property
     def rounds(self) -> int:
         return self.loop.steps
 

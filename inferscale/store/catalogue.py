@@ -1,5 +1,6 @@
-"""The node's catalogue: one SQLite file listing every item, its size, checksum, pin and corrupt flags, its current generation (with the row's MAC, in a sealed store) and its retrieval
-embedding (sealed, in a sealed store: inferscale/store/versions.py).
+"""The node's catalogue: one SQLite file listing every item, its size, checksum, pin and corrupt flags, its current generation (with the row's MAC, in a sealed store), its retrieval
+embedding and its memory record (text and token ids, what a recompute needs without the blob; both sealed in a
+sealed store: inferscale/store/versions.py).
 
 Disk is the source of truth: the catalogue is rebuilt from the blobs when missing or unreadable. Residency in
 DRAM/GPU is the tiers' own (volatile) state: the columns ``dram``, ``gpu`` and ``last_access`` of older releases are
@@ -24,7 +25,7 @@ CREATE TABLE IF NOT EXISTS items (
   sha256 TEXT NOT NULL, dram INTEGER NOT NULL DEFAULT 0, gpu INTEGER NOT NULL DEFAULT 0,
   last_access REAL NOT NULL DEFAULT 0, pinned INTEGER NOT NULL DEFAULT 0, corrupt INTEGER NOT NULL DEFAULT 0,
   embedding BLOB, created REAL NOT NULL, context TEXT NOT NULL DEFAULT '',
-  generation INTEGER NOT NULL DEFAULT 0, row_mac TEXT NOT NULL DEFAULT '',
+  generation INTEGER NOT NULL DEFAULT 0, row_mac TEXT NOT NULL DEFAULT '', memory BLOB,
   PRIMARY KEY (tenant, user, fingerprint, item)
 );
 CREATE INDEX IF NOT EXISTS items_tenant_user ON items (tenant, user);
@@ -102,7 +103,8 @@ class Catalogue:
         have = {r[1] for r in db.execute("PRAGMA table_info(items)")}
         for column, ddl in (("context", "context TEXT NOT NULL DEFAULT ''"),
                             ("generation", "generation INTEGER NOT NULL DEFAULT 0"),
-                            ("row_mac", "row_mac TEXT NOT NULL DEFAULT ''")):
+                            ("row_mac", "row_mac TEXT NOT NULL DEFAULT ''"),
+                            ("memory", "memory BLOB")):
             if column not in have:
                 # A catalogue from before the column: add it, then rebuild so every row gets its value.
                 db.execute(f"ALTER TABLE items ADD COLUMN {ddl}")
@@ -117,34 +119,46 @@ class Catalogue:
             self._db.close()
 
     # -- writes ---------------------------------------------------------------------------------------------
-    def upsert(self, info: ItemInfo, embedding: bytes | None) -> None:
+    def upsert(self, info: ItemInfo, embedding: bytes | None, memory: bytes | None = None) -> None:
         """Insert or replace an item (a re-put clears its corrupt flag and keeps its pin and its place: ``created``
-        orders a user's memories, which is the order they are encoded behind each other)."""
+        orders a user's memories, which is the order they are encoded behind each other). ``memory``: the item's
+        memory record as stored (inferscale/store/memrecord.py; sealed in a sealed store)."""
         emb = embedding
         with self._lock, self._db:
             self._db.execute(
                 "INSERT INTO items (tenant, user, fingerprint, item, path, size, kv_bytes, tokens, sha256, dram, gpu,"
-                " last_access, pinned, corrupt, embedding, created, context, generation, row_mac)"
-                " VALUES (?,?,?,?,?,?,?,?,?,0,0,?,0,0,?,?,?,?,?)"
+                " last_access, pinned, corrupt, embedding, created, context, generation, row_mac, memory)"
+                " VALUES (?,?,?,?,?,?,?,?,?,0,0,?,0,0,?,?,?,?,?,?)"
                 " ON CONFLICT (tenant, user, fingerprint, item) DO UPDATE SET path=excluded.path, size=excluded.size,"
                 " kv_bytes=excluded.kv_bytes, tokens=excluded.tokens, sha256=excluded.sha256, dram=0, gpu=0,"
                 " corrupt=0, embedding=excluded.embedding, context=excluded.context,"
-                " generation=excluded.generation, row_mac=excluded.row_mac",
+                " generation=excluded.generation, row_mac=excluded.row_mac, memory=excluded.memory",
                 (*info.key, info.path, info.size, info.kv_bytes, info.tokens, info.sha256, info.last_access, emb,
-                 info.created, CONTEXT_SEP.join(info.context), info.generation, info.row_mac),
+                 info.created, CONTEXT_SEP.join(info.context), info.generation, info.row_mac, memory),
             )
 
-    def reseal(self, rows: list[tuple[tuple[str, str, str, str], str, bytes | None]]) -> None:
-        """Replace the row MAC and (sealed) embedding of each (key, row_mac, embedding): a key rotation."""
+    def reseal(self, rows: list[tuple[tuple[str, str, str, str], str, bytes | None, bytes | None]]) -> None:
+        """Replace the row MAC, (sealed) embedding and (sealed) memory record of each (key, row_mac, embedding,
+        memory): a key rotation."""
         with self._lock, self._db:
             self._db.executemany(
-                "UPDATE items SET row_mac=?, embedding=? WHERE tenant=? AND user=? AND fingerprint=? AND item=?",
-                [(mac, emb, *key) for key, mac, emb in rows])
+                "UPDATE items SET row_mac=?, embedding=?, memory=? WHERE tenant=? AND user=? AND fingerprint=?"
+                " AND item=?", [(mac, emb, mem, *key) for key, mac, emb, mem in rows])
 
-    def sealed_embeddings(self) -> list[tuple[tuple[str, str, str, str], int, bytes | None]]:
-        """(key, generation, embedding) of every row: what a key rotation re-seals."""
-        return [(tuple(r[:4]), r[4], r[5]) for r in self._query(
-            "SELECT tenant, user, fingerprint, item, generation, embedding FROM items")]
+    def sealed_fields(self) -> list[tuple[tuple[str, str, str, str], int, bytes | None, bytes | None]]:
+        """(key, generation, embedding, memory record) of every row: what a key rotation re-seals."""
+        return [(tuple(r[:4]), r[4], r[5], r[6]) for r in self._query(
+            "SELECT tenant, user, fingerprint, item, generation, embedding, memory FROM items")]
+
+    def memories(self, tenant: str, user: str, fingerprint: str, item_ids: list[str]
+                 ) -> list[tuple[str, bytes, int]]:
+        """(item, memory record as stored, generation) of those of ``item_ids`` that have one and are not corrupt."""
+        if not item_ids:
+            return []
+        return self._query(
+            "SELECT item, memory, generation FROM items WHERE tenant=? AND user=? AND fingerprint=? AND memory IS NOT"
+            f" NULL AND corrupt=0 AND item IN ({','.join('?' * len(item_ids))})",
+            (tenant, user, fingerprint, *item_ids))
 
     def set_order(self, tenant: str, user: str, fingerprint: str, item_ids: list[str], start: float) -> None:
         """Make ``item_ids`` the user's list order from ``start`` on (``created`` = start, start + 1 us, ...)."""

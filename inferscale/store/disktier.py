@@ -21,7 +21,17 @@ from inferscale.store.blob import BlobInfo, open_image, rewrap_blobs
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.kvformat import fsync_dir
 from inferscale.store.layout import FP_DIR_LEN, commit_staged, scan_blobs, stage, write_recorded
-from inferscale.store.versions import CatalogueSeal, Key
+from inferscale.store.memrecord import MemoryRecord, parse_record, record_bytes
+from inferscale.store.versions import FIELDS, CatalogueSeal, Key
+
+# A row's sealed fields as the catalogue stores them (versions.FIELDS): "embedding" and "memory", None when absent.
+Fields = dict[str, bytes | None]
+
+
+def row_fields(info: BlobInfo, image: memoryview) -> Fields:
+    """The plain fields of a blob's catalogue row: its retrieval embedding and its memory record."""
+    emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
+    return {"embedding": emb, "memory": record_bytes(info)}
 
 log = logging.getLogger(__name__)
 
@@ -66,24 +76,39 @@ class DiskTier:
 
         return torch.stack([torch.frombuffer(bytearray(plain(*r)), dtype=torch.float32) for r in rows])
 
+    def memory_records(self, tenant: str, user: str, fingerprint: str, item_ids: list[str]
+                       ) -> dict[str, MemoryRecord]:
+        """item -> memory record of those of ``item_ids`` whose record opens; one that fails authentication is
+        left out (logged): its blob, fetched instead, is checked on its own."""
+        out: dict[str, MemoryRecord] = {}
+        for item, stored, gen in self.catalogue.memories(tenant, user, fingerprint, item_ids):
+            try:
+                plain = stored if self.seal is None else self.seal.open_field(
+                    "memory", (tenant, user, fingerprint, item), gen, stored)
+                out[item] = parse_record(item, plain)
+            except BlobCorruptError as e:  # BlobAuthError included
+                log.warning("%s/%s: %s", tenant, user, e)
+        return out
+
     # -- writes -----------------------------------------------------------------------------------------------
-    def write(self, item: ItemInfo, image: memoryview, embedding: bytes | None, on_record: Callable[[], None]
+    def write(self, item: ItemInfo, image: memoryview, fields: Fields, on_record: Callable[[], None]
               ) -> ItemInfo:
-        """Write ``image`` as the item's new current version (sealed under the next generation) and record it,
-        atomically with ``on_record`` (run under the write lock with the catalogue change)."""
-        on_disk, embedding = self._prepare(item, image, embedding)
+        """Write ``image`` as the item's new current version (sealed under the next generation) and record it
+        with its row ``fields``, atomically with ``on_record`` (run under the write lock with the catalogue
+        change)."""
+        on_disk, fields = self._prepare(item, image, fields)
         # File and catalogue change together: a reader never sees a new file with an old catalogue entry for
         # longer than this section, and two writers of one key cannot leave them disagreeing.
         with self.lock:
-            write_recorded(Path(item.path), on_disk, self._recorder(item, embedding, on_record))
+            write_recorded(Path(item.path), on_disk, self._recorder(item, fields, on_record))
         return item
 
-    def write_many(self, writes: list[tuple[ItemInfo, memoryview, bytes | None]],
+    def write_many(self, writes: list[tuple[ItemInfo, memoryview, Fields]],
                    on_record: Callable[[Key], None], pool: Executor) -> None:
         """``write`` for a batch (a peer pull): the files are staged and fsynced in parallel on ``pool``, then each
         is renamed and recorded in turn, and each directory fsynced once. A failure leaves the items before it
         written and the rest untouched (StorageError)."""
-        prepared = [(item, *self._prepare(item, image, emb)) for item, image, emb in writes]
+        prepared = [(item, *self._prepare(item, image, fields)) for item, image, fields in writes]
         futures = [pool.submit(stage, Path(item.path), on_disk) for item, on_disk, _ in prepared]
         staged: list[Path | None] = []
         failure: BaseException | None = None
@@ -109,26 +134,28 @@ class DiskTier:
             for d in {Path(item.path).parent for item, _, _ in prepared[:done]}:
                 fsync_dir(d)
 
-    def _prepare(self, item: ItemInfo, image: memoryview, embedding: bytes | None
-                 ) -> tuple[bytes | memoryview, bytes | None]:
-        """(the bytes to write, the embedding as the catalogue stores it); fills the item's generation and MAC.
+    def _prepare(self, item: ItemInfo, image: memoryview, fields: Fields) -> tuple[bytes | memoryview, Fields]:
+        """(the bytes to write, the row fields as the catalogue stores them); fills the item's generation and MAC.
         Sealed outside the write lock: row and blob name the same generation either way."""
         key = item.key
         make_private_dirs(self.root, Path(item.path).parent)
         if self.seal is None:
-            return image, embedding
+            return image, fields
         prev = self.catalogue.items(*key[:3], [key[3]])
         item.generation = self.seal.next_generation(prev[0].generation if prev else 0)
         item.row_mac = self.seal.row_mac(key, item.generation, item.sha256, item.size)
-        if embedding is not None:
-            embedding = self.seal.seal_embedding(key, item.generation, embedding)
-        return sealing.seal(image, self.keyring, sealing.Binding(*key[:2], key[3], key[2], item.generation)), embedding
+        return (sealing.seal(image, self.keyring, sealing.Binding(*key[:2], key[3], key[2], item.generation)),
+                self._seal_fields(key, item.generation, fields))
 
-    def _recorder(self, item: ItemInfo, embedding: bytes | None, on_record: Callable[[], None]
-                  ) -> Callable[[], None]:
+    def _seal_fields(self, key: Key, generation: int, fields: Fields) -> Fields:
+        assert self.seal is not None
+        return {name: None if fields.get(name) is None else self.seal.seal_field(name, key, generation, fields[name])
+                for name in FIELDS}
+
+    def _recorder(self, item: ItemInfo, fields: Fields, on_record: Callable[[], None]) -> Callable[[], None]:
         def record() -> None:
             on_record()
-            self.catalogue.upsert(item, embedding)
+            self.catalogue.upsert(item, fields.get("embedding"), fields.get("memory"))
 
         return record
 
@@ -154,21 +181,22 @@ class DiskTier:
                 continue
             item = item_info(tenant, user, info, path, os.stat(path).st_mtime)
             try:
-                emb = self._rebuilt_row(item, data, image, info)
+                fields = self._rebuilt_row(item, data, image, info)
             except BlobAuthError as e:
                 log.warning("rebuild: skipping %s", e)
                 continue
-            self.catalogue.upsert(item, emb)
+            self.catalogue.upsert(item, fields["embedding"], fields["memory"])
             n += 1
         log.info("catalogue rebuilt from %s: %d items", self.root, n)
         return n
 
-    def _rebuilt_row(self, item: ItemInfo, data: bytes, image: memoryview, info: BlobInfo) -> bytes | None:
-        """Fill ``item``'s generation and MAC from its blob; its embedding as the catalogue stores it. BlobAuthError
-        when the catalogue already names a later generation of the item (that row, authenticated, stays)."""
-        emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
+    def _rebuilt_row(self, item: ItemInfo, data: bytes, image: memoryview, info: BlobInfo) -> Fields:
+        """Fill ``item``'s generation and MAC from its blob; its row fields as the catalogue stores them.
+        BlobAuthError when the catalogue already names a later generation of the item (that row, authenticated,
+        stays)."""
+        fields = row_fields(info, image)
         if self.seal is None:
-            return emb
+            return fields
         gen = sealing.parse_sealed(data, source=item.path).generation or 0
         for row in self.catalogue.items(*item.key[:3], [item.key[3]]):
             if self.row_ok(row) and row.generation > gen:
@@ -176,7 +204,7 @@ class DiskTier:
                                     f"{row.generation} (an older version restored?)")
         item.generation = gen
         item.row_mac = self.seal.row_mac(item.key, gen, item.sha256, item.size)
-        return None if emb is None else self.seal.seal_embedding(item.key, gen, emb)
+        return self._seal_fields(item.key, gen, fields)
 
     def rotate_keys(self) -> int:
         """Re-wrap every sealed blob's data key under the keyring's current KEK line (the ciphertext is copied,
@@ -188,13 +216,15 @@ class DiskTier:
         with self.lock:
             rows = {r.key: r for r in self.catalogue.all_items()}
             resealed = []
-            for key, gen, emb in self.catalogue.sealed_embeddings():
+            for key, gen, emb, mem in self.catalogue.sealed_fields():
                 row = rows[key]
                 if not self.row_ok(row):
                     continue  # not ours: left to fail its next load
-                plain = None if emb is None else self.seal.open_embedding(key, gen, emb)
-                resealed.append((key, self.seal.row_mac(key, gen, row.sha256, row.size),
-                                 None if plain is None else self.seal.seal_embedding(key, gen, plain)))
+                stored = {"embedding": emb, "memory": mem}
+                plain = {n: None if v is None else self.seal.open_field(n, key, gen, v) for n, v in stored.items()}
+                fields = self._seal_fields(key, gen, plain)
+                resealed.append((key, self.seal.row_mac(key, gen, row.sha256, row.size), fields["embedding"],
+                                 fields["memory"]))
             self.catalogue.reseal(resealed)
         return n
 

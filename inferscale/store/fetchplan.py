@@ -79,6 +79,8 @@ class LinearCost:
         moving = sy - w * self._prior_fixed
         if sx > 0 and moving > 0:
             self.rate, self.fixed_s = sx / moving, self._prior_fixed
+        elif sx > 0 and sy > 0:  # faster than the prior fixed cost alone: there is no such fixed cost
+            self.rate, self.fixed_s = sx / sy, 0.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,11 @@ class FetchPlanner:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self.prefill.observe(tokens, seconds)
+
+    def use_prefill_rate(self, seconds_per_token: float) -> None:
+        """Take the prefill cost from a measurement kept elsewhere (the serving loop's ``StepCost``, one estimate
+        of one quantity): marginal seconds per token, no fixed cost (the pass runs for the question anyway)."""
+        self.prefill = LinearCost(rate=1.0 / seconds_per_token)
 
     def fetch_cost(self, block: PlanBlock) -> float:
         return 0.0 if block.tier == DEVICE_TIER else self._tier(block.tier).predict(block.bytes)

@@ -3,6 +3,7 @@ seam, so that no part imports the facade (``KVStore`` satisfies it structurally)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -16,6 +17,7 @@ if TYPE_CHECKING:  # types only; none of these modules imports this one
     from inferscale.store.blob import BlobInfo
     from inferscale.store.catalogue import Catalogue, ItemInfo
     from inferscale.store.disktier import DiskTier
+    from inferscale.store.memrecord import MemoryRecord
     from inferscale.store.nixl_transport import NixlTransport
     from inferscale.store.results import FetchStats, PullResult
     from inferscale.store.tiers import DramEntry, DramTier, Key
@@ -35,6 +37,7 @@ class StoreNode(Protocol):
     transport: NixlTransport | None
     hasher: Executor  # checksum and unseal workers
     counters: dict[str, int]
+    disk_reader: Callable[[int, memoryview], None] | None  # replaces the disk read when set (throttle.py)
 
     def store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         """Write a verified plain image as the item's current version (disk, and DRAM with ``cache``)."""
@@ -76,3 +79,9 @@ class FleetStore(StoreNode, Protocol):
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
                        fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
         """Copy a user's blocks from a peer node into this node's tiers."""
+
+    def locate(self, tenant: str, user: str, item_ids: list[str], fingerprint: str) -> dict[str, ItemInfo]:
+        """item -> catalogue row with its tiers now, of those of ``item_ids`` stored here: what the planner weighs."""
+
+    def memory_records(self, tenant: str, user: str, item_ids: list[str], fingerprint: str) -> dict[str, MemoryRecord]:
+        """item -> memory record (text, token ids) of those of ``item_ids`` stored here, no blob read."""

@@ -20,6 +20,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,8 +35,9 @@ from inferscale.store.blob import BlobInfo, block_from_image, parse_header, remo
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
-from inferscale.store.disktier import DiskTier, item_info
+from inferscale.store.disktier import DiskTier, Fields, item_info, row_fields
 from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path
+from inferscale.store.memrecord import MemoryRecord
 from inferscale.store.results import FetchStats, PullResult
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
@@ -113,6 +115,9 @@ class KVStore:
         self.hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
         self.counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
+        # Reads a blob file into an arena slot instead of NIXL POSIX / pread: a hook for tests and benchmarks that
+        # slow the disk for real (inferscale/store/throttle.py). None: the normal path.
+        self.disk_reader: Callable[[int, memoryview], None] | None = None
         self.peer_service = None
         if peer_port is not None:
             from inferscale.store.serving import PeerService
@@ -179,9 +184,14 @@ class KVStore:
                     out[k] = b
                     stats.served[k[3]] = "gpu"
         rest = [r for r in rows if r.key not in out]
+        t1 = time.perf_counter()
         entries, loaded, _ = self.ensure_dram(tenant, rest, protect)
         from_disk = {e.key for e in loaded}
+        # Per tier, what bringing its blocks cost (the fetch planner learns each tier's cost from it): the batched
+        # disk load is the disk's; each block's view (and device copy) is its source tier's.
+        stats.tier_seconds["disk" if loaded else "dram"] += time.perf_counter() - t1
         for r in rest:
+            t2 = time.perf_counter()
             e = entries[r.key]
             b = block_from_image(self.dram.lease_view(e), e.info)
             if copy:
@@ -190,7 +200,9 @@ class KVStore:
             if self.gpu is not None:
                 b, _ = self.gpu.put(r.key, b, protect, cache=not e.dead)
             out[r.key] = b
-            stats.served[r.item_id] = "disk" if r.key in from_disk else "dram"
+            tier = stats.served[r.item_id] = "disk" if r.key in from_disk else "dram"
+            stats.tier_bytes[tier] += e.size
+            stats.tier_seconds[tier] += time.perf_counter() - t2
             if r.key in from_disk:
                 stats.bytes_read += e.size
         by_item = {k[3]: out[k] for k in keys}
@@ -222,6 +234,22 @@ class KVStore:
         rows = self.catalogue.items(tenant, user)
         if not rows:
             raise NotFoundError(f"user {user!r} of tenant {tenant!r} has no memories on this node")
+        return self._residency(rows)
+
+    def locate(self, tenant: str, user: str, item_ids: list[str], fingerprint: str) -> dict[str, ItemInfo]:
+        """item -> catalogue row (``tiers``: where it is now, fastest first) of those of ``item_ids`` stored here
+        and not corrupt: what the fetch planner decides on. Reads nothing from disk and promotes nothing."""
+        check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
+        rows = self.catalogue.items(tenant, user, fingerprint, [check_name("item", i) for i in set(item_ids)])
+        return {r.item_id: r for r in self._residency([r for r in rows if not r.corrupt])}
+
+    def memory_records(self, tenant: str, user: str, item_ids: list[str], fingerprint: str) -> dict[str, MemoryRecord]:
+        """item -> memory record (text, token ids) of those of ``item_ids`` stored here, from the catalogue (opened
+        when sealed), no blob read: what recomputing a memory needs."""
+        check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
+        return self.disk.memory_records(tenant, user, fingerprint, [check_name("item", i) for i in set(item_ids)])
+
+    def _residency(self, rows: list[ItemInfo]) -> list[ItemInfo]:
         for r in rows:  # residency from the tiers themselves, never stale
             r.tiers = ([*(["gpu"] if self.gpu is not None and self.gpu.resident(r.key) else []),
                         *(["dram"] if self.dram.resident(r.key) else []), "disk"])
@@ -306,8 +334,8 @@ class KVStore:
         check_name("item", info.item_id)
         check_fingerprint(info.fingerprint)
         key = (tenant, user, info.fingerprint, info.item_id)
-        item, emb = self._row(tenant, user, image, info)
-        self.disk.write(item, image, emb, lambda: self._invalidate(key))
+        item, fields = self._row(tenant, user, image, info)
+        self.disk.write(item, image, fields, lambda: self._invalidate(key))
         with self._write_lock:
             gen = self.dram.generation(key)
         if cache:
@@ -345,16 +373,16 @@ class KVStore:
         for image, info in images:
             check_name("item", info.item_id)
             check_fingerprint(info.fingerprint)
-            item, emb = self._row(tenant, user, image, info)
-            writes.append((item, image, emb))
+            item, fields = self._row(tenant, user, image, info)
+            writes.append((item, image, fields))
         self.disk.write_many(writes, self._invalidate, self.hasher)
         return [w[0] for w in writes]
 
-    def _row(self, tenant: str, user: str, image: memoryview, info: BlobInfo) -> tuple[ItemInfo, bytes | None]:
-        """The catalogue row of a new version (its generation still to fill) and its plain embedding."""
-        emb = None if info.emb_range is None else bytes(image[info.emb_range[0] : info.emb_range[1]])
+    def _row(self, tenant: str, user: str, image: memoryview, info: BlobInfo) -> tuple[ItemInfo, Fields]:
+        """The catalogue row of a new version (its generation still to fill) and its plain fields (embedding,
+        memory record)."""
         key = (tenant, user, info.fingerprint, info.item_id)
-        return item_info(tenant, user, info, item_path(self.root, *key), time.time()), emb
+        return item_info(tenant, user, info, item_path(self.root, *key), time.time()), row_fields(info, image)
 
     def _invalidate(self, key: Key) -> None:  # with the catalogue change of a put, under the write lock
         self.dram.invalidate(key)  # cached copies are stale from here on; loads in flight are fenced off

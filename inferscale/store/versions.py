@@ -5,7 +5,8 @@ Every put seals its blob with a fresh per-item generation in the blob's associat
 key derived from the KEK (HKDF-SHA256, its own info label): an older sealed version of the same item restored on
 disk no longer opens for the row (another generation), and a row edited to point at it (its sha256, size or
 generation) no longer verifies. The row's retrieval embedding is sealed too (AES-GCM under another derived key,
-bound to the row's key and generation), so the catalogue is no equality oracle for a guessed memory text.
+bound to the row's key and generation), so the catalogue is no equality oracle for a guessed memory text; so is
+its memory record (the text and token ids a recompute needs, inferscale/store/memrecord.py), under a key of its own.
 
 Format of both (docs/interfaces.md, "Catalogue"): ``row_mac`` = ``<kid>:<hex HMAC-SHA256>`` over the JSON list
 ``[tenant, user, fingerprint, item, generation, sha256, size]``; a sealed embedding = ``kid length (1) | kid |
@@ -32,6 +33,9 @@ from inferscale.sealing import KEY_BYTES, NONCE_BYTES, Keyring
 
 ROWS_INFO = b"inferscale-catalogue-rows/v1"
 EMBEDDING_INFO = b"inferscale-catalogue-embedding/v1"
+MEMORY_INFO = b"inferscale-catalogue-memory/v1"
+# A row's sealed fields: (HKDF info of its key, the first element of its AAD).
+FIELDS = {"embedding": (EMBEDDING_INFO, "inferscale-embedding"), "memory": (MEMORY_INFO, "inferscale-memory")}
 
 Key = tuple[str, str, str, str]  # tenant, user, fingerprint, item
 
@@ -75,24 +79,33 @@ class CatalogueSeal:
             return False
         return hmac.compare_digest(got.encode(), self._row_mac(kid, key, generation, sha256, size).encode())
 
-    # -- embeddings -----------------------------------------------------------------------------------------
-    @staticmethod
-    def _aad(key: Key, generation: int) -> bytes:
-        return json.dumps(["inferscale-embedding", *key, generation], separators=(",", ":")).encode()
-
-    def seal_embedding(self, key: Key, generation: int, plain: bytes) -> bytes:
+    # -- sealed fields: the retrieval embedding and the memory record of a row --------------------------------
+    def seal_field(self, name: str, key: Key, generation: int, plain: bytes) -> bytes:
+        """``plain`` sealed as the row's field ``name`` (one of ``FIELDS``), bound to the row's key and generation."""
+        info, label = FIELDS[name]
         kid = self.keyring.current
         nonce = os.urandom(NONCE_BYTES)
-        ct = AESGCM(self._key(kid, EMBEDDING_INFO)).encrypt(nonce, plain, self._aad(key, generation))
+        ct = AESGCM(self._key(kid, info)).encrypt(nonce, plain, _aad(label, key, generation))
         return bytes([len(kid)]) + kid.encode() + nonce + ct
 
-    def open_embedding(self, key: Key, generation: int, sealed: bytes) -> bytes:
+    def open_field(self, name: str, key: Key, generation: int, sealed: bytes) -> bytes:
+        info, label = FIELDS[name]
         n = sealed[0] if sealed else 0
         kid = sealed[1 : 1 + n].decode(errors="replace")
         nonce, ct = sealed[1 + n : 1 + n + NONCE_BYTES], sealed[1 + n + NONCE_BYTES :]
         if kid not in self.keyring.keys:
-            raise BlobAuthError(f"embedding of item {key[3]!r}: sealed under key {kid!r}, not in the KEK file")
+            raise BlobAuthError(f"{name} of item {key[3]!r}: sealed under key {kid!r}, not in the KEK file")
         try:
-            return AESGCM(self._key(kid, EMBEDDING_INFO)).decrypt(nonce, ct, self._aad(key, generation))
+            return AESGCM(self._key(kid, info)).decrypt(nonce, ct, _aad(label, key, generation))
         except (InvalidTag, ValueError):
-            raise BlobAuthError(f"embedding of item {key[3]!r} fails authentication (tampered or moved)") from None
+            raise BlobAuthError(f"{name} of item {key[3]!r} fails authentication (tampered or moved)") from None
+
+    def seal_embedding(self, key: Key, generation: int, plain: bytes) -> bytes:
+        return self.seal_field("embedding", key, generation, plain)
+
+    def open_embedding(self, key: Key, generation: int, sealed: bytes) -> bytes:
+        return self.open_field("embedding", key, generation, sealed)
+
+
+def _aad(label: str, key: Key, generation: int) -> bytes:
+    return json.dumps([label, *key, generation], separators=(",", ":")).encode()

@@ -106,6 +106,10 @@ class TrtllmBackend:
         return sum(self._tenants.values())
 
     @property
+    def prompt_token_s(self) -> float | None:
+        return None  # its connector fills whole memories from KV: nothing is recomputed, every block is fetched
+
+    @property
     def queued(self) -> int:
         return self._calls  # TensorRT-LLM queues its requests itself; what waits here is memory encoding
 

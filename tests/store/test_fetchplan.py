@@ -46,6 +46,14 @@ def test_linear_cost_with_one_size_keeps_the_prior_fixed_cost():
     assert c.rate == pytest.approx(3 * GB, rel=1e-6) and c.fixed_s == 50e-6
 
 
+def test_a_transfer_faster_than_the_prior_fixed_cost_is_learned():
+    """A recovered tier whose first fast read takes less than the prior fixed cost: the fit drops that fixed cost
+    instead of ignoring the observation (which would keep the tier slow forever)."""
+    c = LinearCost(rate=1e3, fixed_s=100e-6)  # learned slow: 1 kB/s
+    c.observe(4096, 40e-6)
+    assert c.predict(4096) == pytest.approx(40e-6) and c.fixed_s == 0.0
+
+
 def test_disk_throttled_below_break_even_recomputes_and_fast_again_fetches():
     p = planner()
     transfers(p, "disk", 25.0, 50e-6)
