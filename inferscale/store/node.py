@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # types only; none of these modules imports this one
     from inferscale.store.catalogue import Catalogue, ItemInfo
     from inferscale.store.disktier import DiskTier
     from inferscale.store.nixl_transport import NixlTransport
+    from inferscale.store.peer_pool import PeerSessions
     from inferscale.store.results import FetchStats, PullResult
     from inferscale.store.tiers import DramEntry, DramTier, Key
 
@@ -33,6 +34,7 @@ class StoreNode(Protocol):
     catalogue: Catalogue
     disk: DiskTier
     transport: NixlTransport | None
+    peer_sessions: PeerSessions  # this node's pulls: sessions kept open between them
     hasher: Executor  # checksum and unseal workers
     counters: dict[str, int]
 

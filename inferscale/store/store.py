@@ -36,6 +36,7 @@ from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
 from inferscale.store.disktier import DiskTier, item_info
 from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path
+from inferscale.store.peer_pool import PeerSessions
 from inferscale.store.results import FetchStats, PullResult
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
@@ -113,6 +114,7 @@ class KVStore:
         self.hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
         self.counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
+        self.peer_sessions = PeerSessions()  # this node's pulls: sessions kept open between them
         self.peer_service = None
         if peer_port is not None:
             from inferscale.store.serving import PeerService
@@ -129,6 +131,7 @@ class KVStore:
     def close(self) -> None:
         if self.peer_service is not None:
             self.peer_service.close()
+        self.peer_sessions.close()
         self.hasher.shutdown(wait=True)
         if self.transport is not None:
             self.transport.close()
