@@ -28,9 +28,9 @@ from inferscale import sealing
 from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError,
 )
-from inferscale.kvformat import KVBlock, encode_blob
+from inferscale.kvformat import KVBlock, block_from_image, encode_blob
 from inferscale.store.arena import Arena
-from inferscale.store.blob import BlobInfo, block_from_image, parse_header, remove_orphan_temps
+from inferscale.store.blob import BlobInfo, parse_header, remove_orphan_temps
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
