@@ -3,10 +3,11 @@
 Rows (medians over repeats, same bytes, same run):
   disk  NIXL POSIX, one request for all blobs       vs  Python open().readinto per file
   peer  the owner's NIXL UCX WRITE into this         vs  the same bytes over a plain TCP socket between the same
-        process's exposed slots, in a kept session      two processes (connect, request, sendall from the owner's
-        (incl. the locate and write round trips)        arena, recv_into a preallocated huge-page buffer, the
-                                                        same kind of memory as the arena); the two alternate
-                                                        repeat by repeat, so both see the same machine load
+        process's exposed slots, in a kept session      two processes: one kept connection (as the session is),
+        (incl. the locate and write round trips)        a request, sendall of each image from the owner's arena,
+                                                        recv_into a preallocated huge-page buffer (the kind of
+                                                        memory the arena is); the two alternate repeat by
+                                                        repeat, so both see the same machine load
   dram  KVStore.get_many, all blocks DRAM-resident  vs  torch.Tensor.copy_ of the same bytes (warm destination)
         (zero-copy views of the arena; ``dram-copy`` is the copy=True variant, against fresh-memory copies)
 Plus end-to-end store rows (checksums verified; pulls also written to disk) against the plain way doing the
@@ -141,17 +142,25 @@ def _peer_main(root: str, budget: int, secret: str, conn) -> None:
                 return
             with c:
                 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                (n,) = struct.unpack(">I", c.recv(4))
-                want = json.loads(c.recv(n))
-                # The same bytes NIXL reads: each blob image straight from the DRAM arena, no extra copy.
-                entries = [store.dram.acquire((want["tenant"], want["user"], FINGERPRINT, i)) for i in want["items"]]
-                try:
-                    c.sendall(struct.pack(">Q", sum(e.size for e in entries)))
-                    for e in entries:
-                        c.sendall(store.arena.view(e.offset, e.size))
-                finally:
-                    for e in entries:
-                        store.dram.release(e)
+                while _serve_one(c):  # keep-alive: requests until the client closes
+                    pass
+
+    def _serve_one(c: socket.socket) -> bool:
+        head = _recv_exactly(c, 4)
+        if head is None:
+            return False
+        (n,) = struct.unpack(">I", head)
+        want = json.loads(_recv_exactly(c, n) or b"{}")
+        # The same bytes NIXL moves: each blob image straight from the DRAM arena, no extra copy.
+        entries = [store.dram.acquire((want["tenant"], want["user"], FINGERPRINT, i)) for i in want["items"]]
+        try:
+            c.sendall(struct.pack(">Q", sum(e.size for e in entries)))
+            for e in entries:
+                c.sendall(store.arena.view(e.offset, e.size))
+        finally:
+            for e in entries:
+                store.dram.release(e)
+        return True
 
     threading.Thread(target=serve, daemon=True).start()
     conn.send({"peer": store.peer_address, "socket": srv.getsockname()[1]})
@@ -163,22 +172,38 @@ def _peer_main(root: str, budget: int, secret: str, conn) -> None:
     store.close()
 
 
-def socket_fetch(port: int, items: list[str], out: memoryview) -> int:
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        req = json.dumps({"tenant": TENANT, "user": USER, "items": items}).encode()
-        c.sendall(struct.pack(">I", len(req)) + req)
-        hdr = b""
-        while len(hdr) < 8:
-            hdr += c.recv(8 - len(hdr))
-        (total,) = struct.unpack(">Q", hdr)
-        got = 0
-        while got < total:
-            k = c.recv_into(out[got:total])
-            if k == 0:
-                raise ConnectionError("short read")
-            got += k
-        return got
+def _recv_exactly(c: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None when the peer closed first."""
+    buf = b""
+    while len(buf) < n:
+        piece = c.recv(n - len(buf))
+        if not piece:
+            return None
+        buf += piece
+    return buf
+
+
+def socket_connect(port: int) -> socket.socket:
+    """One keep-alive connection to the peer's plain socket server (the NIXL pulls keep their session too)."""
+    c = socket.create_connection(("127.0.0.1", port), timeout=30)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return c
+
+
+def socket_fetch(c: socket.socket, items: list[str], out: memoryview) -> int:
+    req = json.dumps({"tenant": TENANT, "user": USER, "items": items}).encode()
+    c.sendall(struct.pack(">I", len(req)) + req)
+    hdr = _recv_exactly(c, 8)
+    if hdr is None:
+        raise ConnectionError("the socket server closed the connection")
+    (total,) = struct.unpack(">Q", hdr)
+    got = 0
+    while got < total:
+        k = c.recv_into(out[got:total])
+        if k == 0:
+            raise ConnectionError("short read")
+        got += k
+    return got
 
 
 # -- the benchmark ------------------------------------------------------------------------------------------
@@ -278,13 +303,14 @@ def bench(work: Path, args: argparse.Namespace, kv_dtype: str = "bf16") -> list[
                 st.dram.abort(TENANT, offs, [g["size"] for g in got])
 
             buf = memoryview(huge_page_buffer(total).numpy())
-            ucx_times, sock_times = paired_times(nixl_peer, lambda: socket_fetch(info["socket"], ids, buf), 2 * reps)
+            conn = socket_connect(info["socket"])
+            ucx_times, sock_times = paired_times(nixl_peer, lambda: socket_fetch(conn, ids, buf), 2 * reps)
             rows.append({**row("peer", n, total, statistics.median(ucx_times), "tcp socket (same processes)",
                                statistics.median(sock_times)),
                          "ms_spread": spread_ms(ucx_times), "baseline_ms_spread": spread_ms(sock_times)})
 
             def sock_verify() -> None:
-                socket_fetch(info["socket"], ids, buf)
+                socket_fetch(conn, ids, buf)
                 pos = 0
                 for s in sizes:
                     hashlib.sha256(buf[pos : pos + s]).hexdigest()
@@ -294,6 +320,7 @@ def bench(work: Path, args: argparse.Namespace, kv_dtype: str = "bf16") -> list[
             t_pull = median_s(lambda: st.pull_from_peer(TENANT, USER, info["peer"], ids), few)
             t_sockv = median_s(sock_verify, few)
             rows.append(row("peer+verify+persist", n, total, t_pull, "tcp socket + sha256", t_sockv))
+            conn.close()
             got, _ = st.get_many(TENANT, USER, ids[:1], FINGERPRINT)
             assert torch.equal(got[0].kv.view(torch.uint8), blocks[0].kv.view(torch.uint8))  # fp8 has no equal
     per_token = round(bytes_per_token(blocks), 1)
