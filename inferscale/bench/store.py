@@ -140,10 +140,13 @@ def _peer_main(root: str, budget: int, secret: str, conn) -> None:
                 c, _ = srv.accept()
             except OSError:
                 return
-            with c:
-                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                while _serve_one(c):  # keep-alive: requests until the client closes
-                    pass
+            threading.Thread(target=_serve_connection, args=(c,), daemon=True).start()
+
+    def _serve_connection(c: socket.socket) -> None:
+        with c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while _serve_one(c):  # keep-alive: requests until the client closes
+                pass
 
     def _serve_one(c: socket.socket) -> bool:
         head = _recv_exactly(c, 4)
