@@ -36,8 +36,8 @@ from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
 from inferscale.store.disktier import DiskTier, item_info
 from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path
-from inferscale.store.peer_pool import PeerSessions
 from inferscale.store.results import FetchStats, PullResult
+from inferscale.store.peer_pool import PeerSessions
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
 log = logging.getLogger(__name__)
@@ -111,10 +111,10 @@ class KVStore:
 
             self.transport = NixlTransport(self.arena, name=f"{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                            timeout_s=timeout_s, ucx_port_range=ucx_port_range)
+        self.peer_sessions = PeerSessions()  # this node's pulls: sessions kept open between them
         self.hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
         self.counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
-        self.peer_sessions = PeerSessions()  # this node's pulls: sessions kept open between them
         self.peer_service = None
         if peer_port is not None:
             from inferscale.store.serving import PeerService
