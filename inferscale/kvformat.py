@@ -24,15 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from inferscale import kvquant, sealing
+from inferscale.blobimage import FORMAT_VERSION, BlobInfo, parse_header, tensor_digest, view_tensor
 from inferscale.contract import DEFAULT_KV_DTYPE
 from inferscale.errors import BlobCorruptError, ConfigError, FingerprintMismatchError
 
-FORMAT_VERSION = "1"
 SUFFIX = ".kvblob"  # a plain safetensors image or a sealed one (sealing.MAGIC); never write it as a literal
 TEMP_SUFFIX = ".tmp"  # atomic_write's temp files: ``.<name>.<random>.tmp``, removed at store start if orphaned
 
@@ -138,56 +136,47 @@ def decode_blob(
     expect_prefix: str | None = None,
     verify: bool = True,
 ) -> KVBlock:
-    """Parse and verify a blob. Raises BlobCorruptError / FingerprintMismatchError naming ``source``."""
+    """Parse and verify a blob (by ``inferscale.blobimage``, the one parser); its tensors are owned copies.
+    Raises BlobCorruptError / FingerprintMismatchError naming ``source``."""
     if sealing.is_sealed(data):
         raise BlobCorruptError(f"{source}: a sealed blob; only a store holding its tenant's KEK can open it")
-    try:
-        meta = _read_metadata(bytes(data) if not isinstance(data, bytes) else data)
-        tensors = st_load(bytes(data) if not isinstance(data, bytes) else data)
-    except (SafetensorError, ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BlobCorruptError(f"{source}: not a readable KV blob ({e})") from None
-    if meta.get("format") != "inferscale-kv" or "kv" not in tensors:
-        raise BlobCorruptError(f"{source}: not an InferScale KV blob")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise BlobCorruptError(f"{source}: blob format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    kv, emb, scale = tensors["kv"], tensors.get("embedding"), tensors.get("kv_scale")
-    kv_dtype = meta.get("kv_dtype", DEFAULT_KV_DTYPE)
-    kvquant.check_layout(kv_dtype, kv.dtype, tuple(kv.shape), None if scale is None else tuple(scale.shape),
-                         source=source)
-    if verify and tensor_sha256(kv, emb, scale) != meta.get("sha256"):
-        raise BlobCorruptError(f"{source}: checksum mismatch (item {meta.get('item_id')!r})")
-    if expect_fingerprint is not None and meta["model_fingerprint"] != expect_fingerprint:
+    view = memoryview(data).cast("B")
+    info = parse_header(view, source=source, total=len(view))
+    if verify and tensor_digest(view, info) != info.sha256:
+        raise BlobCorruptError(f"{source}: checksum mismatch (item {info.item_id!r})")
+    if expect_fingerprint is not None and info.fingerprint != expect_fingerprint:
         raise FingerprintMismatchError(
-            f"{source}: encoded for model {meta['model_fingerprint'][:16]}, running model is {expect_fingerprint[:16]}"
-        )
-    if expect_prefix is not None and meta["prefix_sha256"] != expect_prefix:
+            f"{source}: encoded for model {info.fingerprint[:16]}, running model is {expect_fingerprint[:16]}")
+    if expect_prefix is not None and info.meta.get("prefix_sha256") != expect_prefix:
         raise FingerprintMismatchError(f"{source}: encoded after another memory prefix; re-encode it")
-    token_ids = json.loads(meta["token_ids"])
-    if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[3] != len(token_ids):
-        raise BlobCorruptError(f"{source}: kv shape {tuple(kv.shape)} does not match {len(token_ids)} tokens")
+    try:
+        block = block_from_image(torch.frombuffer(bytearray(view), dtype=torch.uint8), info)
+    except (ValueError, KeyError, TypeError) as e:  # metadata the header parse does not read
+        raise BlobCorruptError(f"{source}: not a readable KV blob ({e})") from None
+    if block.kv.shape[3] != block.num_tokens:
+        raise BlobCorruptError(f"{source}: kv shape {tuple(block.kv.shape)} does not match {block.num_tokens} tokens")
+    return block
+
+
+def block_from_image(image: torch.Tensor, info: BlobInfo, *, kv: torch.Tensor | None = None) -> KVBlock:
+    """A KVBlock over a uint8 blob image. ``kv`` overrides the kv tensor (e.g. a GPU copy); otherwise the kv is
+    a zero-copy view of ``image`` when aligned (the caller keeps the image alive), else a copy."""
+    if kv is None:
+        kv = view_tensor(image, info.kv_range, info.kv_dtype, info.kv_shape)
+    scale = None
+    if info.scale_range is not None:
+        scale = view_tensor(image, info.scale_range, kvquant.SCALE_DTYPE, info.scale_shape)
+    emb = None
+    if info.emb_range is not None:
+        a, b = info.emb_range
+        emb = image[a:b].clone().view(torch.float32).view(info.emb_shape)  # small; an owned copy
+    m = info.meta
     return KVBlock(
-        item_id=meta["item_id"],
-        text=meta["text"],
-        token_ids=token_ids,
-        start_pos=int(meta["start_pos"]),
-        kv=kv,
-        model_fingerprint=meta["model_fingerprint"],
-        prefix_sha256=meta["prefix_sha256"],
-        timestamp=meta["timestamp"] or None,
-        embedding=emb,
-        extra=json.loads(meta.get("extra") or "{}"),
-        kv_dtype=kv_dtype,
-        kv_scale=scale,
+        item_id=m["item_id"], text=m.get("text", ""), token_ids=json.loads(m.get("token_ids", "[]")),
+        start_pos=int(m.get("start_pos", "0")), kv=kv, model_fingerprint=m["model_fingerprint"],
+        prefix_sha256=m.get("prefix_sha256", ""), timestamp=m.get("timestamp") or None, embedding=emb,
+        extra=json.loads(m.get("extra") or "{}"), kv_dtype=info.format, kv_scale=scale,
     )
-
-
-def _read_metadata(data: bytes) -> dict[str, str]:
-    if len(data) < 8:
-        raise ValueError("file shorter than a safetensors header")
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        raise ValueError("truncated header")
-    return json.loads(data[8 : 8 + n]).get("__metadata__", {})
 
 
 def atomic_write(path: Path, data: bytes | memoryview) -> None:

@@ -25,6 +25,8 @@ from inferscale.errors import ConfigError, TransferError
 from inferscale.store.arena import Arena
 
 log = logging.getLogger(__name__)
+PULLER_WRITES = 16  # exposures a loaded puller view accumulates before it is loaded afresh
+PULLER_IDLE_S = 5.0  # a puller view unused this long is dropped
 
 
 @dataclass
@@ -77,6 +79,7 @@ class NixlTransport:
             self._arena_reg = self.agent.register_memory([(arena.base, arena.size, 0, "arena")], "DRAM",
                                                          backends=list(self.backends))
         self._notifs: set[bytes] = set()  # arrived, not yet claimed by wait_notif
+        self._pullers: dict[str, tuple[int, float]] = {}  # loaded puller views: name -> (writes, last write)
 
     @property
     def has_posix(self) -> bool:
@@ -159,22 +162,45 @@ class NixlTransport:
     def write_to(self, metadata: bytes, sources: list[tuple[int, int]], remote: list[tuple[int, int]],
                  notif: bytes, timeout_s: float | None = None) -> None:
         """WRITE arena ranges ``sources`` (offset, size) into a puller's exposed ``remote`` (address, size), one
-        UCX request; ``notif`` reaches the puller once the bytes have landed. The puller's metadata is loaded
-        for this transfer only."""
+        UCX request; ``notif`` reaches the puller once the bytes have landed. The puller's metadata (its
+        connection and this exposure) is loaded into a kept view of that puller (see ``_puller``)."""
         with self.lock:
+            agent = self._puller(metadata)
+            local = self.agent.get_xfer_descs([(self.arena.base + off, n, 0) for off, n in sources], "DRAM")
+            rdescs = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in remote], "DRAM")
+            self._run(local, rdescs, agent, "peer write", ["UCX"], timeout_s, notif, op="WRITE")
+
+    def _puller(self, metadata: bytes) -> str:
+        """Load a puller's metadata; its agent name. Called with the lock held. A puller's view stays loaded for
+        its next writes (reconnecting its UCX endpoint on every pull cost about 1 ms), for at most
+        ``PULLER_WRITES`` exposures and ``PULLER_IDLE_S`` between writes: the exposures this owner's library
+        accepts for a puller are its last few, never its other memory (bytes go only to the ``remote`` a write
+        names, which the puller sent)."""
+        now = time.monotonic()
+        for name, (_, last) in list(self._pullers.items()):
+            if now - last > PULLER_IDLE_S:
+                self._forget(name)
+        try:
+            agent = self.agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise TransferError(f"puller agent metadata rejected: {e}") from None
+        writes = self._pullers.get(agent, (0, now))[0] + 1
+        if writes > PULLER_WRITES:  # start its view afresh: only this exposure
+            self._forget(agent)
             try:
                 agent = self.agent.add_remote_agent(metadata)
             except Exception as e:
                 raise TransferError(f"puller agent metadata rejected: {e}") from None
-            try:
-                local = self.agent.get_xfer_descs([(self.arena.base + off, n, 0) for off, n in sources], "DRAM")
-                rdescs = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in remote], "DRAM")
-                self._run(local, rdescs, agent, "peer write", ["UCX"], timeout_s, notif, op="WRITE")
-            finally:
-                try:
-                    self.agent.remove_remote_agent(agent)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+            writes = 1
+        self._pullers[agent] = (writes, now)
+        return agent
+
+    def _forget(self, agent: str) -> None:
+        self._pullers.pop(agent, None)
+        try:
+            self.agent.remove_remote_agent(agent)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
     def wait_notif(self, msg: bytes, deadline: float) -> bool:
         """Progress the agent until notification ``msg`` has arrived (True) or ``deadline`` (monotonic) passed."""
@@ -198,6 +224,8 @@ class NixlTransport:
 
     def close(self) -> None:
         with self.lock:
+            for name in list(self._pullers):
+                self._forget(name)
             try:
                 if self._arena_reg is not None:
                     self.agent.deregister_memory(self._arena_reg, backends=list(self.backends))

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # types only; none of these modules imports this one
     from inferscale.store.disktier import DiskTier
     from inferscale.store.memrecord import MemoryRecord
     from inferscale.store.nixl_transport import NixlTransport
+    from inferscale.store.peer_pool import PeerSessions
     from inferscale.store.results import FetchStats, PullResult
     from inferscale.store.tiers import DramEntry, DramTier, Key
 
@@ -35,6 +36,7 @@ class StoreNode(Protocol):
     catalogue: Catalogue
     disk: DiskTier
     transport: NixlTransport | None
+    peer_sessions: PeerSessions  # this node's pulls: sessions kept open between them
     hasher: Executor  # checksum and unseal workers
     counters: dict[str, int]
     disk_reader: Callable[[int, memoryview], None] | None  # replaces the disk read when set (throttle.py)

@@ -32,7 +32,7 @@ MAX_REPLY = 8 << 20  # index: one float32 embedding per item
 MAX_DEPTH = 8  # JSON nesting of any frame; the messages above nest at most 3 deep
 MIN_SECRET_CHARS = 16
 
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string; unrolled: runs of plain bytes in one step
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 

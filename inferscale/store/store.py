@@ -29,9 +29,9 @@ from inferscale import sealing
 from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError,
 )
-from inferscale.kvformat import KVBlock, encode_blob
+from inferscale.kvformat import KVBlock, block_from_image, encode_blob
 from inferscale.store.arena import Arena
-from inferscale.store.blob import BlobInfo, block_from_image, parse_header, remove_orphan_temps
+from inferscale.store.blob import BlobInfo, parse_header, remove_orphan_temps
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
@@ -39,6 +39,7 @@ from inferscale.store.disktier import DiskTier, Fields, item_info, row_fields
 from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path
 from inferscale.store.memrecord import MemoryRecord
 from inferscale.store.results import FetchStats, PullResult
+from inferscale.store.peer_pool import PeerSessions
 from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class KVStore:
 
             self.transport = NixlTransport(self.arena, name=f"{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                            timeout_s=timeout_s, ucx_port_range=ucx_port_range)
+        self.peer_sessions = PeerSessions()  # this node's pulls: sessions kept open between them
         self.hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
         self.counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
@@ -134,6 +136,7 @@ class KVStore:
     def close(self) -> None:
         if self.peer_service is not None:
             self.peer_service.close()
+        self.peer_sessions.close()
         self.hasher.shutdown(wait=True)
         if self.transport is not None:
             self.transport.close()

@@ -132,7 +132,7 @@ def test_blob_whose_tensors_disagree_with_its_kv_dtype_is_corrupt():
              (q, scale, "bf16"),  # claims bf16, holds int8 codes: would inject codes as values
              (q, scale, "int3"),  # unknown format
              (q, scale[..., :1, :], "int8")]  # scales that don't fit the tokens
-    from inferscale.store.blob import parse_header
+    from inferscale.blobimage import parse_header
 
     for t, s, name in cases:
         image = _forged(t, s, name)
@@ -144,7 +144,7 @@ def test_blob_whose_tensors_disagree_with_its_kv_dtype_is_corrupt():
 
 
 def test_old_blob_without_kv_dtype_reads_as_bf16():
-    from inferscale.store.blob import parse_header
+    from inferscale.blobimage import parse_header
 
     kv = _kv()
     image = _forged(kv, None, None)
