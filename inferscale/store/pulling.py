@@ -66,7 +66,7 @@ def fetch_leased(store: StoreNode, tenant: str, user: str, peer: str, item_ids: 
     transport = store.transport
     if transport is None or not transport.has_ucx:
         raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
-    with peerproto.PeerSession(peer, peer_secret(store), store.timeout_s) as session:
+    with peerproto.PeerSession(peer, peer_secret(store), store.timeout_s, store.peer_tls) as session:
         reply = session.call({"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
                               "fingerprint": fingerprint, "dir": source_dir})
         _reply_error(peer, reply)
@@ -114,7 +114,7 @@ def peer_index(store: StoreNode, tenant: str, user: str, peer: str, fingerprint:
 
     check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
     reply = peerproto.request(peer, {"op": "index", "tenant": tenant, "user": user, "fingerprint": fingerprint,
-                                     "job_dir": job_dir}, store.timeout_s, peer_secret(store))
+                                     "job_dir": job_dir}, store.timeout_s, peer_secret(store), store.peer_tls)
     _reply_error(peer, reply)
     ids, dim = reply.get("items"), reply.get("dim")
     if not isinstance(ids, list) or not isinstance(dim, int) or dim < 0:

@@ -28,6 +28,7 @@ from inferscale import sealing
 from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError,
 )
+from inferscale.fleettls import FleetTls
 from inferscale.kvformat import KVBlock, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import BlobInfo, block_from_image, parse_header, remove_orphan_temps
@@ -56,6 +57,7 @@ class KVStore:
         peer_port: int | None = None,
         peer_host: str = "0.0.0.0",
         peer_secret: str | None = None,
+        peer_tls: FleetTls | None = None,
         timeout_s: float = 10.0,
         device: str | torch.device | None = None,
         min_block_bytes: int = DEFAULT_MIN_BLOCK,
@@ -70,6 +72,7 @@ class KVStore:
         self.node = node or socket.gethostname()
         self.timeout_s = timeout_s
         self.peer_secret = peer_secret  # INFERSCALE_PEER_SECRET: MACs peer requests, never sent
+        self.peer_tls = peer_tls  # the peer channel's TLS (both ways) when the fleet has certificates
         for name, v in (("dram_budget_bytes", dram_budget_bytes), ("gpu_budget_bytes", gpu_budget_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
@@ -119,7 +122,8 @@ class KVStore:
 
             if peer_secret is None:
                 raise ConfigError("serving peers (peer_port) needs a peer secret (INFERSCALE_PEER_SECRET)")
-            self.peer_service = PeerService(self, peer_host, peer_port, secret=peer_secret, timeout_s=timeout_s)
+            self.peer_service = PeerService(self, peer_host, peer_port, secret=peer_secret, timeout_s=timeout_s,
+                                            tls=peer_tls)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property
