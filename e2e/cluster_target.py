@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_common import ROOT, parse_console_spans, stop_process, tool, wait_for
+from e2e_common import ROOT, chart_tls, parse_console_spans, stop_process, tool, wait_for
 
 
 class ClusterTarget:
@@ -45,6 +45,7 @@ class ClusterTarget:
         self.keep = os.environ.get("INFERSCALE_E2E_KEEP") == "1"
         self._forwards: dict[str, tuple[subprocess.Popen, str]] = {}
         self._installed = False
+        self.tls: Any = None  # the chart's TLS, as clients of the internal API verify it (after start)
 
     def start(self) -> ClusterTarget:
         from inferscale.server.auth import hash_key
@@ -67,7 +68,22 @@ class ClusterTarget:
                    "--set", "operator.jobPollSeconds=2",
                    "--wait", "--timeout", "20m", *shlex.split(os.environ.get("INFERSCALE_E2E_HELM_ARGS", ""))],
                   timeout=1300)
+        self.tls = self._chart_tls()
         return self
+
+    def _chart_tls(self) -> Any:
+        """The release's TLS (its default) as the operator verifies it: the CA of its TLS Secret (kubernetes.io/tls
+        with ca.crt) and the servers' INFERSCALE_TLS_SERVER_NAME; None when installed without TLS."""
+        release = f"app.kubernetes.io/instance={self.release}"
+        configs = self._json("get", "configmaps", "-n", self.namespace, "-l",
+                             f"{release},app.kubernetes.io/component=server") or {}
+        name = next((c["data"]["INFERSCALE_TLS_SERVER_NAME"] for c in configs.get("items") or []
+                     if "INFERSCALE_TLS_SERVER_NAME" in (c.get("data") or {})), None)
+        if name is None:
+            return None
+        secrets_ = (self._json("get", "secrets", "-n", self.namespace, "-l", release) or {}).get("items") or []
+        (secret,) = [s for s in secrets_ if "ca.crt" in (s.get("data") or {}) and "tls.key" in s["data"]]
+        return chart_tls(secret["data"], name, self.workdir / "tls")
 
     def close(self) -> None:
         for proc, _ in self._forwards.values():
@@ -121,8 +137,10 @@ class ClusterTarget:
         return self._forward(placement, 8000)
 
     def internal_endpoint(self, placement: dict[str, Any]) -> str:
-        """Forwarded to the pod's internal port (a port-forward is not subject to the NetworkPolicy)."""
-        return self._forward(placement, 8001)
+        """Forwarded to the pod's internal port (a port-forward is not subject to the NetworkPolicy); https with the
+        chart's TLS (e2e_common.internal_get verifies the certificate for the fleet's name)."""
+        url = self._forward(placement, 8001)
+        return url.replace("http://", "https://", 1) if self.tls is not None else url
 
     def _forward(self, placement: dict[str, Any], pod_port: int) -> str:
         key = f"{placement['namespace']}/{placement['pod']}:{pod_port}"

@@ -111,3 +111,29 @@ def kv_fetch_of_chat(spans: list[dict[str, Any]], tenant: str, user: str) -> dic
             if s["name"] == "kv_fetch" and s["context"]["trace_id"] == tid and s.get("parent_id") == sid:
                 return {"chat": chat, "kv_fetch": s}
     return None
+
+
+def internal_get(target: Any, url: str, **kw: Any) -> Any:
+    """GET on a serving pod's internal API as the operator calls it: with the target's TLS (``target.tls``, a
+    FleetTls: the fleet CA, the certificate's name sent as SNI, the URL holding the pod's address), else plain."""
+    import httpx
+
+    tls = getattr(target, "tls", None)
+    if tls is not None:
+        kw.setdefault("extensions", {"sni_hostname": tls.server_name})
+        with httpx.Client(verify=tls.client_context(), timeout=kw.pop("timeout", 30)) as client:
+            return client.get(url, **kw)
+    return httpx.get(url, **kw)
+
+
+def chart_tls(secret_data: dict[str, str], server_name: str, directory: Path) -> Any:
+    """The installed chart's TLS as its clients see it: ca.crt of the Secret ``<release>-tls`` (base64 data) in
+    ``directory``, and the name the servers' certificate holds (their INFERSCALE_TLS_SERVER_NAME)."""
+    import base64
+
+    from inferscale.fleettls import FleetTls
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ca = directory / "ca.crt"
+    ca.write_bytes(base64.b64decode(secret_data["ca.crt"]))
+    return FleetTls(ca, server_name)

@@ -6,7 +6,7 @@ What differs from LocalTarget (local_target.py), and why:
   plays another node's disk, so node 2 cannot read node 1's Job output and must pull over the peer plane;
 - each server binds its own loopback address (127.0.0.2, 127.0.0.3: the pods' IPs) with the SAME NIXL port, so
   the operator derives both peer addresses as `podIP:INFERSCALE_NIXL_PORT`, as in a cluster; the peer plane is
-  real (HMAC with a shared INFERSCALE_PEER_SECRET, real NIXL agents, UCX on loopback);
+  real (HMAC with a shared INFERSCALE_PEER_SECRET over TLS, real NIXL agents, UCX on loopback);
 - node 2's server has a smaller DRAM budget, so the operator's placement (most free capacity) picks node 1:
   node 2 holds nothing until a request reaches it.
 """
@@ -98,11 +98,12 @@ class FleetTarget(LocalTarget):
                         INFERSCALE_PEER_SECRET=self.peer_secret, INFERSCALE_NODE_NAME=node,
                         INFERSCALE_POD_NAME=pod, INFERSCALE_KV_HOST_PATH=str(kv_host_path),
                         INFERSCALE_INTERNAL_PORT=str(internal_port), INFERSCALE_KEK_FILE=str(self.kek_file),
-                        INFERSCALE_CONSOLE_TRACES="true", INFERSCALE_DRAM_BUDGET_BYTES=str(dram))
+                        INFERSCALE_CONSOLE_TRACES="true", INFERSCALE_DRAM_BUDGET_BYTES=str(dram),
+                        **self.server_tls_env())
         with open(out, "wb") as o, open(err, "wb") as e:
             proc = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "serve"], cwd=self.image_dir, env=env,
                                     stdout=o, stderr=e, stdin=subprocess.DEVNULL)
-        self.servers[node] = {"proc": proc, "url": f"http://{host}:{port}", "internal": f"http://{host}:{internal_port}",
+        self.servers[node] = {"proc": proc, "url": f"http://{host}:{port}", "internal": f"https://{host}:{internal_port}",
                               "out": out, "err": err, "data": data, "pod": pod, "kv": kv_host_path}
 
     def _wait_ready(self, s: dict[str, Any]) -> None:

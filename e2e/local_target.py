@@ -5,6 +5,8 @@
 - operator: the real one, as a subprocess (`python -m inferscale.operator`, KUBECONFIG -> the emulator);
 - serving pod: the real server as a subprocess (`python -m inferscale.cli serve`), registered in the emulator as
   a Pod object (labels, `inferscale.io/endpoint` annotation, nodeName, Running/Ready) -- nothing starts it for you;
+- TLS as the chart sets it (tls.enabled): a CA and the fleet certificate (e2e/pki.py), the internal API served
+  over HTTPS, the operator verifying it against the CA for the fleet's name, the peer channel over TLS both ways;
 - kubelet: NodeAgentStandIn (node_agent.py) runs the encode Jobs the operator creates (in the platform namespace,
   SERVER_NS), mounting only the host paths each Job names;
 - tenants: two namespaces, "acme" and "globex", each with its own API key;
@@ -27,13 +29,15 @@ import httpx
 
 from inferscale.kvformat import SUFFIX
 
-from e2e_common import ROOT, free_port, stop_process, tail, tool, wait_for, parse_console_spans
+from e2e_common import ROOT, free_port, internal_get, stop_process, tail, tool, wait_for, parse_console_spans
+from pki import fleet_tls_files
 
 NODE = "e2e-node-0"
 SERVER_NS = "inferscale-system"
 KEK_SECRET = "inferscale-kek"  # the chart's <fullname>-kek
 SERVER_POD = "inferscale-server-0"
 SELECTOR = {"app.kubernetes.io/name": "inferscale", "app.kubernetes.io/component": "server"}
+TLS_SERVER_NAME = f"inferscale-headless.{SERVER_NS}.svc"  # the chart's <fullname>-headless.<namespace>.svc
 
 
 class LocalTarget:
@@ -58,6 +62,19 @@ class LocalTarget:
         self.agent: Any = None
         self.server_url = ""
         self.internal_url = ""  # the server's internal listener when it has one, else its only port
+        self.tls_files = fleet_tls_files(self.workdir / "tls", TLS_SERVER_NAME)
+
+    @property
+    def tls(self):
+        """What a client of the internal API verifies (the fleet CA and name), as the operator does."""
+        from inferscale.fleettls import FleetTls
+
+        return FleetTls(self.tls_files["ca"], TLS_SERVER_NAME)
+
+    def server_tls_env(self) -> dict[str, str]:
+        return {"INFERSCALE_TLS_CERT_FILE": str(self.tls_files["cert"]),
+                "INFERSCALE_TLS_KEY_FILE": str(self.tls_files["key"]),
+                "INFERSCALE_TLS_CA_FILE": str(self.tls_files["ca"]), "INFERSCALE_TLS_SERVER_NAME": TLS_SERVER_NAME}
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> LocalTarget:
@@ -122,7 +139,7 @@ class LocalTarget:
                         INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),  # the node's hostPath, as the chart mounts it
                         INFERSCALE_INTERNAL_PORT=str(internal_port), INFERSCALE_KEK_FILE=str(self.kek_file),
                         INFERSCALE_NIXL_PORT=str(free_port()), INFERSCALE_CONSOLE_TRACES="true",
-                        INFERSCALE_DRAM_BUDGET_BYTES=str(256 << 20))
+                        INFERSCALE_DRAM_BUDGET_BYTES=str(256 << 20), **self.server_tls_env())
         with open(self.server_out, "wb") as out, open(self.server_log, "wb") as err:
             self.server = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "serve"], cwd=self.image_dir,
                                            env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
@@ -141,9 +158,9 @@ class LocalTarget:
     def _internal_listener(self, port: int) -> str:
         """The internal API's base URL: the separate listener on `port` when this server opens one, else the tenant
         port (a server from before the split serves /internal/v1/* there)."""
-        url = f"http://127.0.0.1:{port}"
+        url = f"https://127.0.0.1:{port}"
         try:
-            httpx.get(url + "/internal/v1/capacity", timeout=2)
+            internal_get(self, url + "/internal/v1/capacity", timeout=2)
             return url
         except httpx.HTTPError:
             return self.server_url
@@ -175,7 +192,8 @@ class LocalTarget:
                         INFERSCALE_ENCODER_GPUS="0", INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),
                         INFERSCALE_MODELS=self.model, INFERSCALE_JOB_POLL_SECONDS="0.5",
                         INFERSCALE_TENANTS=f"{self.tenant},{self.tenant_b}", INFERSCALE_JOB_NAMESPACE=SERVER_NS,
-                        INFERSCALE_KEK_SECRET=KEK_SECRET,
+                        INFERSCALE_KEK_SECRET=KEK_SECRET, INFERSCALE_TLS_CA_FILE=str(self.tls_files["ca"]),
+                        INFERSCALE_TLS_SERVER_NAME=TLS_SERVER_NAME,
                         INFERSCALE_RECHECK_SECONDS="30", INFERSCALE_HTTP_TIMEOUT_SECONDS="30")
         with open(self.operator_log, "wb") as out:
             self.operator = subprocess.Popen([sys.executable, "-m", "inferscale.operator", "--verbose"], cwd=ROOT,

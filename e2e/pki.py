@@ -40,8 +40,9 @@ class CertificateAuthority:
         self.cert_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, name: str, *, cn: str, groups: tuple[str, ...] = (), server_names: tuple[str, ...] = (),
-              server_ips: tuple[str, ...] = ()) -> tuple[Path, Path]:
-        """A leaf certificate (client, or server when names/IPs are given); returns (cert file, key file)."""
+              server_ips: tuple[str, ...] = (), client_too: bool = False) -> tuple[Path, Path]:
+        """A leaf certificate (client, or server when names/IPs are given, and then client as well with
+        ``client_too``); returns (cert file, key file)."""
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([*(x509.NameAttribute(NameOID.ORGANIZATION_NAME, g) for g in groups),
                              x509.NameAttribute(NameOID.COMMON_NAME, cn)])
@@ -50,8 +51,9 @@ class CertificateAuthority:
         builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(self.cert.subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
                    .not_valid_before(now - DAY).not_valid_after(now + 30 * DAY)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server
-                                                         else ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+                   .add_extension(x509.ExtendedKeyUsage(
+                       [*([ExtendedKeyUsageOID.SERVER_AUTH] if server else []),
+                        *([ExtendedKeyUsageOID.CLIENT_AUTH] if client_too or not server else [])]), critical=False))
         if server:
             builder = builder.add_extension(x509.SubjectAlternativeName(
                 [*(x509.DNSName(n) for n in server_names), *(x509.IPAddress(ipaddress.ip_address(i))
@@ -62,6 +64,15 @@ class CertificateAuthority:
         key_file.write_bytes(_pem_key(key))
         key_file.chmod(0o600)
         return cert_file, key_file
+
+
+def fleet_tls_files(directory: Path, server_name: str) -> dict[str, Path]:
+    """The serving pods' TLS files as the chart makes them (templates/tls.yaml: genCA, genSignedCert): a CA of
+    their own and one certificate for the fleet's name (and its subdomains), for server and client use.
+    Keys: ca, cert, key."""
+    ca = CertificateAuthority(directory)
+    cert, key = ca.issue("fleet", cn=server_name, server_names=(server_name, f"*.{server_name}"), client_too=True)
+    return {"ca": ca.cert_file, "cert": cert, "key": key}
 
 
 def service_account_keys(directory: Path) -> tuple[Path, Path]:

@@ -32,7 +32,7 @@ import yaml
 from inferscale.kvformat import SUFFIX
 
 from controlplane import start_for_tests
-from e2e_common import parse_console_spans, tail
+from e2e_common import chart_tls, parse_console_spans, tail
 from platform_install import NAMESPACE, TENANTS, Platform
 
 NODES = {"e2e-node-0": "127.0.0.2", "e2e-node-1": "127.0.0.3"}  # the names FleetTarget uses
@@ -62,6 +62,7 @@ class RealTarget:
         self.disks = {node: None if i == 0 else self.workdir / f"{node}-disk" for i, node in enumerate(NODES)}
         self.cp: Any = None
         self.kubelets: dict[str, Any] = {}
+        self.tls: Any = None  # the chart's TLS, as clients of the internal API verify it (after start)
 
     def start(self) -> RealTarget:
         import tiny_models
@@ -95,7 +96,19 @@ class RealTarget:
             *jobs_args, "--wait", "--timeout", "8m")
         self.internal_token = self.platform.internal_token
         self.http = self.cp.client()
+        self.tls = self._chart_tls()
         return self
+
+    def _chart_tls(self):
+        """The chart's TLS (tls.enabled, its default) as the operator sees it: the CA of Secret <release>-tls and
+        the servers' INFERSCALE_TLS_SERVER_NAME; None when the chart was installed without it."""
+        config = self._get(f"/api/v1/namespaces/{NAMESPACE}/configmaps/inferscale-server") or {}
+        name = (config.get("data") or {}).get("INFERSCALE_TLS_SERVER_NAME")
+        if not name:
+            return None
+        secret = self._get(f"/api/v1/namespaces/{NAMESPACE}/secrets/inferscale-tls")
+        assert secret is not None, "tls.enabled but no Secret inferscale-tls"
+        return chart_tls(secret["data"], name, self.workdir / "tls")
 
     def close(self) -> None:
         for kubelet in self.kubelets.values():
@@ -161,7 +174,8 @@ class RealTarget:
         return running[0]
 
     def _url(self, pod: dict[str, Any], port: int) -> str:
-        return f"http://{pod['status']['podIP']}:{port}"
+        scheme = "https" if port == INTERNAL_PORT and self.tls is not None else "http"
+        return f"{scheme}://{pod['status']['podIP']}:{port}"
 
     def _log(self, pod: dict[str, Any]) -> str:
         info = self.kubelets[pod["spec"]["nodeName"]].pods[pod["metadata"]["uid"]]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e_common import ROOT, kv_fetch_of_chat, wait_for
+from e2e_common import ROOT, internal_get, kv_fetch_of_chat, wait_for
 
 EXAMPLE = ROOT / "crds" / "examples" / "usermemory-inline.yaml"
 
@@ -80,8 +80,8 @@ def test_any_pod_answers_any_user(fleet, tmp_path: Path):
     assert [p["node"] for p in um["status"]["placements"]] == [NODE], um["status"]["placements"]
     internal = {"Authorization": f"Bearer {t.internal_token}"}
     # The operator published node 1's peer address (podIP + NIXL port) to node 2; no annotation named it.
-    wait_for(lambda: httpx.get(f"{t.node_internal(NODE_2)}/internal/v1/peers", headers=internal).json()["peers"]
-             == [f"127.0.0.2:{t.nixl_port}"], 30, "node 2's peers", t.diag)
+    wait_for(lambda: internal_get(t, f"{t.node_internal(NODE_2)}/internal/v1/peers", headers=internal).json()[
+        "peers"] == [f"127.0.0.2:{t.nixl_port}"], 30, "node 2's peers", t.diag)
     assert t.node_blobs(NODE_2, user) == []  # node 2 holds nothing yet
 
     # 1. the request lands on node 2: blocks pulled from node 1 over UCX, answered with the memories
@@ -110,7 +110,7 @@ def test_any_pod_answers_any_user(fleet, tmp_path: Path):
     t.kubectl("delete", "usermemories.inferscale.io", name, "-n", t.tenant, "--wait=false")
     wait_for(lambda: t.get_um(name) is None, t.gone_timeout, "UserMemory gone", t.diag, interval=0.5)
     for node in (NODE, NODE_2):
-        cap = httpx.get(f"{t.node_internal(node)}/internal/v1/capacity", headers=internal).json()
+        cap = internal_get(t, f"{t.node_internal(node)}/internal/v1/capacity", headers=internal).json()
         assert cap["users"] == 0 and cap["bytes_used"] == 0, (node, cap)
         assert t.node_blobs(node, user) == [], node
         r = httpx.post(f"{t.node_url(node)}/v1/chat/completions", headers={"Authorization": f"Bearer {t.api_key}"},

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e_common import ROOT, kv_fetch_of_chat, wait_for
+from e2e_common import ROOT, internal_get, kv_fetch_of_chat, wait_for
 
 EXAMPLE = ROOT / "crds" / "examples" / "usermemory-inline.yaml"
 # Tenant B's user has the same id as tenant A's, and other memories.
@@ -167,8 +167,8 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     wait_for(lambda: target.get_um(name, target.tenant_b) is None, target.gone_timeout,
              f"UserMemory {target.tenant_b}/{name} gone", target.diag, interval=0.5)
     internal = {"Authorization": f"Bearer {target.internal_token}"}
-    cap = httpx.get(f"{target.internal_endpoint(placement)}/internal/v1/capacity", headers=internal,
-                    timeout=30).json()
+    cap = internal_get(target, f"{target.internal_endpoint(placement)}/internal/v1/capacity", headers=internal,
+                       timeout=30).json()
     assert cap["users"] == 0 and cap["bytes_used"] == 0, cap
     purged = [e for e in target.events() if e.get("reason") == "Purged"]
     assert purged and f"removed {len(ids)} block(s)" in purged[-1]["message"], purged

@@ -94,7 +94,8 @@ async def _purge_once(cfg: Settings, kube: Kube, body: Body, user: str, kv_dir: 
     meta = body["metadata"]
     tenant = meta["namespace"]
     raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
-    pods = serving_pods(raw, cfg.internal_port, require_ready=False, nixl_port=cfg.nixl_port)
+    pods = serving_pods(raw, cfg.internal_port, require_ready=False, nixl_port=cfg.nixl_port,
+                        scheme=cfg.internal_scheme)
     async with ServerClient(cfg) as client:
         results = await asyncio.gather(*(client.purge(p, tenant, user, None, kv_dir if p.node in nodes else None)
                                          for p in pods), return_exceptions=True)

@@ -226,7 +226,7 @@ def _placed_conditions(conds: list[dict[str, Any]], placed: Placed, gen: int | N
 async def _serving(cfg: Settings, kube: Kube, node_selector: Mapping[str, str]) -> tuple[list[ServingPod], list[ServingPod]]:
     """(all serving pods, those on nodes matching the user's node selector)."""
     raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
-    pods = serving_pods(raw, cfg.internal_port, nixl_port=cfg.nixl_port)
+    pods = serving_pods(raw, cfg.internal_port, nixl_port=cfg.nixl_port, scheme=cfg.internal_scheme)
     if not node_selector:
         return pods, pods
     labels: dict[str, dict[str, str] | None] = {}

@@ -22,7 +22,7 @@ class ServingPod:
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], port: int, require_ready: bool = True,
-                 nixl_port: int = 5555) -> ServingPod | None:
+                 nixl_port: int = 5555, scheme: str = "http") -> ServingPod | None:
         """The pod as a placement target, or None when it cannot serve (not Running/Ready, deleting).
 
         `require_ready=False` is for purging: a Running pod that fails readiness may still hold blocks.
@@ -34,7 +34,7 @@ class ServingPod:
         annotations = meta.get("annotations") or {}
         endpoint = annotations.get(ANNOTATION_ENDPOINT)
         if not endpoint and status.get("podIP"):
-            endpoint = f"http://{status['podIP']}:{port}"
+            endpoint = f"{scheme}://{status['podIP']}:{port}"
         if (require_ready and not ready) or not endpoint or not spec.get("nodeName"):
             return None
         # The peer address is the operator's to publish, from the pod's status (set by the kubelet), never an
@@ -47,8 +47,8 @@ class ServingPod:
 
 
 def serving_pods(pods: Sequence[Mapping[str, Any]], port: int, require_ready: bool = True,
-                 nixl_port: int = 5555) -> list[ServingPod]:
-    found = (ServingPod.from_pod(p, port, require_ready, nixl_port) for p in pods)
+                 nixl_port: int = 5555, scheme: str = "http") -> list[ServingPod]:
+    found = (ServingPod.from_pod(p, port, require_ready, nixl_port, scheme) for p in pods)
     return sorted((p for p in found if p is not None), key=lambda p: (p.node, p.name))
 
 
@@ -59,11 +59,18 @@ class ServerCallError(Exception):
 
 
 class ServerClient:
-    """One AsyncClient per handler call: cheap, and nothing to close at operator shutdown."""
+    """One AsyncClient per handler call: cheap, and nothing to close at operator shutdown.
+
+    With TLS (settings.tls) every call is HTTPS, the server's certificate checked against the CA for the fleet's
+    server name (sent as SNI; the URL holds the pod IP), and an endpoint that is not https is refused before
+    anything is sent: the internal token never travels in clear."""
 
     def __init__(self, settings: Settings) -> None:
         headers = {"Authorization": f"Bearer {settings.internal_token}"} if settings.internal_token else {}
-        self._client = httpx.AsyncClient(headers=headers, timeout=settings.http_timeout_seconds)
+        self._tls = settings.tls
+        verify = True if self._tls is None else self._tls.client_context()
+        self._extensions = {} if self._tls is None else {"sni_hostname": self._tls.server_name}
+        self._client = httpx.AsyncClient(headers=headers, timeout=settings.http_timeout_seconds, verify=verify)
 
     async def __aenter__(self) -> ServerClient:
         return self
@@ -72,8 +79,11 @@ class ServerClient:
         await self._client.aclose()
 
     async def _call(self, pod: ServingPod, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        if self._tls is not None and not pod.endpoint.startswith("https://"):
+            raise ServerCallError(pod, f"{method} {path}: endpoint {pod.endpoint} is not https, and TLS is on "
+                                       "(INFERSCALE_TLS_CA_FILE): not sending the internal token in clear")
         try:
-            resp = await self._client.request(method, pod.endpoint + path, json=body)
+            resp = await self._client.request(method, pod.endpoint + path, json=body, extensions=self._extensions)
         except httpx.HTTPError as e:
             raise ServerCallError(pod, f"{method} {path}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:

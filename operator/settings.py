@@ -11,6 +11,7 @@ from typing import Any
 
 from inferscale.contract import DEFAULT_KV_DTYPE, KV_DTYPES, is_valid_tenant
 from inferscale.errors import ConfigError
+from inferscale.fleettls import FleetTls
 from inferscale.secretfile import read_secret
 
 GROUP = "inferscale.io"
@@ -46,6 +47,10 @@ class Settings:
     # The servers' NIXL peer control port: a pod's peer address is its podIP and this port (no annotation).
     nixl_port: int = 5555
     internal_token: str = ""
+    # TLS to the servers' internal port (inferscale/fleettls.py): the CA that signed their certificate and the name
+    # it holds; both, or neither (plain HTTP).
+    tls_ca_file: str = ""
+    tls_server_name: str = ""
     # The tenant namespaces the operator serves. Empty: none (a UserMemory anywhere else is never touched).
     tenants: tuple[str, ...] = ()
     # Where encode/cleanup Jobs, their items ConfigMaps and the per-user records live: the platform's namespace,
@@ -106,6 +111,8 @@ class Settings:
                 internal_port=int(get("INFERSCALE_INTERNAL_PORT") or d.internal_port),
                 nixl_port=int(get("INFERSCALE_NIXL_PORT") or d.nixl_port),
                 internal_token=_internal_token(env, get("INFERSCALE_INTERNAL_TOKEN_FILE")),
+                tls_ca_file=env.get("INFERSCALE_TLS_CA_FILE", d.tls_ca_file),
+                tls_server_name=env.get("INFERSCALE_TLS_SERVER_NAME", d.tls_server_name),
                 tenants=_csv(get("INFERSCALE_TENANTS")),
                 job_namespace=get("INFERSCALE_JOB_NAMESPACE") or d.job_namespace,
                 read_tenant_secrets=_bool(get("INFERSCALE_READ_TENANT_SECRETS"), "INFERSCALE_READ_TENANT_SECRETS"),
@@ -140,6 +147,7 @@ class Settings:
         if self.max_encode_jobs_per_tenant < 1 or self.max_encode_items_per_tenant < 1:
             raise ConfigError("INFERSCALE_MAX_ENCODE_JOBS_PER_TENANT and INFERSCALE_MAX_ENCODE_ITEMS_PER_TENANT "
                               "must be >= 1")
+        _ = self.tls  # both TLS settings or neither, and a CA file that loads
         if self.kek_file and self.kek_secret:
             raise ConfigError("set INFERSCALE_KEK_FILE (Jobs get their tenant's derived keys) or INFERSCALE_KEK_SECRET "
                               "(Jobs mount the KEK), not both")
@@ -168,6 +176,15 @@ class Settings:
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"INFERSCALE_KV_DTYPE {self.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
         return self
+
+    @property
+    def tls(self) -> FleetTls | None:
+        """How the servers' internal API is verified; None: plain HTTP (development without the chart's TLS)."""
+        return FleetTls.from_files(self.tls_ca_file, self.tls_server_name, server=False)
+
+    @property
+    def internal_scheme(self) -> str:
+        return "http" if self.tls is None else "https"
 
 
 def _internal_token(env: Mapping[str, str], file: str | None) -> str:

@@ -51,7 +51,7 @@ def open_store(settings: Settings):
     return KVStore(settings.store_dir, dram_budget_bytes=settings.dram_budget_bytes,
                    gpu_budget_bytes=settings.gpu_budget_bytes, node=settings.node_name, device=settings.device,
                    peer_port=settings.nixl_port if cluster else None, peer_host=settings.host,
-                   peer_secret=settings.peer_secret,
+                   peer_secret=settings.peer_secret, peer_tls=settings.fleet_tls,
                    job_root=settings.kv_host_path, ucx_port_range=settings.ucx_port_range, keyring=keyring)
 
 

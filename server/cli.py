@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from inferscale.contract import ENGINES, KV_DTYPES, MODES
 from inferscale.errors import ConfigError
+from inferscale.fleettls import FleetTls
 
 log = logging.getLogger(__name__)
 EXIT_ENGINE_FAILED = 3  # the process exit status when the engine worker failed (the container is restarted)
@@ -87,11 +88,21 @@ def run(args: argparse.Namespace) -> int:
     servers = [listener(app, settings.port)]
     internal_app = app.state.internal_app
     if internal_app is not None:  # else single node: the tenant API only
-        print(f"Internal API (operator only) on http://{settings.host}:{settings.internal_port}/internal/v1",
+        tls = settings.fleet_tls
+        scheme = "http" if tls is None else "https"
+        print(f"Internal API (operator only) on {scheme}://{settings.host}:{settings.internal_port}/internal/v1",
               flush=True)
-        servers.append(listener(internal_app, settings.internal_port, lifespan="off"))
+        servers.append(listener(internal_app, settings.internal_port, lifespan="off", **internal_tls_options(tls)))
     worker = app.state.worker
     return asyncio.run(serve_together(servers, engine_alive=lambda: worker.alive))
+
+
+def internal_tls_options(tls: FleetTls | None) -> dict[str, Callable]:
+    """uvicorn.Config options of the internal listener: TLS with the fleet certificate (taken up again when the
+    mounted files change) when the fleet has one, else none (plain HTTP)."""
+    if tls is None:
+        return {}
+    return {"ssl_context_factory": lambda _config, _default: tls.reloading_server_context(verify_clients=False)}
 
 
 async def serve_together(servers: list, engine_alive: Callable[[], bool] | None = None) -> int:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from inferscale.contract import (DEFAULT_ENGINE, DEFAULT_KV_DTYPE, DEFAULT_MODE, DEFAULT_RECOMPUTE_RATIO, EngineName,
                                  KVDtype, Mode)
 from inferscale.errors import ConfigError
+from inferscale.fleettls import FleetTls
 from inferscale.secretfile import read_secret
 from inferscale.store.peer_protocol import MIN_SECRET_CHARS
 
@@ -32,6 +33,10 @@ ENV = {
     "internal_port": "INFERSCALE_INTERNAL_PORT",
     "peer_secret": "INFERSCALE_PEER_SECRET",
     "peer_secret_file": "INFERSCALE_PEER_SECRET_FILE",
+    "tls_cert_file": "INFERSCALE_TLS_CERT_FILE",
+    "tls_key_file": "INFERSCALE_TLS_KEY_FILE",
+    "tls_ca_file": "INFERSCALE_TLS_CA_FILE",
+    "tls_server_name": "INFERSCALE_TLS_SERVER_NAME",
     "metrics_token": "INFERSCALE_METRICS_TOKEN",
     "metrics_token_file": "INFERSCALE_METRICS_TOKEN_FILE",
     "shutdown_grace_s": "INFERSCALE_SHUTDOWN_GRACE_S",
@@ -89,6 +94,11 @@ class Settings(BaseModel):
     # The peer plane (server <-> server): MACs peer requests (never sent); None = no peer service.
     peer_secret: str | None = None
     peer_secret_file: Path | None = None
+    # TLS of the internal listener and the peer control channel (inferscale/fleettls.py): all four, or none.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None  # refused when others can read it
+    tls_ca_file: Path | None = None
+    tls_server_name: str | None = None  # the name the fleet certificate holds, which peers check
     # Bearer token of GET /metrics (Prometheus); None = /metrics is not served (it shows every tenant's activity).
     metrics_token: str | None = None
     metrics_token_file: Path | None = None
@@ -141,7 +151,14 @@ class Settings(BaseModel):
                 raise ConfigError(f"set {ENV[value]} or {ENV[path]}, not both")
             setattr(self, value, read_secret(file, ENV[path]))
         self._check_peer_secret()
+        _ = self.fleet_tls  # refused at start when only part is set or a file is unusable
         return self
+
+    @property
+    def fleet_tls(self) -> FleetTls | None:
+        """The fleet's TLS files (checked); None when none are set (plain TCP on both planes)."""
+        return FleetTls.from_files(self.tls_ca_file, self.tls_server_name, self.tls_cert_file, self.tls_key_file,
+                                   server=True)
 
     def _check_peer_secret(self) -> None:
         """The peer plane's secret must not open the internal plane (nor be guessable): a holder of the operator's

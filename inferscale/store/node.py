@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # types only; none of these modules imports this one
     import torch
 
+    from inferscale.fleettls import FleetTls
     from inferscale.kvformat import KVBlock
     from inferscale.sealing import Keyring
     from inferscale.store.arena import Arena
@@ -31,6 +32,7 @@ class StoreNode(Protocol):
     job_root: Path | None
     timeout_s: float
     peer_secret: str | None
+    peer_tls: FleetTls | None
     arena: Arena
     dram: DramTier
     catalogue: Catalogue

@@ -5,7 +5,11 @@ Only metadata crosses these sockets; block bytes go through NIXL. Admission is i
 without the secret can starve the peers that have it: a connection that has not yet proved the secret holds a
 pre-auth slot, at most ``preauth_per_source`` per source address and ``preauth_total`` in all, for at most
 ``preauth_deadline_s``; a proved session then holds one of ``max_sessions`` session slots (``sessions_per_peer``
-per source)."""
+per source).
+
+With a FleetTls (inferscale/fleettls.py) both ends speak TLS 1.3 and verify each other against the fleet CA
+before any frame: the handshake happens inside the pre-auth slot and its deadline, and a connection that is not
+TLS, or whose certificate the CA did not sign, is dropped before the greeting. The MACs stay the authorization."""
 
 from __future__ import annotations
 
@@ -14,15 +18,19 @@ import secrets
 import select
 import socket
 import socketserver
+import ssl
 import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from inferscale.errors import InferScaleError, NotFoundError, TransferError
 from inferscale.store import peer_protocol as wire
+
+if TYPE_CHECKING:
+    from inferscale.fleettls import FleetTls
 
 log = logging.getLogger(__name__)
 PREAUTH_PER_SOURCE = 4
@@ -56,7 +64,7 @@ class PeerSession:
     """The client side of one session: connect, prove the secret, then ``call`` any number of requests, each reply
     checked against the transcript. Raises TransferError on anything a peer holding the secret would not send."""
 
-    def __init__(self, peer: str, secret: str, timeout_s: float) -> None:
+    def __init__(self, peer: str, secret: str, timeout_s: float, tls: FleetTls | None = None) -> None:
         self.peer, self.secret, self.timeout_s = peer, wire.check_secret(secret), timeout_s
         host, port = parse_peer(peer)
         self.seq = 0
@@ -64,6 +72,8 @@ class PeerSession:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as e:
             raise TransferError(f"peer {peer} unreachable ({e})") from None
+        if tls is not None:
+            self.sock = _client_tls(self.sock, peer, tls)
         try:
             self.sock.settimeout(timeout_s)
             greeting = wire.recv_msg(self.sock, wire.MAX_GREETING)
@@ -99,7 +109,7 @@ class PeerSession:
             wire.send_msg(self.sock, req)
             if progress is not None:
                 deadline = time.monotonic() + self.timeout_s
-                while not select.select([self.sock], [], [], 0.0002)[0]:
+                while not _readable(self.sock):
                     if time.monotonic() > deadline:
                         raise TimeoutError("no reply in time")
                     progress()
@@ -120,10 +130,32 @@ class PeerSession:
         self.close()
 
 
-def request(peer: str, msg: dict[str, Any], timeout_s: float, secret: str) -> dict[str, Any]:
+def request(peer: str, msg: dict[str, Any], timeout_s: float, secret: str,
+            tls: FleetTls | None = None) -> dict[str, Any]:
     """One request in a session of its own."""
-    with PeerSession(peer, secret, timeout_s) as s:
+    with PeerSession(peer, secret, timeout_s, tls) as s:
         return s.call(msg)
+
+
+def _client_tls(sock: socket.socket, peer: str, tls: FleetTls) -> ssl.SSLSocket:
+    """``sock`` after a TLS handshake that proved the peer holds the fleet certificate (and presented ours)."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the handshake's small writes, not Nagle's 40 ms
+        return tls.client_context().wrap_socket(sock, server_hostname=tls.server_name)
+    except ssl.SSLCertVerificationError as e:
+        sock.close()
+        raise TransferError(f"peer {peer}: TLS certificate refused ({e.verify_message}; "
+                            f"expected {tls.server_name!r} signed by INFERSCALE_TLS_CA_FILE)") from None
+    except OSError as e:  # ssl.SSLError included: not TLS, or our certificate refused
+        sock.close()
+        raise TransferError(f"peer {peer}: TLS handshake failed ({e})") from None
+
+
+def _readable(sock: socket.socket) -> bool:
+    """A reply has begun: bytes TLS already decrypted, or bytes on the socket."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    return bool(select.select([sock], [], [], 0.0002)[0])
 
 
 class _Admission:
@@ -183,17 +215,23 @@ class PeerServer:
     def __init__(self, host: str, port: int, handler: Handler, secret: str, timeout_s: float = 30.0, *,
                  on_close: Callable[[Session], None] | None = None, preauth_per_source: int = PREAUTH_PER_SOURCE,
                  preauth_total: int = PREAUTH_TOTAL, preauth_deadline_s: float = PREAUTH_DEADLINE_S,
-                 max_sessions: int = MAX_SESSIONS, sessions_per_peer: int = SESSIONS_PER_PEER) -> None:
+                 max_sessions: int = MAX_SESSIONS, sessions_per_peer: int = SESSIONS_PER_PEER,
+                 tls: FleetTls | None = None) -> None:
         secret = wire.check_secret(secret)
         admission = _Admission(preauth_per_source, preauth_total, max_sessions, sessions_per_peer)
 
         def serve(conn: socket.socket, source: str) -> None:
             promoted = False
+            deadline = time.monotonic() + preauth_deadline_s
             try:
+                if tls is not None:  # the handshake, too, within the pre-auth deadline
+                    conn.settimeout(preauth_deadline_s)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    conn = tls.server_context(verify_clients=True).wrap_socket(conn, server_side=True)
                 conn.settimeout(timeout_s)
                 snonce = secrets.token_hex(16)
                 wire.send_msg(conn, {"v": 2, "nonce": snonce})
-                hello = wire.recv_msg(conn, wire.MAX_HELLO, time.monotonic() + preauth_deadline_s)
+                hello = wire.recv_msg(conn, wire.MAX_HELLO, deadline)
                 cnonce = hello.get("cnonce")
                 if not isinstance(cnonce, str) or len(cnonce) > 64:
                     return
@@ -210,10 +248,12 @@ class PeerServer:
                     return
                 promoted = True
                 self._session(conn, Session(uuid.uuid4().hex, source, t))
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError) as e:  # ssl.SSLError included: not TLS, or a certificate refused
                 log.debug("peer connection from %s dropped: %s", source, e)
             finally:
                 admission.leave(source, promoted)
+                if isinstance(conn, ssl.SSLSocket):  # it took over the socket socketserver would close
+                    conn.close()
 
         self.handler, self.on_close, self.secret, self.timeout_s = handler, on_close, secret, timeout_s
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from inferscale.errors import TransferError
+from inferscale.fleettls import FleetTls
 from inferscale.store.peer import MAX_REQUESTS_PER_SESSION, PeerSession
 
 IDLE_S = 2.0  # well under any peer's session timeout
@@ -23,8 +24,9 @@ PER_PEER = 2  # kept sessions per peer; each holds one of the peer's session slo
 
 
 class PeerSessions:
-    def __init__(self, idle_s: float = IDLE_S, per_peer: int = PER_PEER) -> None:
+    def __init__(self, idle_s: float = IDLE_S, per_peer: int = PER_PEER, tls: FleetTls | None = None) -> None:
         self.idle_s, self.per_peer = idle_s, per_peer
+        self.tls = tls  # every new session is wrapped in the fleet's TLS when it has certificates
         self.lock = threading.Lock()
         self.kept: dict[tuple[str, str], list[tuple[float, PeerSession]]] = {}
 
@@ -42,7 +44,7 @@ class PeerSessions:
                 s = None
         for x in stale:
             x.close()
-        return (s, True) if s is not None else (PeerSession(peer, secret, timeout_s), False)
+        return (s, True) if s is not None else (PeerSession(peer, secret, timeout_s, self.tls), False)
 
     def give_back(self, session: PeerSession, requests_next: int) -> None:
         """Keep ``session`` for a later pull of ``requests_next`` requests (closed when it could not take them)."""
@@ -66,7 +68,7 @@ class PeerSessions:
             session.close()
             if not kept:
                 raise
-        session = PeerSession(peer, secret, timeout_s)
+        session = PeerSession(peer, secret, timeout_s, self.tls)
         try:
             return session, session.call(msg, progress)
         except BaseException:

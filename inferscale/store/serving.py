@@ -18,6 +18,7 @@ from inferscale.store.leases import LeaseBook, LeaseCaps
 from inferscale.store.peer import PeerServer, Session
 
 if TYPE_CHECKING:
+    from inferscale.fleettls import FleetTls
     from inferscale.store.node import StoreNode
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,12 @@ def partial_marker(root: str | Path, tenant: str, user: str) -> Path:
 
 class PeerService:
     def __init__(self, store: StoreNode, host: str, port: int, *, secret: str, timeout_s: float,
-                 caps: LeaseCaps | None = None) -> None:
+                 caps: LeaseCaps | None = None, tls: FleetTls | None = None) -> None:
         self.store = store
         self.timeout_s = timeout_s
         self.leases = LeaseBook(caps or LeaseCaps.for_arena(store.arena.size), store.dram.release)
-        self.server = PeerServer(host, port, self.handle, secret, timeout_s, on_close=self._session_closed)
+        self.server = PeerServer(host, port, self.handle, secret, timeout_s, on_close=self._session_closed,
+                                 tls=tls)
         self.port = self.server.port
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from inferscale import sealing
 from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError,
 )
+from inferscale.fleettls import FleetTls
 from inferscale.kvformat import KVBlock, block_from_image, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import BlobInfo, parse_header, remove_orphan_temps
@@ -59,6 +60,7 @@ class KVStore:
         peer_port: int | None = None,
         peer_host: str = "0.0.0.0",
         peer_secret: str | None = None,
+        peer_tls: FleetTls | None = None,
         timeout_s: float = 10.0,
         device: str | torch.device | None = None,
         min_block_bytes: int = DEFAULT_MIN_BLOCK,
@@ -73,6 +75,7 @@ class KVStore:
         self.node = node or socket.gethostname()
         self.timeout_s = timeout_s
         self.peer_secret = peer_secret  # INFERSCALE_PEER_SECRET: MACs peer requests, never sent
+        self.peer_tls = peer_tls  # the peer channel's TLS (both ways) when the fleet has certificates
         for name, v in (("dram_budget_bytes", dram_budget_bytes), ("gpu_budget_bytes", gpu_budget_bytes)):
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")
@@ -113,7 +116,7 @@ class KVStore:
 
             self.transport = NixlTransport(self.arena, name=f"{self.node}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                            timeout_s=timeout_s, ucx_port_range=ucx_port_range)
-        self.peer_sessions = PeerSessions()  # this node's pulls: sessions kept open between them
+        self.peer_sessions = PeerSessions(tls=peer_tls)  # this node's pulls: sessions kept open between them
         self.hasher = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                           thread_name_prefix="kvstore-verify")
         self.counters = {"gpu_hits": 0, "dram_hits": 0, "disk_reads": 0, "peer_pulls": 0, "corrupt": 0}
@@ -126,7 +129,8 @@ class KVStore:
 
             if peer_secret is None:
                 raise ConfigError("serving peers (peer_port) needs a peer secret (INFERSCALE_PEER_SECRET)")
-            self.peer_service = PeerService(self, peer_host, peer_port, secret=peer_secret, timeout_s=timeout_s)
+            self.peer_service = PeerService(self, peer_host, peer_port, secret=peer_secret, timeout_s=timeout_s,
+                                            tls=peer_tls)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     @property

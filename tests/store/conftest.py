@@ -2,7 +2,7 @@ import pytest
 
 from inferscale.store import KVStore
 
-from .helpers import PEER_SECRET
+from .helpers import PEER_SECRET, PEER_TLS
 
 
 @pytest.fixture
@@ -14,6 +14,7 @@ def open_store(tmp_path):
         kw.setdefault("dram_budget_bytes", 8 << 20)
         kw.setdefault("timeout_s", 5.0)
         kw.setdefault("peer_secret", PEER_SECRET)
+        kw.setdefault("peer_tls", PEER_TLS)
         s = KVStore(root or tmp_path / "kv", **kw)
         stores.append(s)
         return s

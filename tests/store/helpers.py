@@ -6,9 +6,12 @@ import torch
 
 from inferscale.kvformat import KVBlock
 
+from fleet_certs import shared_fleet_tls
+
 FP = "f" * 64  # a model fingerprint
 OTHER_FP = "e" * 64
 PEER_SECRET = "peer-secret-for-store-tests"  # INFERSCALE_PEER_SECRET of every test node
+PEER_TLS = shared_fleet_tls()  # every test node's peer channel is TLS, as the chart's fleet is
 LAYERS, HEADS, DIM = 2, 1, 2048  # 4 tokens -> 128 KiB of kv: above the store's 64 KiB block floor
 
 

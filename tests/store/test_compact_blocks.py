@@ -8,7 +8,7 @@ from inferscale.kvformat import compact, save_block
 from inferscale.store import KVStore
 from inferscale.bench.node import child_process, serve_node
 
-from .helpers import FP, PEER_SECRET, make_block
+from .helpers import FP, PEER_SECRET, PEER_TLS, make_block
 
 FORMATS = ("int8", "fp8", "int4")
 
@@ -65,7 +65,7 @@ def compact_peer(tmp_path):
     with KVStore(root, dram_budget_bytes=8 << 20, nixl=False) as s:
         for i, f in enumerate(FORMATS):
             s.put("acme", "alice", compact(make_block(f"m{i}", tokens=5), f))
-    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "preload": [("acme", "alice", FP)]}
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "peer_tls": PEER_TLS, "preload": [("acme", "alice", FP)]}
     with child_process(serve_node, str(root), options) as info:
         yield info["peer"]
 

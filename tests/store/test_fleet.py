@@ -11,7 +11,7 @@ from inferscale.store.fleet import Fleet
 from inferscale.store import KVStore
 from inferscale.bench.node import child_process, serve_node
 
-from .helpers import FP, PEER_SECRET, make_block
+from .helpers import FP, PEER_SECRET, PEER_TLS, make_block
 
 ITEMS = [f"m{i}" for i in range(6)]
 
@@ -23,7 +23,7 @@ def peer_node(tmp_path):
     with KVStore(root, dram_budget_bytes=8 << 20, nixl=False) as s:
         for it in ITEMS:
             s.put("acme", "alice", make_block(it, tokens=5))
-    with child_process(serve_node, str(root), {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET,
+    with child_process(serve_node, str(root), {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "peer_tls": PEER_TLS,
                                                "preload": [("acme", "alice", FP)]}) as info:
         yield info["peer"]
 
@@ -138,7 +138,7 @@ def test_a_peer_on_the_job_node_serves_its_job_dir(open_store, tmp_path):
     d.mkdir(parents=True)
     for i in ITEMS:
         (d / f"{i}{SUFFIX}").write_bytes(encode_blob(make_block(i, tokens=5)))
-    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "job_root": str(job_root)}
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "peer_tls": PEER_TLS, "job_root": str(job_root)}
     with child_process(serve_node, str(tmp_path / "node1-store"), options) as info:
         store = open_store(timeout_s=10.0)
         fleet = Fleet(store)
@@ -156,7 +156,7 @@ def test_a_holder_that_vanished_is_looked_up_again(open_store, tmp_path):
             s.put("acme", "alice", make_block(it, tokens=5))
     store = open_store(timeout_s=3.0)
     fleet = Fleet(store)
-    with child_process(serve_node, str(root), {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET}) as info:
+    with child_process(serve_node, str(root), {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "peer_tls": PEER_TLS}) as info:
         fleet.set_peers([info["peer"]])
         fleet.embeddings("acme", "alice", FP)
     from inferscale.errors import TransferError

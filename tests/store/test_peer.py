@@ -12,7 +12,7 @@ from inferscale.errors import BlobCorruptError, NotFoundError, TransferError, Un
 from inferscale.store import KVStore
 from inferscale.bench.node import child_process, serve_node
 
-from .helpers import FP, PEER_SECRET, make_block
+from .helpers import FP, PEER_SECRET, PEER_TLS, make_block
 
 ITEMS = [f"m{i}" for i in range(6)]
 
@@ -25,7 +25,7 @@ def peer_node(tmp_path):
         for it in ITEMS:
             s.put("acme", "alice", make_block(it, tokens=5))
         s.put("other", "bob", make_block("x"))
-    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "preload": [("acme", "alice", FP)]}
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "peer_tls": PEER_TLS, "preload": [("acme", "alice", FP)]}
     with child_process(serve_node, str(root), options) as info:
         yield info["peer"]
 

@@ -15,7 +15,7 @@ from inferscale.kvformat import SUFFIX, encode_blob, load_block, save_block
 from inferscale.bench.node import child_process, serve_node
 from inferscale.store import KVStore
 
-from .helpers import FP, PEER_SECRET, make_block
+from .helpers import FP, PEER_SECRET, PEER_TLS, make_block
 
 
 def _write_kek(path, text):
@@ -153,7 +153,7 @@ def test_peer_pull_is_sealed_under_the_pullers_key(open_store, tmp_path, keyring
     with KVStore(root, dram_budget_bytes=8 << 20, nixl=False) as p:
         for it in ("m0", "m1"):
             p.put("acme", "alice", make_block(it, tokens=5))
-    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "preload": [("acme", "alice", FP)]}
+    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "peer_tls": PEER_TLS, "preload": [("acme", "alice", FP)]}
     with child_process(serve_node, str(root), options) as info:
         s = open_store(keyring=keyring, timeout_s=10.0)
         assert s.pull_from_peer("acme", "alice", info["peer"]).blocks == 2
