@@ -70,7 +70,7 @@ def test_a_failed_pull_closes_its_session_and_the_lease_ends(owner_and_puller, m
 
 def test_kept_sessions_are_bounded_per_peer_and_in_idle_time(owner_and_puller):
     a, b = owner_and_puller()
-    pool = PeerSessions(idle_s=0.2, per_peer=1)
+    pool = PeerSessions(idle_s=0.2, per_peer=1, tls=b.peer_tls)
     s1, kept1 = pool.take(a.peer_address, b.peer_secret, 5.0)
     s2, kept2 = pool.take(a.peer_address, b.peer_secret, 5.0)
     assert not kept1 and not kept2
