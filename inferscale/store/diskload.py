@@ -50,7 +50,8 @@ def load_from_disk(store: StoreNode, tenant: str, rows: list[ItemInfo], protect:
                     missing.append(r.item_id)  # truncated or replaced behind our back
         if missing:
             store.raise_corrupt(tenant, rows[0].user, missing, mark=True)
-        offsets, evicted = store.dram.reserve(tenant, sizes, protect)
+        # Each block offered to the DRAM cache; one the frequency filter refuses gets a bypass slot.
+        offsets, evicted = store.dram.admit_misses(tenant, [r.key for r in opened], sizes, protect)
         try:
             if store.transport is not None and store.transport.has_posix:
                 store.transport.read_files(list(zip(fds, sizes)), offsets)

@@ -14,6 +14,8 @@ class FetchStats:
     bytes_read: int = 0  # blob bytes brought up from disk
     seconds: float = 0.0
     served: dict[str, str] = field(default_factory=dict)  # item id -> tier
+    tier_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes it moved (disk: blob bytes read)
+    tier_seconds: dict[str, float] = field(default_factory=dict)  # tier -> seconds its share of the call took
 
     def as_attributes(self, prefix: str = "kv.") -> dict[str, int | float]:
         """Flat attributes for a tracing span."""

@@ -66,6 +66,29 @@ class TransferMeter:
             return self._totals
 
 
+class PinnedKeys:
+    """The keys ``KVStore.pin`` pinned in one tier, each held as one pin of its cache (in-flight readers add
+    their own). Not thread-safe: the tier's lock guards it."""
+
+    def __init__(self, cache: BlockCache) -> None:
+        self.cache = cache
+        self.keys: set[Key] = set()
+
+    def set(self, keys: list[Key], on: bool) -> None:
+        for k in keys:
+            if on and k not in self.keys:
+                self.keys.add(k)
+                self.cache.pin(k)
+            elif not on and k in self.keys:
+                self.keys.discard(k)
+                self.cache.unpin(k)
+
+
+def set_share(cache: BlockCache, tenant: str, nbytes: int | None) -> None:
+    """``tenant``'s byte share of a tier's cache; None: the cache's default share."""
+    cache.tenant_shares[tenant] = nbytes if nbytes is not None else cache.default_share
+
+
 class CacheTier(Protocol):
     """What ``KVStore`` (and the planner, benches) use of a cache tier. DRAM: ``store.tiers.DramTier``; device:
     ``store.tiers.DeviceTier``. Reads and writes of bytes are tier-specific (arena slots, device tensors)."""
