@@ -11,7 +11,7 @@
    blocks served from DRAM and from disk, bytes and seconds of each request's fetch.
 4. Predicted: ``capacity.simulate`` (the same ``BlockCache`` and ``FetchPlanner`` classes) replays the trace of
    what the server injected, on a node of the same DRAM budget and block size (no device tier: none runs here),
-   links set to the rates this run measured. Whole-user caching, which the store no longer has, is the same
+   links set to the rates this run measured, each block its own measured size. Whole-user caching, which the store no longer has, is the same
    simulator's ``whole-user`` mode on that trace and budget. The first third of the trace warms both up.
 """
 
@@ -40,26 +40,29 @@ NO_RECOMPUTE_TOKENS_S = 1.0  # the server always fetches today: a prefill this s
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name or path (default: embedded gemma-3-270m)")
     p.add_argument("--device", default=None)
-    p.add_argument("--users", type=int, default=16, help="users on the node")
+    p.add_argument("--users", type=int, default=6, help="users on the node")
     p.add_argument("--memories", type=float, default=48, help="mean memories per user (lognormal)")
     p.add_argument("--sigma", type=float, default=0.25, help="lognormal sigma of memories per user")
     p.add_argument("-k", type=int, default=4, help="memories per request")
-    p.add_argument("--requests", type=int, default=300, help="requests in the trace (a third warm up)")
+    p.add_argument("--requests", type=int, default=240, help="requests in the trace (a third warm up)")
     p.add_argument("--user-zipf", type=float, default=1.0)
     p.add_argument("--memory-zipf", type=float, default=1.0)
     p.add_argument("--dram-fraction", type=float, default=0.1, help="DRAM budget as a share of the corpus bytes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context-tokens", type=int, default=64,
+                   help="tokens of earlier memories each one is encoded behind (the server's default is 256: the cache "
+                        "does not depend on it, the time to load the corpus does)")
     p.add_argument("--port", type=int, default=0, help="loopback port of the server (0: any free one)")
     p.add_argument("--json", default=None, help="write results here")
 
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    users: int = 16
+    users: int = 6
     memories: float = 48
     sigma: float = 0.25
     k: int = 4
-    requests: int = 300
+    requests: int = 240
     user_zipf: float = 1.0
     memory_zipf: float = 1.0
     dram_fraction: float = 0.1
@@ -118,17 +121,18 @@ def _memory_texts(trace: workload.Trace, tokenizer, seed: int) -> list[list[dict
     return out
 
 
-def _store_memories(server: ReplayServer, texts: list[list[dict]]) -> list[float]:
-    """PUT every user's memories; returns the plain size of each stored block."""
+def _store_memories(server: ReplayServer, texts: list[list[dict]]) -> dict[tuple[int, int], int]:
+    """PUT every user's memories; returns the bytes the DRAM tier counts for each block: (user, memory) -> its
+    plain image, aligned to the arena's slots."""
     import httpx
 
     headers = {"Authorization": f"Bearer {KEY}"}
-    sizes: list[float] = []
+    sizes: dict[tuple[int, int], int] = {}
     for u, items in enumerate(texts):
         r = httpx.put(f"{server.live.url}/v1/memories/u{u}", json={"items": items}, headers=headers, timeout=3600)
         if r.status_code != 200:
             raise ConfigError(f"bench replay: storing user u{u}'s memories failed: {r.status_code} {r.text[:200]}")
-        sizes += [align_up(i.size) for i in server.store.list(TENANT, f"u{u}")]
+        sizes.update({(u, int(i.item_id[1:])): align_up(i.size) for i in server.store.list(TENANT, f"u{u}")})
     return sizes
 
 
@@ -175,7 +179,8 @@ def _replay(server: ReplayServer, trace: workload.Trace, texts: list[list[dict]]
                     per_req_bytes, fetch_s, rate["dram"], rate["disk"], injected)
 
 
-def _predicted(trace: workload.Trace, measured: Measured, budget: int, block_bytes: int, warmup: int) -> dict:
+def _predicted(trace: workload.Trace, measured: Measured, budget: int, sizes: simulate.BlockSizes, warmup: int
+               ) -> dict:
     """``inferscale plan``'s node simulation of the trace the server served, on the same DRAM budget."""
     requests = [workload.Request(r.user, tuple(int(i[1:]) for i in items))
                 for r, items in zip(trace.requests, measured.injected)]
@@ -183,7 +188,8 @@ def _predicted(trace: workload.Trace, measured: Measured, budget: int, block_byt
     node = simulate.NodeShape(hbm_bytes=0, dram_bytes=budget, disk_bytes=1 << 50, dram_gbs=measured.dram_rate / 1e9,
                               disk_gbs=measured.disk_rate / 1e9, dram_fixed_s=0.0, disk_fixed_s=0.0,
                               prefill_tokens_s=NO_RECOMPUTE_TOKENS_S)
-    common = dict(block_bytes=block_bytes, block_tokens=30, scale=1.0, question_tokens=0, warmup=warmup)
+    common = dict(block_bytes=int(statistics.mean(sizes.values())), block_tokens=30, scale=1.0, question_tokens=0,
+                  warmup=warmup, sizes=sizes)
     per_block = simulate.per_block(served, node, **common)
     whole = simulate.whole_user(served, node, **common)
     hits, misses = per_block.served["dram"], per_block.served["disk"]
@@ -203,9 +209,9 @@ def replay(cfg: ReplayConfig, engine, embedder, work: Path) -> dict:
     finally:
         loader.close()
     load_s = time.perf_counter() - t0
-    corpus = int(sum(sizes))
-    block_bytes = int(statistics.mean(sizes))
-    budget = max(int(corpus * cfg.dram_fraction), cfg.k * int(max(sizes)))
+    corpus = sum(sizes.values())
+    block_bytes = int(statistics.mean(sizes.values()))
+    budget = max(int(corpus * cfg.dram_fraction), cfg.k * max(sizes.values()))
     server = ReplayServer(work, engine, embedder, budget, cfg.port)  # a cold DRAM tier over the same disk
     t1 = time.perf_counter()
     try:
@@ -214,7 +220,7 @@ def replay(cfg: ReplayConfig, engine, embedder, work: Path) -> dict:
     finally:
         server.close()
     replay_s = time.perf_counter() - t1
-    pred = _predicted(trace, measured, budget, block_bytes, warmup)
+    pred = _predicted(trace, measured, budget, sizes, warmup)
     hit_measured = measured.dram_blocks / max(measured.dram_blocks + measured.disk_blocks, 1)
     per_block_bytes = float(np.mean(measured.bytes_per_request))
     whole_bytes = pred["whole_user"]["bytes_per_request"]
@@ -273,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ReplayConfig(users=args.users, memories=args.memories, sigma=args.sigma, k=args.k, requests=args.requests,
                        user_zipf=args.user_zipf, memory_zipf=args.memory_zipf, dram_fraction=args.dram_fraction,
                        seed=args.seed, port=args.port)
-    engine = Engine.load(args.model, device=args.device)
+    engine = Engine.load(args.model, device=args.device, context_tokens=args.context_tokens)
     work = Path(tempfile.mkdtemp(prefix="inferscale-bench-replay-"))
     try:
         result = replay(cfg, engine, Embedder(), work)

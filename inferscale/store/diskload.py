@@ -51,13 +51,16 @@ def load_from_disk(store: StoreNode, tenant: str, rows: list[ItemInfo], protect:
         if missing:
             store.raise_corrupt(tenant, rows[0].user, missing, mark=True)
         # Each block offered to the DRAM cache; one the frequency filter refuses gets a bypass slot.
-        offsets, evicted = store.dram.admit_misses(tenant, [r.key for r in opened], sizes, protect)
+        offsets, evicted = store.dram.admit_misses(tenant, [r.key for r in opened], sizes, protect,
+                                                   plain=[r.size for r in opened])
         try:
-            if store.transport is not None and store.transport.has_posix:
-                store.transport.read_files(list(zip(fds, sizes)), offsets)
-            else:
-                for fd, off, size in zip(fds, offsets, sizes):
-                    _pread_into(fd, store.arena.view(off, size))
+            slots = list(zip(fds, offsets, sizes))
+            if store.transport is not None and store.transport.has_posix:  # one batch into the arena
+                arena = [(fd, off, size) for fd, off, size in slots if store.dram.in_arena(off)]
+                store.transport.read_files([(fd, size) for fd, _, size in arena], [off for _, off, _ in arena])
+                slots = [s for s in slots if not store.dram.in_arena(s[1])]
+            for fd, off, size in slots:  # no transport, or a bypassed block's own buffer
+                _pread_into(fd, store.dram.view(off, size))
         except BaseException:
             store.dram.abort(tenant, offsets, sizes)
             raise
@@ -96,12 +99,12 @@ def verify_slots(store: StoreNode, tenant: str, slots: list[tuple[int, int, str,
         try:
             plain = size
             if sealed_for is not None:
-                view = store.arena.view(off, size)
+                view = store.dram.view(off, size)
                 plain = sealing.open_into(view, view, store.keyring, tenant=tenant, user=sealed_for, item=item,
                                           fingerprint=fp, source=source,
                                           generation=None if generations is None else generations.get(item)
                                           ).body_len
-            info = verify(store.arena.view(off, plain), source=source, expect_sha=None, expect_item=item,
+            info = verify(store.dram.view(off, plain), source=source, expect_sha=None, expect_item=item,
                           expect_fingerprint=fp, digest=sealed_for is None)
             if info.sha256 != sha and (recheck is None or not recheck(item, info.sha256)):
                 raise BlobCorruptError(f"{source}: checksum {info.sha256[:12]} is not the catalogued "

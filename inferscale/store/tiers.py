@@ -3,8 +3,8 @@
 Which blocks stay is its ``BlockCache``'s decision (``store.blockcache``: frequency-filtered admission, LRU
 eviction, the byte budget, tenant shares, pins); this module only places bytes. Every reader holds a reference
 (one cache pin each): an in-use block is never evicted, and a slot is reused only once its last view is gone. A
-block the filter refuses is read into the arena's bypass room (a quarter of the budget above it), serves the
-request that read it and is freed after: it never displaces a hotter block. Eviction only drops the cached copy:
+block the filter refuses is read into a buffer of its own outside the arena, serves the request that read it and
+is freed after: it never displaces a hotter block. Eviction only drops the cached copy:
 the disk tier (G3) always keeps the blob."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from inferscale.errors import QuotaExceededError
@@ -23,10 +24,11 @@ from inferscale.store.blob import BlobInfo
 from inferscale.store.blockcache import BlockCache
 from inferscale.store.tier import Key, PinnedKeys, TransferMeter, set_share
 
-__all__ = ["BYPASS_FRACTION", "DramEntry", "DramTier", "Key"]
-# Room above the cache budget for blocks the filter refuses (they serve one request): sized so that a few
-# concurrent requests' refused blocks fit without pushing anything out; beyond it, the LRU block makes room.
-BYPASS_FRACTION = 4
+__all__ = ["FRAGMENTATION_FRACTION", "DramEntry", "DramTier", "Key"]
+# Arena room above the cache budget, for slots the cache does not count (a transfer's reservations, entries still
+# read after eviction) and for fragmentation: without it, blocks of different sizes would often find no hole
+# big enough and push out more than the cache decided.
+FRAGMENTATION_FRACTION = 8
 
 
 @dataclass(eq=False)
@@ -53,6 +55,8 @@ class DramTier:
         self._entries: dict[Key, DramEntry] = {}
         self._pending: dict[int, Key] = {}  # reserved slot -> the key admitted for it (pinned until committed)
         self._bypass: set[int] = set()  # reserved slots the filter refused: they serve one request only
+        self._private: dict[int, np.ndarray] = {}  # those slots' own buffers, under negative offsets
+        self._next_private = -1
         self._pinned = PinnedKeys(cache)  # KVStore.pin
         self.bypassed = 0
         # Bumped on every put/delete of a key: a load that raced with one must not cache the old bytes.
@@ -63,8 +67,8 @@ class DramTier:
 
     @staticmethod
     def arena_bytes(budget: int) -> int:
-        """The arena a budget needs: the cached blocks plus the bypass room."""
-        return budget + budget // BYPASS_FRACTION
+        """The arena a budget needs: the cached blocks plus room against fragmentation."""
+        return budget + budget // FRAGMENTATION_FRACTION
 
     @property
     def tenant_quotas(self) -> dict[str, int | None]:  # per-tenant shares set (the server's tenants file)
@@ -86,7 +90,18 @@ class DramTier:
             self._free(e)
 
     def _free(self, e: DramEntry) -> None:
-        self.arena.allocator.free(e.offset, e.size)
+        if e.offset < 0:
+            self._private.pop(e.offset, None)
+        else:
+            self.arena.allocator.free(e.offset, e.size)
+
+    def view(self, offset: int, n: int) -> memoryview:
+        """The bytes of a slot: in the arena, or a bypassed block's own buffer (negative offsets)."""
+        return memoryview(self._private[offset][:n]) if offset < 0 else self.arena.view(offset, n)
+
+    @staticmethod
+    def in_arena(offset: int) -> bool:  # else a bypassed block's own buffer: no transport reaches it
+        return offset >= 0
 
     def _evict(self, key: Key, evicted: list[Key] | None = None) -> None:
         e = self._entries.pop(key, None)
@@ -120,23 +135,25 @@ class DramTier:
     def lease_view(self, e: DramEntry) -> torch.Tensor:
         """A uint8 tensor over the entry's bytes that owns the caller's reference: the slot cannot be reused
         while any tensor viewing it (kv views included) is alive. Zero-copy."""
-        arr = self.arena.np_slice(e.offset, e.size)
+        arr = self._private[e.offset][: e.size] if e.offset < 0 else self.arena.np_slice(e.offset, e.size)
         weakref.finalize(arr, self.release, e)
         return torch.from_numpy(arr)
 
     # -- writes ---------------------------------------------------------------------------------------------
-    def admit_misses(self, tenant: str, keys: list[Key], sizes: list[int], protect: set[Key] = frozenset()
-                     ) -> tuple[list[int], list[Key]]:
-        """Slots for a read's misses (``sizes`` bytes each), each block offered to the cache: admitted, or
+    def admit_misses(self, tenant: str, keys: list[Key], sizes: list[int], protect: set[Key] = frozenset(),
+                     plain: list[int] | None = None) -> tuple[list[int], list[Key]]:
+        """Slots for a read's misses (``sizes`` bytes each: the files), each block offered to the cache at its
+        ``plain`` image size (what it holds once a sealed file is opened; default ``sizes``): admitted, or
         refused by the filter and placed in the bypass room. Returns (offsets, evicted keys). Raises
         QuotaExceededError when the request is larger than the budget or the tenant's share, or pins and
         in-use blocks leave no room; nothing stays reserved then."""
         aligned = [align_up(s) for s in sizes]
+        counted = aligned if plain is None else [align_up(s) for s in plain]
         with self.lock:
             self._drain()
             # Blocks of the same request already resident stay: count them, and fail before evicting anything.
             held = [align_up(self._entries[k].size) for k in protect if k in self._entries and k not in keys]
-            total, share = sum(aligned) + sum(held), self.cache.share(tenant)
+            total, share = sum(counted) + sum(held), self.cache.share(tenant)
             if total > self.cache.budget_bytes:
                 raise QuotaExceededError(f"{len(sizes) + len(held)} blocks need {total} bytes, more than the DRAM "
                                          f"budget ({self.cache.budget_bytes})")
@@ -148,8 +165,8 @@ class DramTier:
             offsets: list[int] = []
             evicted: list[Key] = []
             try:
-                for k, a in zip(keys, aligned):
-                    offsets.append(self._place(tenant, k, a, evicted, bypass=True))
+                for k, a, c in zip(keys, aligned, counted):
+                    offsets.append(self._place(tenant, k, a, evicted, bypass=True, counted=c))
             except BaseException:
                 self._abort_locked(offsets, aligned)
                 raise
@@ -168,8 +185,9 @@ class DramTier:
             except QuotaExceededError:
                 return None
 
-    def _place(self, tenant: str, key: Key, size: int, evicted: list[Key], *, bypass: bool) -> int | None:
-        adm = self.cache.admit(key, tenant, size)
+    def _place(self, tenant: str, key: Key, size: int, evicted: list[Key], *, bypass: bool,
+               counted: int | None = None) -> int | None:
+        adm = self.cache.admit(key, tenant, size if counted is None else counted)
         for v in adm.evicted:
             self._evict(v, evicted)
         if adm.admitted:
@@ -190,12 +208,11 @@ class DramTier:
                                      f"blocks; {size} bytes needed")
         if not bypass:
             return None
-        off = self._alloc([size], evicted)
-        if off is None:
-            raise QuotaExceededError(f"DRAM bypass room is held by in-use blocks; {size} bytes needed")
-        self._bypass.add(off[0])
+        off, self._next_private = self._next_private, self._next_private - 1
+        self._private[off] = np.empty(size, dtype=np.uint8)
+        self._bypass.add(off)
         self.bypassed += 1
-        return off[0]
+        return off
 
     def reserve(self, tenant: str, sizes: list[int]) -> tuple[list[int], list[Key]]:
         """Room for a transfer's ``sizes`` bytes (a peer pull writes into them), contiguous when possible (one
@@ -258,13 +275,16 @@ class DramTier:
                 if key not in self._entries:
                     self.cache.discard(key)
             self._bypass.discard(off)
-            self.arena.allocator.free(off, s)
+            if off < 0:
+                self._private.pop(off, None)
+            else:
+                self.arena.allocator.free(off, s)
 
     def shrink(self, tenant: str, offset: int, reserved: int, keep: int) -> None:
         """Give back the tail of a reserved slot beyond ``keep`` bytes (a sealed file read into the slot was
         opened into a smaller plain image at its start). The cache keeps counting the file's size."""
         cut = align_up(keep)
-        if cut >= align_up(reserved):
+        if cut >= align_up(reserved) or offset < 0:
             return
         with self.lock:
             self.arena.allocator.free(offset + cut, align_up(reserved) - cut)
