@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "load": ("inferscale.bench.load", "concurrent streams through the real server: tokens/s, TTFT, TPOT; kv vs text"),
     "isolation": ("inferscale.bench.isolation", "timing audit: can tenant B see tenant A's memories or activity (KS)"),
     "fleet": ("inferscale.bench.fleet", "TTFT when the k blocks come from a peer over NIXL vs DRAM vs text"),
+    "replay": ("inferscale.bench.replay", "a Zipf trace through the real server: DRAM hit rate and fetch times vs plan"),
 }
 
 

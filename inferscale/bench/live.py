@@ -12,12 +12,13 @@ from inferscale.errors import ConfigError
 
 
 class LoopbackServer:
-    def __init__(self, app: Any, *, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, app: Any, *, start_timeout_s: float = 120.0, port: int = 0) -> None:
         import uvicorn
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        if not port:  # any free one
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

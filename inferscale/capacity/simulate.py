@@ -17,6 +17,7 @@ peer plane (a node reads only its own disk).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,10 +91,16 @@ def _tier_of(caches: dict[str, BlockCache], key: object, size: int) -> str:
     return "dram" if caches["dram"].lookup(key, size) else "disk"
 
 
+BlockSizes = Mapping[tuple[int, int], int]  # (user, memory) -> bytes, where blocks differ (a measured corpus)
+
+
 def per_block(trace: Trace, node: NodeShape, *, block_bytes: int, block_tokens: int, scale: float,
-              question_tokens: int, warmup: int, overlap: bool = True, frequency_filter: bool = True) -> ModeResult:
+              question_tokens: int, warmup: int, overlap: bool = True, frequency_filter: bool = True,
+              sizes: BlockSizes | None = None) -> ModeResult:
     """The trace with block caching and the fetch-or-recompute planner (priors: the node's nominal links);
-    ``frequency_filter=False`` is the same with plain LRU (mode ``per-block-lru``), to show what the filter buys."""
+    ``frequency_filter=False`` is the same with plain LRU (mode ``per-block-lru``), to show what the filter buys.
+    ``sizes``: each block's own bytes (else every block is ``block_bytes``)."""
+    size = (lambda key: block_bytes) if sizes is None else sizes.__getitem__
     mode = "per-block" if frequency_filter else "per-block-lru"
     res = ModeResult(mode, caches=_caches(node, scale, frequency_filter=frequency_filter))
     hbm, dram = res.caches["hbm"], res.caches["dram"]
@@ -104,20 +111,20 @@ def per_block(trace: Trace, node: NodeShape, *, block_bytes: int, block_tokens: 
         for key in keys:
             hbm.pin(key)
             dram.pin(key)
-        blocks = [PlanBlock(key, _tier_of(res.caches, key, block_bytes), block_bytes, block_tokens) for key in keys]
+        blocks = [PlanBlock(key, _tier_of(res.caches, key, size(key)), size(key), block_tokens) for key in keys]
         plan = planner.plan(blocks, question_tokens)
         fetch = 0.0
         for tier, fetched in plan.fetch.items():
-            for _ in fetched if tier != DEVICE_TIER else ():
-                seconds = truth[tier].predict(block_bytes)
-                planner.observe_transfer(tier, block_bytes, seconds)
+            for key in fetched if tier != DEVICE_TIER else ():
+                seconds = truth[tier].predict(size(key))
+                planner.observe_transfer(tier, size(key), seconds)
                 fetch += seconds
         compute = true_prefill.predict(question_tokens + plan.recomputed_tokens)
         planner.observe_prefill(question_tokens + plan.recomputed_tokens, compute)
         for key in plan.fetch.get("disk", ()):
-            dram.admit(key, TENANT, block_bytes)
+            dram.admit(key, TENANT, size(key))
         for key in (*plan.fetch.get("disk", ()), *plan.fetch.get("dram", ()), *plan.recompute):
-            hbm.admit(key, TENANT, block_bytes)  # fetched or recomputed, the block is on the device now
+            hbm.admit(key, TENANT, size(key))  # fetched or recomputed, the block is on the device now
         for key in keys:
             hbm.unpin(key)
             dram.unpin(key)
@@ -130,16 +137,20 @@ def per_block(trace: Trace, node: NodeShape, *, block_bytes: int, block_tokens: 
 
 
 def whole_user(trace: Trace, node: NodeShape, *, block_bytes: int, block_tokens: int, scale: float,
-               question_tokens: int, warmup: int) -> ModeResult:
+               question_tokens: int, warmup: int, sizes: BlockSizes | None = None) -> ModeResult:
     """The trace with whole users cached (plain LRU): a user missing from HBM comes up whole."""
+    user_bytes: dict[int, int] = {}
+    if sizes is not None:
+        for (user, _), n in sizes.items():
+            user_bytes[user] = user_bytes.get(user, 0) + n
     res = ModeResult("whole-user", caches=_caches(node, scale, frequency_filter=False))
     truth, true_prefill = node.links(), node.prefill()
     compute = true_prefill.predict(question_tokens) if question_tokens else 0.0
     for n, req in enumerate(trace.requests):
         count = int(trace.memories[req.user])
-        size = count * block_bytes
+        size = user_bytes.get(req.user, count * block_bytes)
         tier = _tier_of(res.caches, req.user, size)
-        fetch = 0.0 if tier == DEVICE_TIER else count * truth[tier].predict(block_bytes)
+        fetch = 0.0 if tier == DEVICE_TIER else count * truth[tier].predict(size / count)
         if tier == "disk":
             res.caches["dram"].admit(req.user, TENANT, size)
         res.caches["hbm"].admit(req.user, TENANT, size)

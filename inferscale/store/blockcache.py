@@ -4,8 +4,9 @@ The policy only decides; the tier that adopts it moves the bytes. Pure Python, n
 passes each block's size, and every counter is in blocks and bytes.
 
 - Admission (TinyLFU, Einziger et al. 2017; as Ristretto does it): a block enters a full tier only when the
-  frequency sketch says it is wanted more often than every block it would push out, so a block touched once never
-  displaces a hot one. Every lookup, hit or miss, counts in the sketch.
+  frequency sketch says it is wanted at least as often as every block it would push out, so a block touched once
+  never displaces a hot one (ties admit: among equally cold blocks the tier stays LRU instead of freezing, the
+  job Caffeine's admission window does). Every lookup, hit or miss, counts in the sketch.
 - Eviction: least recently used first, among the blocks the candidate may evict.
 - Tenant shares: a tenant over its share evicts only its own blocks; while within it, anyone's. So a tenant never
   evicts another beyond its share (the same rule as ``store.tiers`` today).
@@ -89,6 +90,7 @@ class Admission:
 
     admitted: bool
     evicted: tuple[Hashable, ...] = ()
+    reason: str | None = None  # why refused: "filter" (less frequent), "room" (budget or pins), "share"
 
 
 @dataclass
@@ -168,10 +170,10 @@ class BlockCache:
         if key in self._lru:
             self._lru.move_to_end(key)
             return Admission(True)
-        victims = self._victims(key, tenant, size)
+        victims, reason = self._victims(key, tenant, size)
         if victims is None:
             self.stats.rejected += 1
-            return Admission(False)
+            return Admission(False, reason=reason)
         for v in victims:
             self._drop(v, counted=True)
         self._lru[key] = _Entry(tenant, size)
@@ -180,6 +182,14 @@ class BlockCache:
         self.stats.admitted += 1
         return Admission(True, tuple(victims))
 
+    def shrink(self, key: Hashable, size: int) -> None:
+        """A resident block turned out smaller than admitted (a sealed file opened to its plain image)."""
+        e = self._lru.get(key)
+        if e is not None and 0 <= size < e.size:
+            self._tenant_bytes[e.tenant] -= e.size - size
+            self.used_bytes -= e.size - size
+            e.size = size
+
     def discard(self, key: Hashable) -> bool:
         """Drop ``key`` (its bytes changed or were deleted); True when it was resident. Not counted as eviction."""
         if key not in self._lru:
@@ -187,22 +197,36 @@ class BlockCache:
         self._drop(key, counted=False)
         return True
 
-    def _victims(self, key: Hashable, tenant: str, size: int) -> list[Hashable] | None:
+    def shed(self, tenant: str | None = None) -> Hashable | None:
+        """Evict the least recent unpinned block (of ``tenant`` only, when given) whatever its frequency: the
+        tier needs the room for bytes it holds outside the cache's count (a fragmented arena, a transfer's
+        slots). None when every candidate is pinned."""
+        for k, e in self._lru.items():
+            if k not in self._pins and (tenant is None or e.tenant == tenant):
+                self._drop(k, counted=True)
+                return k
+        return None
+
+    def _victims(self, key: Hashable, tenant: str, size: int) -> tuple[list[Hashable] | None, str | None]:
         share = self.share(tenant)
-        if size > self.budget_bytes or (share is not None and size > share):
-            return None
+        if size > self.budget_bytes:
+            return None, "room"
+        if share is not None and size > share:
+            return None, "share"
         own_over = 0 if share is None else max(0, self._tenant_bytes[tenant] + size - share)
         victims = self._take(own_over, lambda e: e.tenant == tenant, [])
         if victims is None:
-            return None
+            return None, "share"
         freed = sum(self._lru[v].size for v in victims)
         overall = self.used_bytes - freed + size - self.budget_bytes
         victims = self._take(overall, lambda e: True, victims)
-        if victims is None or not victims or not self.frequency_filter:
-            return victims
+        if victims is None:
+            return None, "room"
+        if not victims or not self.frequency_filter:
+            return victims, None
         sketch = self._sketch(size)
         wanted = sketch.estimate(key)
-        return victims if all(sketch.estimate(v) < wanted for v in victims) else None
+        return (victims, None) if all(sketch.estimate(v) <= wanted for v in victims) else (None, "filter")
 
     def _sketch(self, size: int) -> FrequencySketch:
         # Sized on first use for 4 counters per block the budget holds at this block size (TinyLFU's advice).

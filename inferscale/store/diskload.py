@@ -50,16 +50,21 @@ def load_from_disk(store: StoreNode, tenant: str, rows: list[ItemInfo], protect:
                     missing.append(r.item_id)  # truncated or replaced behind our back
         if missing:
             store.raise_corrupt(tenant, rows[0].user, missing, mark=True)
-        offsets, evicted = store.dram.reserve(tenant, sizes, protect)
+        # Each block offered to the DRAM cache; one the frequency filter refuses gets a bypass slot.
+        offsets, evicted = store.dram.admit_misses(tenant, [r.key for r in opened], sizes, protect,
+                                                   plain=[r.size for r in opened])
         try:
-            if store.disk_reader is not None:  # a throttled disk (tests, benchmarks: throttle.py)
-                for fd, off, size in zip(fds, offsets, sizes):
-                    store.disk_reader(fd, store.arena.view(off, size))
-            elif store.transport is not None and store.transport.has_posix:
-                store.transport.read_files(list(zip(fds, sizes)), offsets)
-            else:
-                for fd, off, size in zip(fds, offsets, sizes):
-                    pread_into(fd, store.arena.view(off, size))
+            slots = list(zip(fds, offsets, sizes))
+            if store.disk_reader is not None:  # a throttled disk (tests, benchmarks: throttle.py), every slot
+                for fd, off, size in slots:
+                    store.disk_reader(fd, store.dram.view(off, size))
+                slots = []
+            elif store.transport is not None and store.transport.has_posix:  # one batch into the arena
+                arena = [(fd, off, size) for fd, off, size in slots if store.dram.in_arena(off)]
+                store.transport.read_files([(fd, size) for fd, _, size in arena], [off for _, off, _ in arena])
+                slots = [s for s in slots if not store.dram.in_arena(s[1])]
+            for fd, off, size in slots:  # no transport, or a bypassed block's own buffer
+                pread_into(fd, store.dram.view(off, size))
         except BaseException:
             store.dram.abort(tenant, offsets, sizes)
             raise
@@ -98,12 +103,12 @@ def verify_slots(store: StoreNode, tenant: str, slots: list[tuple[int, int, str,
         try:
             plain = size
             if sealed_for is not None:
-                view = store.arena.view(off, size)
+                view = store.dram.view(off, size)
                 plain = sealing.open_into(view, view, store.keyring, tenant=tenant, user=sealed_for, item=item,
                                           fingerprint=fp, source=source,
                                           generation=None if generations is None else generations.get(item)
                                           ).body_len
-            info = verify(store.arena.view(off, plain), source=source, expect_sha=None, expect_item=item,
+            info = verify(store.dram.view(off, plain), source=source, expect_sha=None, expect_item=item,
                           expect_fingerprint=fp, digest=sealed_for is None)
             if info.sha256 != sha and (recheck is None or not recheck(item, info.sha256)):
                 raise BlobCorruptError(f"{source}: checksum {info.sha256[:12]} is not the catalogued "

@@ -160,6 +160,18 @@ class DiskTier:
         return record
 
     # -- maintenance ------------------------------------------------------------------------------------------
+    def remove(self, rows: list[ItemInfo]) -> None:
+        """Delete these items' blobs, their user and tenant directories once empty, and their rows (under the
+        caller's write lock)."""
+        for r in rows:
+            Path(r.path).unlink(missing_ok=True)
+            for d in (Path(r.path).parent, Path(r.path).parent.parent):
+                try:
+                    d.rmdir()  # only when empty
+                except OSError:
+                    pass
+        self.catalogue.delete([r.key for r in rows])
+
     def rebuild(self) -> int:
         """Re-catalogue every blob (after the catalogue was lost). Each blob is opened and verified
         (authenticated, when sealed) before it is trusted; one that fails, or that is older than a row this store

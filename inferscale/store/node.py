@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # types only; none of these modules imports this one
     from inferscale.store.nixl_transport import NixlTransport
     from inferscale.store.peer_pool import PeerSessions
     from inferscale.store.results import FetchStats, PullResult
+    from inferscale.store.tier import TransferMeter
     from inferscale.store.tiers import DramEntry, DramTier, Key
 
 
@@ -42,6 +43,7 @@ class StoreNode(Protocol):
     hasher: Executor  # checksum and unseal workers
     counters: dict[str, int]
     disk_reader: Callable[[int, memoryview], None] | None  # replaces the disk read when set (throttle.py)
+    transfers: dict[str, TransferMeter]  # per tier ("gpu", "dram", "disk"): what each fetch moved and took
 
     def store_image(self, tenant: str, user: str, image: memoryview, info: BlobInfo, *, cache: bool) -> ItemInfo:
         """Write a verified plain image as the item's current version (disk, and DRAM with ``cache``)."""

@@ -14,9 +14,8 @@ class FetchStats:
     bytes_read: int = 0  # blob bytes brought up from disk
     seconds: float = 0.0
     served: dict[str, str] = field(default_factory=dict)  # item id -> tier
-    # Per tier: blob bytes brought from it and the seconds that took (what the fetch planner learns tier costs from)
-    tier_bytes: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "dram": 0, "disk": 0})
-    tier_seconds: dict[str, float] = field(default_factory=lambda: {"gpu": 0.0, "dram": 0.0, "disk": 0.0})
+    tier_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes it moved (disk: blob bytes read)
+    tier_seconds: dict[str, float] = field(default_factory=dict)  # tier -> seconds its share of the call took
 
     def as_attributes(self, prefix: str = "kv.") -> dict[str, int | float]:
         """Flat attributes for a tracing span."""

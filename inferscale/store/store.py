@@ -27,7 +27,7 @@ import torch
 
 from inferscale import sealing
 from inferscale.errors import (
-    BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError, QuotaExceededError,
+    BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError,
 )
 from inferscale.fleettls import FleetTls
 from inferscale.kvformat import KVBlock, block_from_image, encode_blob
@@ -40,8 +40,11 @@ from inferscale.store.disktier import DiskTier, Fields, item_info, row_fields
 from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path
 from inferscale.store.memrecord import MemoryRecord
 from inferscale.store.results import FetchStats, PullResult
+from inferscale.store.blockcache import BlockCache
+from inferscale.store.devicetier import DeviceTier
 from inferscale.store.peer_pool import PeerSessions
-from inferscale.store.tiers import DeviceTier, DramEntry, DramTier, Key
+from inferscale.store.tier import TransferMeter
+from inferscale.store.tiers import DramEntry, DramTier, Key
 
 log = logging.getLogger(__name__)
 DEFAULT_MIN_BLOCK = 64 << 10  # budgets below this cannot hold any real block; the server passes its model's size
@@ -97,19 +100,23 @@ class KVStore:
                         ("tenant quota", tenant_quota_bytes)):
             if v is not None and v < floor:
                 raise ConfigError(f"{name} of {v} bytes is smaller than one block ({floor} bytes)")
-        self._pins: set[Key] = self.catalogue.pinned_keys()
-        is_pinned = self._pins.__contains__
-
         self.gpu: DeviceTier | None = None
         if gpu_budget_bytes:
             dev = torch.device(device) if device is not None else torch.device("cuda")
             if dev.type == "cuda" and torch.cuda.is_available():
-                self.gpu = DeviceTier(gpu_budget_bytes, tenant_quota=tenant_quota_bytes, device=dev,
-                                      is_pinned=is_pinned)
+                self.gpu = DeviceTier(dev, BlockCache(gpu_budget_bytes, default_share=tenant_quota_bytes))
             else:
                 log.warning("GPU budget set but %s is unavailable: device tier disabled", dev)
-        self.arena = Arena(dram_budget_bytes, pin=self.gpu is not None)
-        self.dram = DramTier(self.arena, tenant_quota=tenant_quota_bytes, is_pinned=is_pinned)
+        # Per-block caches (store.tier): the arena holds the DRAM cache's budget plus its bypass room.
+        self.arena = Arena(DramTier.arena_bytes(dram_budget_bytes), pin=self.gpu is not None)
+        self.dram = DramTier(self.arena, BlockCache(dram_budget_bytes, default_share=tenant_quota_bytes))
+        self.tiers = [t for t in (self.gpu, self.dram) if t is not None]  # fastest first
+        # What each fetch cost, per tier (FetchPlanner's tier names): the planner learns from these.
+        self.transfers: dict[str, TransferMeter] = {t.name: t.transfers for t in self.tiers}
+        self.transfers["disk"] = TransferMeter("disk")
+        pinned = list(self.catalogue.pinned_keys())
+        for t in self.tiers:
+            t.set_pinned(pinned, True)
         self.transport = None
         if nixl:
             from inferscale.store.nixl_transport import NixlTransport
@@ -185,20 +192,17 @@ class KVStore:
         stats = FetchStats()
         out: dict[Key, KVBlock] = {}
         if self.gpu is not None:
-            for k in keys:
-                b = self.gpu.get(k)
+            for r in rows:
+                b = self.gpu.get(r.key, r.size)
                 if b is not None:
-                    out[k] = b
-                    stats.served[k[3]] = "gpu"
+                    out[r.key] = b
+                    stats.served[r.item_id] = "gpu"
         rest = [r for r in rows if r.key not in out]
-        t1 = time.perf_counter()
+        t_gpu = time.perf_counter()
         entries, loaded, _ = self.ensure_dram(tenant, rest, protect)
+        disk_s = time.perf_counter() - t_gpu if loaded else 0.0  # the batched load (and the hits' lookups)
         from_disk = {e.key for e in loaded}
-        # Per tier, what bringing its blocks cost (the fetch planner learns each tier's cost from it): the batched
-        # disk load is the disk's; each block's view (and device copy) is its source tier's.
-        stats.tier_seconds["disk" if loaded else "dram"] += time.perf_counter() - t1
         for r in rest:
-            t2 = time.perf_counter()
             e = entries[r.key]
             b = block_from_image(self.dram.lease_view(e), e.info)
             if copy:
@@ -207,9 +211,7 @@ class KVStore:
             if self.gpu is not None:
                 b, _ = self.gpu.put(r.key, b, protect, cache=not e.dead)
             out[r.key] = b
-            tier = stats.served[r.item_id] = "disk" if r.key in from_disk else "dram"
-            stats.tier_bytes[tier] += e.size
-            stats.tier_seconds[tier] += time.perf_counter() - t2
+            stats.served[r.item_id] = "disk" if r.key in from_disk else "dram"
             if r.key in from_disk:
                 stats.bytes_read += e.size
         by_item = {k[3]: out[k] for k in keys}
@@ -221,7 +223,22 @@ class KVStore:
         self.counters["dram_hits"] += stats.tiers["dram"]
         self.counters["disk_reads"] += stats.tiers["disk"]
         stats.seconds = time.perf_counter() - t0
+        self._meter(stats, out, t_gpu - t0, stats.seconds - (t_gpu - t0), disk_s)
         return blocks, stats
+
+    def _meter(self, stats: FetchStats, out: dict[Key, KVBlock], gpu_s: float, rest_s: float, disk_s: float
+               ) -> None:
+        """Per-tier bytes and seconds of one get_many, into its FetchStats and the tiers' meters. Disk: the
+        batched disk-to-DRAM load; DRAM: the rest of bringing up the non-device blocks (views, copies)."""
+        kv_bytes = {tier: 0 for tier in stats.tiers}
+        for k, b in out.items():
+            kv_bytes[stats.served[k[3]]] += b.nbytes
+        kv_bytes["disk"] = stats.bytes_read
+        seconds = {"gpu": gpu_s, "disk": disk_s, "dram": max(0.0, rest_s - disk_s)}
+        for tier, n in stats.tiers.items():
+            stats.tier_bytes[tier], stats.tier_seconds[tier] = kv_bytes[tier], seconds[tier] if n else 0.0
+            if tier != "disk" and tier in self.transfers:  # disk: metered by ensure_dram, for every caller
+                self.transfers[tier].record(n, kv_bytes[tier], stats.tier_seconds[tier])
 
     def delete(self, tenant: str, user: str, item_id: str | None = None, *, fingerprint: str | None = None) -> int:
         """Remove an item (every fingerprint of it) or all of a user's items from every tier. Returns blocks
@@ -257,9 +274,8 @@ class KVStore:
         return self.disk.memory_records(tenant, user, fingerprint, [check_name("item", i) for i in set(item_ids)])
 
     def _residency(self, rows: list[ItemInfo]) -> list[ItemInfo]:
-        for r in rows:  # residency from the tiers themselves, never stale
-            r.tiers = ([*(["gpu"] if self.gpu is not None and self.gpu.resident(r.key) else []),
-                        *(["dram"] if self.dram.resident(r.key) else []), "disk"])
+        for r in rows:  # residency from the tiers themselves (fastest first), never stale
+            r.tiers = [*(t.name for t in self.tiers if t.resident(r.key)), "disk"]
         return rows
 
     def reorder(self, tenant: str, user: str, fingerprint: str, item_ids: list[str]) -> None:
@@ -272,7 +288,7 @@ class KVStore:
         return self.catalogue.usage(tenant)
 
     def set_tenant_quota(self, tenant: str, dram_bytes: int | None) -> None:  # None: tenant_quota_bytes
-        self.dram.tenant_quotas[tenant] = dram_bytes if dram_bytes is not None else self.dram.quota
+        self.dram.set_share(tenant, dram_bytes)
 
     def users(self, tenant: str) -> list[str]:
         check_name("tenant", tenant)
@@ -345,11 +361,10 @@ class KVStore:
         self.disk.write(item, image, fields, lambda: self._invalidate(key))
         with self._write_lock:
             gen = self.dram.generation(key)
-        if cache:
-            try:
-                (off,), _ = self.dram.reserve(tenant, [len(image)], {key})
-            except QuotaExceededError:
-                return item  # does not fit now; it is on disk and loads on demand
+        if cache:  # a put or a warm-up: offered to the cache like any block, never pushing out hotter ones
+            off = self.dram.offer(tenant, key, len(image))
+            if off is None:
+                return item  # not admitted now; it is on disk and loads on demand
             self.arena.np[off : off + len(image)] = memoryview(image).cast("B")
             self.dram.release(self.dram.commit(key, off, len(image), info, gen))
         return item
@@ -412,19 +427,21 @@ class KVStore:
         entries: dict[Key, DramEntry] = {}
         misses = []
         for r in rows:
-            e = self.dram.acquire(r.key)
+            e = self.dram.acquire(r.key, r.size)
             if e is None:
                 misses.append(r)
             else:
                 entries[r.key] = e
         if not misses:
             return entries, [], []
+        t0 = time.perf_counter()
         try:
             loaded, evicted = load_from_disk(self, tenant, misses, protect)
         except BaseException:
             for e in entries.values():
                 self.dram.release(e)
             raise
+        self.transfers["disk"].record(len(loaded), sum(e.size for e in loaded), time.perf_counter() - t0)
         entries.update({e.key: e for e in loaded})
         return entries, loaded, evicted
 
@@ -464,15 +481,9 @@ class KVStore:
                 self.dram.invalidate(k)
             if self.gpu is not None:
                 self.gpu.drop(keys.__contains__)
-            for r in rows:
-                Path(r.path).unlink(missing_ok=True)
-                for d in (Path(r.path).parent, Path(r.path).parent.parent):
-                    try:
-                        d.rmdir()  # only when empty
-                    except OSError:
-                        pass
-            self.catalogue.delete(list(keys))
-        self._pins.difference_update(keys)
+            self.disk.remove(rows)
+        for t in self.tiers:
+            t.set_pinned(list(keys), False)
         return len(rows), sum(r.size for r in rows)
 
     def _set_pin(self, tenant: str, user: str, item_ids: list[str] | None, on: bool) -> int:
@@ -482,6 +493,7 @@ class KVStore:
             raise NotFoundError(f"items {item_ids or 'all'} not found for tenant {tenant!r} user {user!r}")
         keys = [r.key for r in rows]
         self.catalogue.set_flag(keys, "pinned", int(on))
-        (self._pins.update if on else self._pins.difference_update)(keys)
+        for t in self.tiers:
+            t.set_pinned(keys, on)
         return len(keys)
 
