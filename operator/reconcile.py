@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -273,7 +272,6 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
     all_pods, candidates = await _serving(cfg, kube, node_selector)
     prev = {_prev_key(e): e for e in previous}
     everyone = {placement.pod_key(p): p for p in all_pods}
-    kv_dir = posixpath.join(cfg.kv_host_path, tenant, user)  # a pull's source.dir: only a dev server reads it
     tokens: int | None = None
 
     async with ServerClient(cfg) as client:
@@ -292,12 +290,12 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
             # The pod the Job delivered to holds the blobs (no peer: it answers from its store); any other pod
             # fetches them from it over NIXL, else from another pod that holds the user.
             if placement.pod_key(target) == holder or (not holder and node == target.node):
-                return {"node": node, "dir": kv_dir, "peer": None}
+                return {"node": node, "peer": None}
             held = everyone.get(holder)
             if held is None or held.node != node:  # gone, or not on the node the operator's record has
                 held = next((p for k, p in everyone.items() if k in prev and holds(prev[k], p) and p != target),
                             None)
-            return {"node": node, "dir": kv_dir, "peer": held.peer if held is not None else None}
+            return {"node": node, "peer": held.peer if held is not None else None}
 
         async def sync(pod: ServingPod) -> dict[str, Any]:
             nonlocal tokens

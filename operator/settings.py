@@ -72,9 +72,6 @@ class Settings:
     encoder_node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     encoder_tolerations: Sequence[Mapping[str, Any]] = ()
     encoder_gpus: int = 1
-    # A node directory a pull may name (`source.dir`) for a server that imports a local Job dir (the CLI/dev path);
-    # the chart's Jobs deliver instead (jobs.Delivery) and mount no hostPath.
-    kv_host_path: str = "/var/lib/inferscale/kv"
     # The size limit of an encode Job's own emptyDirs (its blobs, and /tmp where it packs them to deliver).
     encoder_out_size: str = "4Gi"
     models: tuple[str, ...] = ("gemma-3-270m",)
@@ -127,7 +124,6 @@ class Settings:
                 encoder_node_selector=_json_dict(get("INFERSCALE_ENCODER_NODE_SELECTOR"), "INFERSCALE_ENCODER_NODE_SELECTOR"),
                 encoder_tolerations=_json_list(get("INFERSCALE_ENCODER_TOLERATIONS"), "INFERSCALE_ENCODER_TOLERATIONS"),
                 encoder_gpus=int(get("INFERSCALE_ENCODER_GPUS") or d.encoder_gpus),
-                kv_host_path=get("INFERSCALE_KV_HOST_PATH") or d.kv_host_path,
                 encoder_out_size=get("INFERSCALE_ENCODER_OUT_SIZE") or d.encoder_out_size,
                 models=_csv(get("INFERSCALE_MODELS")) or d.models,
                 kv_dtype=get("INFERSCALE_KV_DTYPE") or d.kv_dtype,
@@ -164,8 +160,6 @@ class Settings:
         if self.job_namespace in self.tenants:
             raise ConfigError(f"INFERSCALE_JOB_NAMESPACE {self.job_namespace!r} must not be a tenant: tenants must "
                               "not be able to write where Jobs and records live")
-        if not self.kv_host_path.startswith("/"):
-            raise ConfigError(f"INFERSCALE_KV_HOST_PATH must be absolute: {self.kv_host_path!r}")
         if not self.models:
             raise ConfigError("INFERSCALE_MODELS must name at least one model")
         if self.kv_dtype not in KV_DTYPES:
@@ -243,7 +237,6 @@ _FLAGS: dict[str, str] = {
     "--encoder-node-selector": "INFERSCALE_ENCODER_NODE_SELECTOR",
     "--encoder-tolerations": "INFERSCALE_ENCODER_TOLERATIONS",
     "--encoder-gpus": "INFERSCALE_ENCODER_GPUS",
-    "--kv-host-path": "INFERSCALE_KV_HOST_PATH",
     "--models": "INFERSCALE_MODELS",
     "--recheck-seconds": "INFERSCALE_RECHECK_SECONDS",
     "--job-poll-seconds": "INFERSCALE_JOB_POLL_SECONDS",

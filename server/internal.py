@@ -12,7 +12,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from inferscale.errors import UnsafePathError
+from inferscale.errors import NotFoundError, UnsafePathError
 from inferscale.jobpaths import job_dir_path
 from inferscale.kvformat import SUFFIX
 from inferscale.server.auth import require_internal
@@ -27,6 +27,9 @@ def _pull(store, settings, req: PullRequest):
     src = req.source
     if src.peer is None and _holds(store, req.tenant, req.user, req.items):
         return None  # the Job delivered them here (server/ingest.py): nothing to read
+    if src.peer is None and src.dir is None:
+        raise NotFoundError(f"user {req.user!r} of tenant {req.tenant!r}: these items were not delivered to this pod "
+                            "and the pull names no peer")
     if src.peer is None or src.node == settings.node_name:  # the encoding Job's output is on this node
         # The same rule as purge's source_dir (inferscale/jobpaths.py), checked before anything is read.
         path = job_dir_path(settings.kv_host_path, req.tenant, req.user, src.dir, param="source.dir")

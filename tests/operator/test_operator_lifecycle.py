@@ -11,7 +11,6 @@ import pytest
 from conftest import JOB_NS, SERVER_NS, TENANT, TOKEN, Cluster, running_operator, wait_for
 from operator_fakes import ServingPodStandIn
 
-KV_DIR = "/var/lib/inferscale/kv/acme/caroline"
 MEMORIES = [
     {"id": "m1", "text": "Caroline went to a support group.", "timestamp": "2023-05-08"},
     {"id": "m2", "text": "Caroline is researching adoption agencies.", "timestamp": "2023-05-25"},
@@ -93,8 +92,7 @@ def test_apply_encodes_then_places(cluster: Cluster, standins: list[ServingPodSt
         "Valid": "True", "Encoded": "True", "Placed": "True", "Ready": "True"}
     for s in standins:  # the holder answers from its store; the other pod fetches from it (its peer address)
         (pull,) = s.calls_of("pull")
-        assert pull["source"] == {"node": "node-0", "dir": KV_DIR,
-                                  "peer": None if s is standins[0] else "127.0.0.1:5555"}
+        assert pull["source"] == {"node": "node-0", "peer": None if s is standins[0] else "127.0.0.1:5555"}
         assert pull["items"] == ["m1", "m2", "m3"] and (pull["tenant"], pull["user"]) == (TENANT, "caroline")
         assert s.held(TENANT, "caroline") == {"m1", "m2", "m3"}
         assert {a for a in s.auth if not a.startswith("Bearer isu1.")} == {f"Bearer {TOKEN}"}

@@ -139,7 +139,7 @@ def test_settings_from_env() -> None:
                            "INFERSCALE_ENCODER_GPUS": "0", "INFERSCALE_INTERNAL_PORT": "9001",
                            "INFERSCALE_TENANTS": "acme, globex"})
     assert s.models == ("a", "b") and s.encoder_node_selector == {"gpu": "yes"}
-    assert (s.encoder_gpus, s.internal_port, s.kv_host_path) == (0, 9001, "/var/lib/inferscale/kv")
+    assert (s.encoder_gpus, s.internal_port, s.encoder_out_size) == (0, 9001, "4Gi")
     assert s.tenants == ("acme", "globex") and not s.read_tenant_secrets
     with pytest.raises(ConfigError, match="INFERSCALE_TENANTS"):
         Settings.from_env({"INFERSCALE_TENANTS": "acme,../x"})
@@ -147,8 +147,6 @@ def test_settings_from_env() -> None:
         Settings.from_env({"INFERSCALE_TENANTS": "acme", "INFERSCALE_JOB_NAMESPACE": "acme"})
     with pytest.raises(ConfigError, match="INFERSCALE_ENCODER_TOLERATIONS"):
         Settings.from_env({"INFERSCALE_ENCODER_TOLERATIONS": '{"not": "a list"}'})
-    with pytest.raises(ConfigError):
-        Settings.from_env({"INFERSCALE_KV_HOST_PATH": "relative/path"})
 
 
 def test_main_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
