@@ -48,7 +48,7 @@ class Platform:
             wait_for(lambda: self.cp.has_default_service_account(tenant), 60, f"{tenant}'s default ServiceAccount")
         proc = subprocess.run([
             self.helm_bin, "--kubeconfig", str(self.cp.admin_kubeconfig), "install", RELEASE,
-            str(ROOT / "charts" / "inferscale"), "-n", NAMESPACE, "--create-namespace",
+            str(ROOT / "charts" / "inferscale"), "-n", NAMESPACE,  # the chart makes it, labelled restricted
             "-f", str(ROOT / "charts/inferscale/values-cpu.yaml"), "--set", f"internalToken.value={self.internal_token}",
             "--set-json", "tenants=" + json.dumps(list(TENANTS)), *helm_args], capture_output=True, text=True,
             timeout=300)

@@ -143,6 +143,10 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     listed_a = httpx.get(f"{url}/v1/memories/{user}", headers=tenant_headers, timeout=30)
     assert sorted(i["id"] for i in listed_a.json()["items"]) == ids
 
+    # 5c. a Job's upload credential reaches the serving pod's ingest route for its own tenant and user only; a
+    # forged or expired one, or the internal token itself, stores nothing (401), another user's or tenant's is 403.
+    _credential_checks(target, target.internal_endpoint(placement), user)
+
     # 6. delete: the finalizer purges every serving pod before the object goes
     target.kubectl("delete", "usermemories.inferscale.io", name, "-n", target.tenant, "--wait=false")
     wait_for(lambda: target.get_um(name) is None, target.gone_timeout, f"UserMemory {name} gone", target.diag,
@@ -164,3 +168,24 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     assert cap["users"] == 0 and cap["bytes_used"] == 0, cap
     purged = [e for e in target.events() if e.get("reason") == "Purged"]
     assert purged and f"removed {len(ids)} block(s)" in purged[-1]["message"], purged
+
+
+def _credential_checks(target, internal_url: str, user: str) -> None:
+    import time
+
+    from inferscale import uploadtoken
+
+    key = uploadtoken.upload_key(target.internal_token)
+    mine = uploadtoken.mint(key, target.tenant, user, "enc-x", 60)
+
+    def post(tenant: str, who: str, token: str) -> httpx.Response:
+        return httpx.post(f"{internal_url}/internal/v1/ingest/{tenant}/{who}", content=b"not a tar",
+                          headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    assert post(target.tenant, "someone-else", mine).status_code == 403
+    assert post(target.tenant_b, user, mine).status_code == 403
+    forged = uploadtoken.mint(uploadtoken.upload_key("not-the-token"), target.tenant, user, "enc-x", 60)
+    expired = uploadtoken.mint(key, target.tenant, user, "enc-x", 60, now=time.time() - 3600)
+    for token in (forged, expired, target.internal_token):
+        assert post(target.tenant, user, token).status_code == 401, token
+    assert post(target.tenant, user, mine).status_code == 400  # admitted; the body is no archive: nothing stored
