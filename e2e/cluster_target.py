@@ -53,6 +53,9 @@ class ClusterTarget:
             self.kubectl("create", "namespace", tenant)
             # Tenant namespaces stay at Pod Security restricted: nothing of InferScale runs there.
             self.kubectl("label", "namespace", tenant, "pod-security.kubernetes.io/enforce=restricted")
+        # The release namespace too (it holds the platform's Secrets; the chart refuses it unlabelled).
+        self.kubectl("create", "namespace", self.namespace)
+        self.kubectl("label", "namespace", self.namespace, "pod-security.kubernetes.io/enforce=restricted")
         extra_env = [{"name": "OTEL_SDK_DISABLED", "value": "false"},
                      {"name": "INFERSCALE_CONSOLE_TRACES", "value": "true"}]
         self._installed = True

@@ -403,7 +403,8 @@ def test_probes_security_and_resources(values):
 
 def test_servers_mount_no_node_directory_and_the_namespaces_enforce_restricted():
     """Issue 24 finding 1: no hostPath (Pod Security `restricted` forbids it) and the labels that enforce it."""
-    m = docs("values.yaml", sets=("encoder.namespace=inferscale-jobs", "encoder.createNamespace=true"))
+    m = docs("values.yaml", sets=("encoder.namespace=inferscale-jobs", "encoder.createNamespace=true",
+                                  "podSecurity.manageReleaseNamespace=true"))
     s = workload(m, "server")
     vols = {v["name"]: v for v in s["spec"]["template"]["spec"]["volumes"]}
     mounts = {v["name"]: v for v in container(s)["volumeMounts"]}
@@ -411,9 +412,9 @@ def test_servers_mount_no_node_directory_and_the_namespaces_enforce_restricted()
     namespaces = {x["metadata"]["name"]: x["metadata"]["labels"] for x in m if x["kind"] == "Namespace"}
     assert set(namespaces) == {"inferscale", "inferscale-jobs"}
     assert all(lab["pod-security.kubernetes.io/enforce"] == "restricted" for lab in namespaces.values())
-    off = docs("values.yaml", sets=("podSecurity.manageReleaseNamespace=false",))
-    assert not [x for x in off if x["kind"] == "Namespace"], "opt out: the namespace is the installer's"
-    unlabelled = docs("values.yaml", sets=("podSecurity.enforce=",))
+    off = docs("values.yaml")
+    assert not [x for x in off if x["kind"] == "Namespace"], "by default the namespace is the installer's"
+    unlabelled = docs("values.yaml", sets=("podSecurity.enforce=", "podSecurity.manageReleaseNamespace=true"))
     assert "pod-security.kubernetes.io/enforce" not in one(unlabelled, "Namespace")["metadata"]["labels"]
     data_dir = effective_env(m, s)["INFERSCALE_DATA_DIR"]
     assert mounts["data"]["mountPath"] == data_dir and "emptyDir" in vols["data"]
