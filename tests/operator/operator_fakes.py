@@ -233,8 +233,7 @@ class ServingPodStandIn:
     and its body names the item ids it delivers (`deliver`), not blobs.
 
     Keeps {(tenant, user): {item ids}} and records every call, so tests can assert pulls and purges.
-    `fail_purges` / `fail_pulls` make the next N such calls answer 500. A purge naming a `source_dir` answers
-    `source_dir_removed` (True the first time per dir) unless `knows_source_dir` is False (a server predating it).
+    `fail_purges` / `fail_pulls` make the next N such calls answer 500.
     """
 
     def __init__(self, node: str, pod: str, capacity: int = 10**9, used: int = 0, token: str = TOKEN) -> None:
@@ -244,8 +243,6 @@ class ServingPodStandIn:
         self.auth: list[str | None] = []
         self.fail_purges = 0
         self.fail_pulls = 0
-        self.knows_source_dir = True
-        self.removed_dirs: set[str] = set()
         self.peers: list[str] = []  # what the operator published (PUT /internal/v1/peers)
         self.token = token  # the internal token: an upload credential is checked under its derived key
         self._lock = threading.Lock()
@@ -326,13 +323,7 @@ class ServingPodStandIn:
                         held -= gone
                         if not held:
                             standin.store.pop(key, None)
-                        answer: dict[str, Any] = {"removed_blocks": len(gone), "removed_bytes": len(gone) * 1000}
-                        if body.get("source_dir") and standin.knows_source_dir and body.get("items"):
-                            answer["source_dir_removed"] = True  # only those items' blobs leave the dir
-                        elif body.get("source_dir") and standin.knows_source_dir:
-                            answer["source_dir_removed"] = body["source_dir"] not in standin.removed_dirs
-                            standin.removed_dirs.add(body["source_dir"])
-                        return self._reply(200, answer)
+                        return self._reply(200, {"removed_blocks": len(gone), "removed_bytes": len(gone) * 1000})
                 self._reply(404, {"detail": "not found"})
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
