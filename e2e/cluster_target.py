@@ -38,7 +38,6 @@ class ClusterTarget:
         self.tenant_b = self.tenant + "-b"
         self.api_key = "isk-e2e-" + secrets.token_urlsafe(16)
         self.api_key_b = "isk-e2e-" + secrets.token_urlsafe(16)
-        self.kv_host_path = "/var/lib/inferscale/kv"  # the chart's kv.hostPath
         self.internal_token = "e2e-" + secrets.token_hex(16)
         self.ready_timeout = float(os.environ.get("INFERSCALE_E2E_READY_TIMEOUT", "900"))
         self.gone_timeout = 180.0
@@ -55,11 +54,14 @@ class ClusterTarget:
             self.kubectl("create", "namespace", tenant)
             # Tenant namespaces stay at Pod Security restricted: nothing of InferScale runs there.
             self.kubectl("label", "namespace", tenant, "pod-security.kubernetes.io/enforce=restricted")
+        # The release namespace too (it holds the platform's Secrets; the chart refuses it unlabelled).
+        self.kubectl("create", "namespace", self.namespace)
+        self.kubectl("label", "namespace", self.namespace, "pod-security.kubernetes.io/enforce=restricted")
         extra_env = [{"name": "OTEL_SDK_DISABLED", "value": "false"},
                      {"name": "INFERSCALE_CONSOLE_TRACES", "value": "true"}]
         self._installed = True
         self._run([self.helm_bin, "upgrade", "--install", self.release, str(ROOT / "charts" / "inferscale"),
-                   "-n", self.namespace, "--create-namespace", "-f", str(ROOT / "charts/inferscale/values-cpu.yaml"),
+                   "-n", self.namespace, "-f", str(ROOT / "charts/inferscale/values-cpu.yaml"),
                    "--set", f"internalToken.value={self.internal_token}",
                    "--set-json", "apiKeys.tenants=" + json.dumps({self.tenant: [hash_key(self.api_key)],
                                                                   self.tenant_b: [hash_key(self.api_key_b)]}),
@@ -129,9 +131,6 @@ class ClusterTarget:
         """The node paths kubelet mounts into the Job's pod: its hostPath volumes (init containers included)."""
         return [v["hostPath"]["path"] for v in job["spec"]["template"]["spec"].get("volumes") or [] if "hostPath" in v]
 
-    def kv_dir(self, tenant: str, user: str) -> str:
-        return f"{self.kv_host_path}/{tenant}/{user}"
-
     def endpoint(self, placement: dict[str, Any]) -> str:
         """http://127.0.0.1:<port> forwarded to the tenant port of the pod that holds the blocks."""
         return self._forward(placement, 8000)
@@ -172,19 +171,6 @@ class ClusterTarget:
         proc = self.kubectl("exec", "-n", placement["namespace"], placement["pod"], "-c", "server", "--",
                             "python", "-c", script, self.tenant, user)
         return sorted(line for line in proc.stdout.splitlines() if line.strip())
-
-    def staged_dir_exists(self, node: str, user: str) -> bool | None:
-        """Whether the encode Job's output dir is on `node`'s hostPath, seen from a serving pod there; None when the
-        node runs none (nothing to look through)."""
-        pods = (self._json("get", "pods", "-n", self.namespace, "-l", "app.kubernetes.io/component=server",
-                           "--field-selector", f"spec.nodeName={node},status.phase=Running") or {}).get("items") or []
-        if not pods:
-            return None
-        script = ("import os,sys; r=os.environ.get('INFERSCALE_KV_HOST_PATH','/var/lib/inferscale/kv');"
-                  "print(os.path.exists(os.path.join(r, sys.argv[1], sys.argv[2])))")
-        proc = self.kubectl("exec", "-n", self.namespace, pods[0]["metadata"]["name"], "-c", "server", "--",
-                            "python", "-c", script, self.tenant, user)
-        return proc.stdout.strip() == "True"
 
     def diag(self) -> str:
         parts = []

@@ -64,8 +64,8 @@ class FleetTarget(LocalTarget):
 
         tenants.write_text(json.dumps({self.tenant: [hash_key(self.api_key)],
                                        self.tenant_b: [hash_key(self.api_key_b)]}))
-        self._start_node_server(NODE, SERVER_POD, self.kv_host_path, 256 << 20, tenants)
-        self._start_node_server(NODE_2, SERVER_POD_2, self.workdir / "node2" / "kv", 128 << 20, tenants)
+        self._start_node_server(NODE, SERVER_POD, 256 << 20, tenants)
+        self._start_node_server(NODE_2, SERVER_POD_2, 128 << 20, tenants)
         for s in self.servers.values():
             self._wait_ready(s)
         self.server, self.server_url, self.internal_url = (self.servers[NODE]["proc"], self.servers[NODE]["url"],
@@ -85,18 +85,17 @@ class FleetTarget(LocalTarget):
             env["INFERSCALE_RECHECK_SECONDS"] = "2"
         return env
 
-    def _start_node_server(self, node: str, pod: str, kv_host_path: Path, dram: int, tenants: Path) -> None:
+    def _start_node_server(self, node: str, pod: str, dram: int, tenants: Path) -> None:
         host = IPS[node]
         data = self.workdir / f"data-{node}"
         data.mkdir(parents=True)
-        kv_host_path.mkdir(parents=True, exist_ok=True)
         port, internal_port = free_port(), free_port()
         out, err = self.workdir / f"server-{node}.out", self.workdir / f"server-{node}.err"
         env = self._env(INFERSCALE_DATA_DIR=str(data), INFERSCALE_TENANTS_FILE=str(tenants),
                         INFERSCALE_MODEL=self.model, INFERSCALE_HOST=host, INFERSCALE_PORT=str(port),
                         INFERSCALE_DEVICE="cpu", INFERSCALE_INTERNAL_TOKEN=self.internal_token,
                         INFERSCALE_PEER_SECRET=self.peer_secret, INFERSCALE_NODE_NAME=node,
-                        INFERSCALE_POD_NAME=pod, INFERSCALE_KV_HOST_PATH=str(kv_host_path),
+                        INFERSCALE_POD_NAME=pod,
                         INFERSCALE_INTERNAL_PORT=str(internal_port), INFERSCALE_KEK_FILE=str(self.kek_file),
                         INFERSCALE_CONSOLE_TRACES="true", INFERSCALE_DRAM_BUDGET_BYTES=str(dram),
                         **self.server_tls_env())
@@ -104,7 +103,7 @@ class FleetTarget(LocalTarget):
             proc = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "serve"], cwd=self.image_dir, env=env,
                                     stdout=o, stderr=e, stdin=subprocess.DEVNULL)
         self.servers[node] = {"proc": proc, "url": f"http://{host}:{port}", "internal": f"https://{host}:{internal_port}",
-                              "out": out, "err": err, "data": data, "pod": pod, "kv": kv_host_path}
+                              "out": out, "err": err, "data": data, "pod": pod}
 
     def _wait_ready(self, s: dict[str, Any]) -> None:
         def ready() -> bool:
@@ -147,11 +146,9 @@ class FleetTarget(LocalTarget):
         return parse_console_spans(self.servers[node]["out"].read_text(errors="replace"))
 
     def node_blobs(self, node: str, user: str) -> list[str]:
-        """Every blob of the user anywhere under that node's server data dir and its Job hostPath."""
-        found = []
-        for root in (self.servers[node]["data"], self.servers[node]["kv"]):
-            found += [str(p) for p in Path(root).rglob(f"*{SUFFIX}") if self.tenant in p.parts and user in p.parts]
-        return sorted(found)
+        """Every blob of the user anywhere under that node's server data dir (Jobs deliver there; no node dir)."""
+        root = self.servers[node]["data"]
+        return sorted(str(p) for p in Path(root).rglob(f"*{SUFFIX}") if self.tenant in p.parts and user in p.parts)
 
     def diag(self) -> str:
         parts = [super().diag()]

@@ -323,6 +323,9 @@ class KubeletStandIn:
                                                     else "secrets", ref.get("name") or ref["secretName"],
                                                     optional=ref.get("optional", False)), ref.get("items"),
                                   ref.get("defaultMode", DEFAULT_FILE_MODE))
+            elif "downwardAPI" in vol:  # an encode Job's upload credential (its pod's annotation)
+                _downward(meta, vol["downwardAPI"].get("items") or [], local,
+                          vol["downwardAPI"].get("defaultMode", DEFAULT_FILE_MODE))
             elif "projected" in vol:
                 for source in vol["projected"]["sources"]:
                     self._project(pod, source, local, vol["projected"].get("defaultMode", DEFAULT_FILE_MODE))
@@ -347,10 +350,7 @@ class KubeletStandIn:
             self._write_files(local, self._data(meta["namespace"], kind, ref["name"],
                                                 optional=ref.get("optional", False)), ref.get("items"), mode)
         elif "downwardAPI" in source:
-            for item in source["downwardAPI"].get("items") or []:
-                field = (item.get("fieldRef") or {}).get("fieldPath", "")
-                value = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"]}.get(field, "")
-                (local / item["path"]).write_text(value)
+            _downward(meta, source["downwardAPI"].get("items") or [], local, mode)
 
     @staticmethod
     def _write_files(local: Path, data: dict[str, str], items: list[dict[str, Any]] | None, mode: int) -> None:
@@ -383,3 +383,14 @@ def rewrite_mount_path(arg: str, mounts: dict[str, Path]) -> str:
         if arg == mp or arg.startswith(mp + "/"):
             return str(mounts[mp]) + arg[len(mp):]
     return arg
+
+
+def _downward(meta: dict[str, Any], items: list[dict[str, Any]], local: Path, mode: int) -> None:
+    """downwardAPI files: the pod's name, namespace, or one of its annotations (`metadata.annotations['k']`)."""
+    for item in items:
+        field = (item.get("fieldRef") or {}).get("fieldPath", "")
+        found = re.fullmatch(r"metadata\.annotations\['([^']+)'\]", field)
+        value = ((meta.get("annotations") or {}).get(found.group(1), "") if found else
+                 {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"]}.get(field, ""))
+        (local / item["path"]).write_text(value)
+        (local / item["path"]).chmod(item.get("mode", mode))

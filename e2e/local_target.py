@@ -8,7 +8,7 @@
 - TLS as the chart sets it (tls.enabled): a CA and the fleet certificate (e2e/pki.py), the internal API served
   over HTTPS, the operator verifying it against the CA for the fleet's name, the peer channel over TLS both ways;
 - kubelet: NodeAgentStandIn (node_agent.py) runs the encode Jobs the operator creates (in the platform namespace,
-  SERVER_NS), mounting only the host paths each Job names;
+  SERVER_NS); they mount no host path and deliver their blobs to the server's internal listener;
 - tenants: two namespaces, "acme" and "globex", each with its own API key;
 - model: a tiny random-weight gemma3 saved as the directory `tiny-e2e` inside a dir that plays the image, which
   is the working dir of both the server and the encode Jobs, so `--model tiny-e2e` is the same model (same
@@ -51,7 +51,6 @@ class LocalTarget:
     def __init__(self, workdir: Path) -> None:
         self.workdir = Path(workdir)
         self.image_dir = self.workdir / "image"
-        self.kv_host_path = self.workdir / "node" / "kv"  # the node's hostPath (INFERSCALE_KV_HOST_PATH)
         self.data_dir = self.workdir / "server-data"
         self.api_key = "isk-e2e-" + secrets.token_urlsafe(16)
         self.api_key_b = "isk-e2e-" + secrets.token_urlsafe(16)
@@ -136,7 +135,6 @@ class LocalTarget:
                         INFERSCALE_MODEL=self.model, INFERSCALE_HOST="127.0.0.1", INFERSCALE_PORT=str(port),
                         INFERSCALE_DEVICE="cpu", INFERSCALE_INTERNAL_TOKEN=self.internal_token,
                         INFERSCALE_NODE_NAME=NODE, INFERSCALE_POD_NAME=SERVER_POD,
-                        INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),  # the node's hostPath, as the chart mounts it
                         INFERSCALE_INTERNAL_PORT=str(internal_port), INFERSCALE_KEK_FILE=str(self.kek_file),
                         INFERSCALE_NIXL_PORT=str(free_port()), INFERSCALE_CONSOLE_TRACES="true",
                         INFERSCALE_DRAM_BUDGET_BYTES=str(256 << 20), **self.server_tls_env())
@@ -189,7 +187,7 @@ class LocalTarget:
         env = self._env(KUBECONFIG=str(self.kubeconfig), INFERSCALE_SERVER_NAMESPACE=SERVER_NS,
                         INFERSCALE_SERVER_SELECTOR=",".join(f"{k}={v}" for k, v in SELECTOR.items()),
                         INFERSCALE_INTERNAL_TOKEN=self.internal_token, INFERSCALE_ENCODER_IMAGE="inferscale:e2e",
-                        INFERSCALE_ENCODER_GPUS="0", INFERSCALE_KV_HOST_PATH=str(self.kv_host_path),
+                        INFERSCALE_ENCODER_GPUS="0",
                         INFERSCALE_MODELS=self.model, INFERSCALE_JOB_POLL_SECONDS="0.5",
                         INFERSCALE_TENANTS=f"{self.tenant},{self.tenant_b}", INFERSCALE_JOB_NAMESPACE=SERVER_NS,
                         INFERSCALE_KEK_SECRET=KEK_SECRET, INFERSCALE_TLS_CA_FILE=str(self.tls_files["ca"]),
@@ -223,9 +221,6 @@ class LocalTarget:
         (info,) = [i for i in self.agent.handled.values() if i["name"] == job["metadata"]["name"]]
         return list(info["host_paths"])
 
-    def kv_dir(self, tenant: str, user: str) -> str:
-        return str(self.kv_host_path / tenant / user)
-
     def endpoint(self, placement: dict[str, Any]) -> str:
         assert (placement["namespace"], placement["pod"], placement["node"]) == (SERVER_NS, SERVER_POD, NODE)
         return self.server_url
@@ -242,15 +237,6 @@ class LocalTarget:
         root = self.data_dir / "store"
         return sorted(str(p.relative_to(root)) for p in root.rglob(f"*{SUFFIX}")
                       if p.relative_to(root).parts[:2] == (self.tenant, user))
-
-    def staged_blobs(self, user: str) -> list[str]:
-        """The encode Job's output on the node's hostPath."""
-        return sorted(p.name for p in (self.kv_host_path / self.tenant / user).glob(f"*{SUFFIX}"))
-
-    def staged_dir_exists(self, node: str, user: str) -> bool | None:
-        """Whether the encode Job's output dir is on `node`'s hostPath (one node here: the local filesystem)."""
-        assert node == NODE, node
-        return (self.kv_host_path / self.tenant / user).exists()
 
     def diag(self) -> str:
         parts = [tail(self.operator_log, 60) if self.operator is not None else "",

@@ -71,7 +71,8 @@ class NodeAgentStandIn:
         ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
         spec = job["spec"]["template"]["spec"]
         pod_dir = self.work_dir / f"{ns}-{name}"
-        mounts = self._mount(ns, spec, pod_dir)
+        annotations = (job["spec"]["template"].get("metadata") or {}).get("annotations") or {}
+        mounts = self._mount(ns, spec, pod_dir, annotations)
         if mounts is None:
             return  # a ConfigMap is not there yet: try again next round, like ContainerCreating
         container = spec["containers"][0]
@@ -93,7 +94,8 @@ class NodeAgentStandIn:
         host_mounts = {m["mountPath"].rstrip("/") for m in container.get("volumeMounts") or []
                        if "hostPath" in {v["name"]: v for v in spec.get("volumes") or []}[m["name"]]}
         self._ok(self.http.post(f"/api/v1/namespaces/{ns}/pods", json={
-            "metadata": {"name": pod, "namespace": ns, "labels": labels, "ownerReferences": [owner]},
+            "metadata": {"name": pod, "namespace": ns, "labels": labels, "annotations": annotations,
+                         "ownerReferences": [owner]},
             "spec": {**spec, "nodeName": self.node},
             "status": {"phase": "Running", "startTime": _now()}}))
         self._ok(self.http.patch(f"/apis/batch/v1/namespaces/{ns}/jobs/{name}/status", headers=MERGE,
@@ -122,7 +124,8 @@ class NodeAgentStandIn:
         self._ok(self.http.patch(f"/apis/batch/v1/namespaces/{ns}/jobs/{name}/status", headers=MERGE,
                                  json={"status": status}))
 
-    def _mount(self, ns: str, spec: dict[str, Any], pod_dir: Path) -> dict[str, Path] | None:
+    def _mount(self, ns: str, spec: dict[str, Any], pod_dir: Path,
+               annotations: dict[str, str]) -> dict[str, Path] | None:
         """mountPath -> local directory, or None when a ConfigMap volume's object does not exist yet."""
         volumes = {v["name"]: v for v in spec.get("volumes") or []}
         out: dict[str, Path] = {}
@@ -143,6 +146,13 @@ class NodeAgentStandIn:
             elif "emptyDir" in vol:
                 local = pod_dir / "volumes" / m["name"]
                 local.mkdir(parents=True, exist_ok=True)
+            elif "downwardAPI" in vol:  # the upload credential: the pod template's annotation
+                local = pod_dir / "volumes" / m["name"]
+                local.mkdir(parents=True, exist_ok=True)
+                for item in vol["downwardAPI"]["items"]:
+                    key = item["fieldRef"]["fieldPath"].split("'")[1]  # metadata.annotations['<key>']
+                    (local / item["path"]).write_text(annotations.get(key, ""))
+                    (local / item["path"]).chmod(0o400)
             elif "secret" in vol:  # the KEK: a kubelet writes each key as a file, base64-decoded
                 resp = self.http.get(f"/api/v1/namespaces/{ns}/secrets/{vol['secret']['secretName']}")
                 if resp.status_code == 404:
@@ -154,7 +164,8 @@ class NodeAgentStandIn:
                     (local / key).write_bytes(base64.b64decode(b64))
                     (local / key).chmod(0o400)
             else:
-                raise ValueError(f"volume {m['name']}: only configMap, secret, hostPath and emptyDir are emulated")
+                raise ValueError(f"volume {m['name']}: only configMap, secret, downwardAPI, hostPath and emptyDir are "
+                                 "emulated")
             out[m["mountPath"].rstrip("/")] = local
         pod_dir.mkdir(parents=True, exist_ok=True)
         return out

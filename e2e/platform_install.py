@@ -44,11 +44,15 @@ class Platform:
         for tenant in TENANTS:
             self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": tenant, "labels": {
                 "pod-security.kubernetes.io/enforce": "restricted"}}})  # nothing of InferScale runs there
+        # The release namespace holds the platform's Secrets: restricted too (the chart refuses to install into it
+        # unlabelled, podSecurity.requireReleaseNamespaceLabel); its own pods comply.
+        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE, "labels": {
+            "pod-security.kubernetes.io/enforce": "restricted"}}})
         for tenant in TENANTS:
             wait_for(lambda: self.cp.has_default_service_account(tenant), 60, f"{tenant}'s default ServiceAccount")
         proc = subprocess.run([
             self.helm_bin, "--kubeconfig", str(self.cp.admin_kubeconfig), "install", RELEASE,
-            str(ROOT / "charts" / "inferscale"), "-n", NAMESPACE, "--create-namespace",
+            str(ROOT / "charts" / "inferscale"), "-n", NAMESPACE,
             "-f", str(ROOT / "charts/inferscale/values-cpu.yaml"), "--set", f"internalToken.value={self.internal_token}",
             "--set-json", "tenants=" + json.dumps(list(TENANTS)), *helm_args], capture_output=True, text=True,
             timeout=300)

@@ -4,9 +4,9 @@ kube-scheduler (controlplane.py), with charts/inferscale installed by `helm inst
 - nodes: one or two kubelet stand-ins (kubelet_standin.py, the one fake in the loop), e2e-node-0 (127.0.0.2) and
   e2e-node-1 (127.0.0.3); the server is a DaemonSet, so one serving pod per node, and the encode Jobs are steered
   to e2e-node-0 by a node label (encoder.nodeSelector);
-- disks: kv.hostPath is a directory of this test (under /var/tmp), which e2e-node-0 mounts as is (a process has no mount
-  namespace, and the operator and the servers must agree on the path they name), while e2e-node-1 sees every
-  hostPath under a directory of its own: it cannot read node 0's Job output, only pull it over the peer plane;
+- disks: none shared. No pod mounts a node directory (Pod Security `restricted` on the release and Jobs'
+  namespaces, which the chart labels): an encode Job delivers its blobs to the serving pod the operator chose, and
+  the other node's pod pulls them over the peer plane;
 - the operator is the chart's Deployment, run by a stand-in under its own ServiceAccount's token;
 - tenants act with identities of their own (platform_install.py): tenant-a a user, tenant-b a ServiceAccount,
   each bound only in its namespace; every `kubectl` of the test runs as the tenant of the namespace it names;
@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +53,6 @@ class RealTarget:
         self.api_key = "isk-e2e-" + secrets.token_urlsafe(16)
         self.api_key_b = "isk-e2e-" + secrets.token_urlsafe(16)
         self.nixl_port = NIXL_PORT
-        # kv.hostPath: not under /tmp (where pytest's dirs are), because pods mount an emptyDir at /tmp, and the
-        # stand-in, having no mount namespace, would read a path named in a pod's env as one inside that emptyDir.
-        self.node0_disk = Path(tempfile.mkdtemp(prefix="inferscale-e2e-", dir="/var/tmp"))
-        self.kv_host_path = str(self.node0_disk / "kv")
-        self.disks = {node: None if i == 0 else self.workdir / f"{node}-disk" for i, node in enumerate(NODES)}
         self.cp: Any = None
         self.kubelets: dict[str, Any] = {}
         self.tls: Any = None  # the chart's TLS, as clients of the internal API verify it (after start)
@@ -77,14 +70,14 @@ class RealTarget:
         for i, node in enumerate(self.node_names):
             self.kubelets[node] = KubeletStandIn(
                 self.cp, node, ip=NODES[node], image_dir=self.image_dir, work_dir=self.workdir / node,
-                host_root=self.disks[node], gpus=0, labels=ENCODER_LABEL if i == 0 else {}).start()
+                host_root=self.workdir / f"{node}-disk", gpus=0, labels=ENCODER_LABEL if i == 0 else {}).start()
         self.platform = Platform(self.cp)
         jobs_args = [] if self.jobs_namespace == NAMESPACE else [
             "--set", f"encoder.namespace={self.jobs_namespace}", "--set", "encoder.createNamespace=true"]
         extra_env = [{"name": "OTEL_SDK_DISABLED", "value": "false"},
                      {"name": "INFERSCALE_CONSOLE_TRACES", "value": "true"}]
         self.platform.install(
-            "--set", f"model.name={self.model}", "--set", "server.kind=DaemonSet", "--set", f"kv.hostPath={self.kv_host_path}",
+            "--set", f"model.name={self.model}", "--set", "server.kind=DaemonSet",
             "--set", f"server.port={PORT}", "--set", f"server.internalPort={INTERNAL_PORT}",
             "--set", f"server.nixlPort={NIXL_PORT}", "--set", f"server.ucxPortRange={UCX_RANGE}",
             "--set", f"operator.healthPort={HEALTH_PORT}", "--set", "server.dramBudgetBytes=268435456",
@@ -115,7 +108,6 @@ class RealTarget:
             kubelet.stop()
         if self.cp is not None:
             self.cp.stop()
-        shutil.rmtree(self.node0_disk, ignore_errors=True)
 
     # -- the tenants' kubectl, the test's observations (as admin) ---------------------------------------------
     def kubectl(self, *args: str) -> Any:
@@ -145,21 +137,11 @@ class RealTarget:
         return list((self._get(f"/apis/batch/v1/namespaces/{namespace}/jobs") or {}).get("items") or [])
 
     def job_host_paths(self, job: dict[str, Any]) -> list[str]:
-        """The node paths the Job's containers mount (hostPath volumes), as the local target's agent records them.
-        Not the init container's: the operator's `kv-owner` step (root, CHOWN only, no tenant input) mounts the
-        tenant's directory to hand it to the Jobs' user."""
+        """The node paths the Job's pod mounts (hostPath volumes, init containers included): none is admitted."""
         spec = job["spec"]["template"]["spec"]
         host = {v["name"]: v["hostPath"]["path"] for v in spec.get("volumes") or [] if "hostPath" in v}
-        return sorted({host[m["name"]] for c in spec["containers"] for m in c.get("volumeMounts") or []
-                       if m["name"] in host})
-
-    def kv_dir(self, tenant: str, user: str) -> str:
-        return f"{self.kv_host_path}/{tenant}/{user}"
-
-    def _on_disk(self, node: str, path: str) -> Path:
-        """Where a node path is on this machine (node 0: as is; node 1: under its own directory)."""
-        root = self.disks[node]
-        return Path(path) if root is None else root / path.lstrip("/")
+        return sorted({host[m["name"]] for c in [*spec.get("initContainers", []), *spec["containers"]]
+                       for m in c.get("volumeMounts") or [] if m["name"] in host})
 
     # -- serving pods: reached on their pod IP (no kubelet API here: no port-forward, exec or logs) ----------
     def _server_pod(self, node: str | None = None, placement: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -198,9 +180,6 @@ class RealTarget:
         return sorted(str(p.relative_to(root)) for p in root.rglob(f"*{SUFFIX}")
                       if p.relative_to(root).parts[:2] == (self.tenant, user))
 
-    def staged_dir_exists(self, node: str, user: str) -> bool | None:
-        return self._on_disk(node, self.kv_dir(self.tenant, user)).exists()
-
     # -- the fleet scenario -------------------------------------------------------------------------------------
     def node_url(self, node: str) -> str:
         return self._url(self._server_pod(node), PORT)
@@ -212,11 +191,9 @@ class RealTarget:
         return parse_console_spans(self._log(self._server_pod(node)))
 
     def node_blobs(self, node: str, user: str) -> list[str]:
-        """Every blob of the user in that node's serving pod's data dir and on the node's disk (the Job hostPath)."""
-        found = []
-        for root in (self._data_dir(self._server_pod(node)), self._on_disk(node, self.kv_host_path)):
-            found += [str(p) for p in Path(root).rglob(f"*{SUFFIX}") if self.tenant in p.parts and user in p.parts]
-        return sorted(found)
+        """Every blob of the user in that node's serving pod's data dir (no pod writes the node's disk)."""
+        root = self._data_dir(self._server_pod(node))
+        return sorted(str(p) for p in root.rglob(f"*{SUFFIX}") if self.tenant in p.parts and user in p.parts)
 
     # -- diagnostics --------------------------------------------------------------------------------------------
     def _alive(self) -> None:

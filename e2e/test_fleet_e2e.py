@@ -103,9 +103,9 @@ def test_any_pod_answers_any_user(fleet, tmp_path: Path):
     assert sorted(resp.model_extra["inferscale"]["items"]) == ["m1", "m2", "m4"], resp.model_extra
     again = wait_for(lambda: _peer_fetch(t, NODE_2, user, 1), 30, "node 2's second kv_fetch", t.diag)
     assert "peer" in again["kv_fetch"]["attributes"]["inferscale.kv.tier"]  # refetched, not served stale
-    assert not [b for b in t.node_blobs(NODE, user) if "m3" in Path(b).name]  # m3 left node 1's dirs too
+    assert not [b for b in t.node_blobs(NODE, user) if "m3" in Path(b).name]  # m3 left node 1's store too
 
-    # 3. delete: nothing left in any tier of either pod, nor in the Job dir; a request is answered as a first
+    # 3. delete: nothing left in any tier of either pod; a request is answered as a first
     #    conversation: every peer says it holds nothing, so no memory is injected (and the answer says so)
     t.kubectl("delete", "usermemories.inferscale.io", name, "-n", t.tenant, "--wait=false")
     wait_for(lambda: t.get_um(name) is None, t.gone_timeout, "UserMemory gone", t.diag, interval=0.5)

@@ -4,7 +4,9 @@ On real etcd + kube-apiserver + kube-controller-manager (controlplane.py), with 
 `helm install` (its CRD included) and RBAC in force:
 - both copies of the CRD are accepted, and the API server itself enforces their rules: the id pattern, no `..`,
   the immutable userId, the size bounds, no undeclared fields (field validation Strict);
-- a privileged pod in a tenant namespace is refused by Pod Security (`restricted`);
+- a privileged pod in a tenant namespace is refused by Pod Security (`restricted`); so is a hostPath pod in the
+  release namespace, which the chart labels `restricted` (issue 24 #1), while the chart's own pods and an encode Job
+  of the operator's making are admitted there;
 - a tenant identity (bound only in its namespace) cannot read the platform's Secrets, Jobs or records, nor the
   other tenant's UserMemory objects;
 - the operator's ServiceAccount token reads no Secret the chart does not grant it;
@@ -130,6 +132,55 @@ def test_a_privileged_pod_in_a_tenant_namespace_is_refused(platform: Platform) -
                  "privileged", "hostPath")
 
 
+RESTRICTED = {"runAsNonRoot": True, "runAsUser": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_the_release_namespace_enforces_restricted(platform: Platform) -> None:
+    """Issue 24 #1: the namespace holding the KEK, the internal token, the peer secret and the API key hashes
+    carries the enforce label (the chart's Namespace)."""
+    with platform.cp.client() as c:
+        labels = c.get(f"/api/v1/namespaces/{NAMESPACE}").json()["metadata"]["labels"]
+    assert labels.get("pod-security.kubernetes.io/enforce") == "restricted", labels
+
+
+def test_a_host_path_pod_in_the_release_namespace_is_refused(platform: Platform) -> None:
+    """Before issue 24 #1 the release namespace had no enforce label: this pod, otherwise restricted, was admitted."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "reads-the-node"},
+           "spec": {"securityContext": RESTRICTED,
+                    "containers": [{"name": "c", "image": "inferscale", "securityContext": CONTAINER_RESTRICTED,
+                                    "volumeMounts": [{"name": "kv", "mountPath": "/kv"}]}],
+                    "volumes": [{"name": "kv", "hostPath": {"path": "/var/lib/inferscale/kv"}}]}}
+    with platform.cp.client() as c:  # as cluster admin: the refusal is Pod Security's, not RBAC's
+        _refused(c.post(f"/api/v1/namespaces/{NAMESPACE}/pods", json=pod), 403, "violates PodSecurity",
+                 "restricted", "hostPath")
+
+
+def test_the_charts_pods_and_an_encode_job_are_admitted(platform: Platform) -> None:
+    """Every workload of the chart got its pods past Pod Security `restricted` (no FailedCreate), and so does an
+    encode Job exactly as the operator makes it (operator/jobs.py, its credential from the pod's annotation)."""
+    from inferscale.operator import jobs
+    from inferscale.operator.settings import Settings
+
+    cfg = Settings(job_namespace=NAMESPACE, encoder_gpus=0, kek_secret="inferscale-kek", encoder_image="inferscale")
+    to = jobs.Delivery("http://10.0.0.1:8001/internal/v1/ingest/tenant-a/caroline", f"{NAMESPACE}/s-0", "n")
+    job = jobs.job_manifest("tenant-a-caroline-enc-0123456789", A, "caroline", "uid-1", "caroline", "tiny-e2e",
+                            ["m1"], cfg, to, "isu1.claims.mac")
+    job["spec"]["template"]["spec"]["tolerations"] = [{**ONLY_THIS_TEST, "operator": "Equal"}]  # run by no node
+    with platform.cp.client() as c:
+        assert c.post(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=job).status_code == 201
+        for component in ("server", "operator", "encode"):
+            sel = (f"app.kubernetes.io/component={component}" if component != "encode"
+                   else "job-name=tenant-a-caroline-enc-0123456789")
+            wait_for(lambda: c.get(f"/api/v1/namespaces/{NAMESPACE}/pods", params={"labelSelector": sel})
+                     .json()["items"], 90, f"a {component} pod admitted", platform.cp.diag)
+        events = c.get(f"/api/v1/namespaces/{NAMESPACE}/events").json()["items"]
+        refused = [e["message"] for e in events if e.get("reason") == "FailedCreate"]
+        assert not refused, refused
+        c.request("DELETE", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/tenant-a-caroline-enc-0123456789",
+                  json={"propagationPolicy": "Background"})
+
+
 # -- RBAC: tenants ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", [
     f"/api/v1/namespaces/{NAMESPACE}/secrets",
@@ -181,8 +232,9 @@ def test_the_operator_can_do_its_job_and_no_more(platform: Platform) -> None:
 # -- the garbage collector --------------------------------------------------------------------------------------------
 def _job(name: str) -> dict[str, Any]:
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
-            "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [
-                {"name": "c", "image": "inferscale", "command": ["true"]}]}}}}
+            "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never", "securityContext": RESTRICTED,
+                                                            "containers": [
+                {"name": "c", "image": "inferscale", "command": ["true"], "securityContext": CONTAINER_RESTRICTED}]}}}}
 
 
 def _gone(c: httpx.Client, path: str) -> bool:
@@ -242,9 +294,9 @@ def test_a_gpu_job_is_scheduled_run_and_completed(platform: Platform, tmp_path) 
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "gpu-work"}, "spec": {
             "backoffLimit": 0, "template": {"spec": {
                 "restartPolicy": "Never", "nodeSelector": {"nvidia.com/gpu.present": "true"},
-                "tolerations": [{**ONLY_THIS_TEST, "operator": "Equal"}],
-                "volumes": [{"name": "out", "hostPath": {"path": "/var/lib/out", "type": "DirectoryOrCreate"}}],
-                "containers": [{"name": "c", "image": "inferscale", "env": [
+                "tolerations": [{**ONLY_THIS_TEST, "operator": "Equal"}], "securityContext": RESTRICTED,
+                "volumes": [{"name": "out", "emptyDir": {}}],  # the release namespace admits no hostPath
+                "containers": [{"name": "c", "image": "inferscale", "securityContext": CONTAINER_RESTRICTED, "env": [
                     {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
                     "command": ["python", "-c", "import os, sys; open(sys.argv[1], 'w').write(os.environ['NODE'])",
                                 "/out/ran"],
@@ -264,8 +316,8 @@ def test_a_gpu_job_is_scheduled_run_and_completed(platform: Platform, tmp_path) 
                      lambda: f"{platform.cp.diag()}\nstand-in errors: {[n.errors[-3:] for n in nodes]}")
             pods = c.get(f"/api/v1/namespaces/{NAMESPACE}/pods", params={"labelSelector": "job-name=gpu-work"}).json()
             assert [p["spec"]["nodeName"] for p in pods["items"]] == ["gpu-node"]
-        assert (tmp_path / "gpu-node/disk/var/lib/out/ran").read_text() == "gpu-node"
-        assert not (tmp_path / "cpu-node/disk/var/lib/out").exists()
+        assert [p.read_text() for p in (tmp_path / "gpu-node").glob("pods/*/volumes/out/ran")] == ["gpu-node"]
+        assert not list((tmp_path / "cpu-node").glob("pods/*/volumes/out/ran"))
     finally:
         for n in nodes:
             n.stop()

@@ -1,8 +1,9 @@
 """Issue 6, end to end: `kubectl apply` of a UserMemory -> operator -> encoding Job -> blocks on a serving pod ->
 an `openai`-client chat request for that user in `kv` mode whose trace shows the injected blocks -> delete ->
-blocks gone from every tier of the serving pod. With two tenants: a second tenant's UserMemory for a user of the same
-id is encoded by its own Job, whose pod gets only its own `<kv>/<tenant>/<user>` directory of the node (nothing of the
-first tenant's), each tenant's key sees only its own user, and deleting one leaves the other serving.
+blocks gone from every tier of the serving pod. The Job mounts no node directory: it delivers its sealed blobs to
+the serving pod the operator chose, with an upload credential for its tenant and user only. With two tenants: a
+second tenant's UserMemory for a user of the same id is encoded by its own Job, each tenant's key sees only its own
+user, and deleting one leaves the other serving.
 
 One test, two targets:
 - local (always; CI): KMock emulator as API server, the real operator and server as local processes, and a node
@@ -29,12 +30,6 @@ EXAMPLE = ROOT / "crds" / "examples" / "usermemory-inline.yaml"
 # Tenant B's user has the same id as tenant A's, and other memories.
 MEMORIES_B = [{"id": "g1", "text": "Caroline from Globex sells industrial widgets."},
               {"id": "g2", "text": "Caroline from Globex plays chess on Sundays."}]
-
-
-def _within(path: str, directory: str) -> bool:
-    """`path` is `directory`, inside it, or a parent of it (a parent's mount would expose it too)."""
-    p, d = path.rstrip("/"), directory.rstrip("/")
-    return p == d or p.startswith(d + "/") or d.startswith(p + "/")
 
 
 @pytest.fixture(params=["local", "real", "cluster"])
@@ -95,11 +90,12 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     assert len(status["placements"]) == 1, status["placements"]
     placement = status["placements"][0]
     assert placement["bytes"] > 0 and placement["tier"] in ("dram", "gpu")
-    job_node = status["job"]["node"]
-    assert job_node and target.staged_dir_exists(job_node, user) in (True, None)
+    # The Job delivered to the pod that serves the user (its node is where the blobs are), mounting no node dir.
+    assert status["job"]["node"] == placement["node"] and status["job"]["pod"].endswith("/" + placement["pod"])
     (job,) = [j for j in target.jobs() if j["metadata"]["name"] == status["job"]["name"]]
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][:2] == ["inferscale", "encode"] and "--embed" in container["command"]
+    assert "--deliver" in container["command"] and target.job_host_paths(job) == []
     url = target.endpoint(placement)
     tenant_headers = {"Authorization": f"Bearer {target.api_key}"}
     listed = httpx.get(f"{url}/v1/memories/{user}", headers=tenant_headers, timeout=30)
@@ -134,15 +130,11 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     um_b = wait_for(lambda: _ready(target.get_um(name, target.tenant_b)), target.ready_timeout,
                     f"UserMemory {target.tenant_b}/{name} Ready", target.diag, interval=0.5)
     ids_b = sorted(m["id"] for m in MEMORIES_B)
-    # Every encode Job ran in the platform namespace (none in a tenant namespace), and each one's pod got exactly its
-    # own <kv>/<tenant>/<user> directory of the node: B's Job could see nothing of A's directory, nor A's of B's.
+    # Every encode Job ran in the platform namespace (none in a tenant namespace), and no Job's pod saw any node
+    # directory: each delivered, with a credential for its own tenant and user only.
     assert target.jobs(target.tenant) == [] and target.jobs(target.tenant_b) == []
     platform_jobs = {j["metadata"]["name"]: j for j in target.jobs()}
-    paths_a = target.job_host_paths(platform_jobs[status["job"]["name"]])
-    paths_b = target.job_host_paths(platform_jobs[um_b["status"]["job"]["name"]])
-    dir_a, dir_b = target.kv_dir(target.tenant, user), target.kv_dir(target.tenant_b, user)
-    assert paths_a == [dir_a] and paths_b == [dir_b], (paths_a, paths_b)
-    assert not any(_within(p, dir_a) for p in paths_b) and not any(_within(p, dir_b) for p in paths_a)
+    assert target.job_host_paths(platform_jobs[um_b["status"]["job"]["name"]]) == []
     # Each tenant's key sees only its own user of that id.
     url_b = target.endpoint(um_b["status"]["placements"][0])
     b_headers = {"Authorization": f"Bearer {target.api_key_b}"}
@@ -150,6 +142,10 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     assert listed_b.status_code == 200 and sorted(i["id"] for i in listed_b.json()["items"]) == ids_b, listed_b.text
     listed_a = httpx.get(f"{url}/v1/memories/{user}", headers=tenant_headers, timeout=30)
     assert sorted(i["id"] for i in listed_a.json()["items"]) == ids
+
+    # 5c. a Job's upload credential reaches the serving pod's ingest route for its own tenant and user only; a
+    # forged or expired one, or the internal token itself, stores nothing (401), another user's or tenant's is 403.
+    _credential_checks(target, target.internal_endpoint(placement), user)
 
     # 6. delete: the finalizer purges every serving pod before the object goes
     target.kubectl("delete", "usermemories.inferscale.io", name, "-n", target.tenant, "--wait=false")
@@ -172,6 +168,24 @@ def test_usermemory_end_to_end(target, tmp_path: Path):
     assert cap["users"] == 0 and cap["bytes_used"] == 0, cap
     purged = [e for e in target.events() if e.get("reason") == "Purged"]
     assert purged and f"removed {len(ids)} block(s)" in purged[-1]["message"], purged
-    # ... and the encode Job's output dir on the node it ran on (<kv hostPath>/<tenant>/<user>) is gone too
-    assert f"on node(s) {job_node}" in purged[-1]["message"], purged
-    assert target.staged_dir_exists(job_node, user) in (False, None)
+
+
+def _credential_checks(target, internal_url: str, user: str) -> None:
+    import time
+
+    from inferscale import uploadtoken
+
+    key = uploadtoken.upload_key(target.internal_token)
+    mine = uploadtoken.mint(key, target.tenant, user, "enc-x", 60)
+
+    def post(tenant: str, who: str, token: str) -> httpx.Response:
+        return httpx.post(f"{internal_url}/internal/v1/ingest/{tenant}/{who}", content=b"not a tar",
+                          headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    assert post(target.tenant, "someone-else", mine).status_code == 403
+    assert post(target.tenant_b, user, mine).status_code == 403
+    forged = uploadtoken.mint(uploadtoken.upload_key("not-the-token"), target.tenant, user, "enc-x", 60)
+    expired = uploadtoken.mint(key, target.tenant, user, "enc-x", 60, now=time.time() - 3600)
+    for token in (forged, expired, target.internal_token):
+        assert post(target.tenant, user, token).status_code == 401, token
+    assert post(target.tenant, user, mine).status_code == 400  # admitted; the body is no archive: nothing stored

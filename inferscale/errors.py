@@ -82,3 +82,11 @@ class EngineBusyError(InferScaleError):
 class EngineUnavailableError(EngineBusyError):
     """The engine worker is not running (it died, or the server is shutting down): this replica answers nothing
     more; the client should retry, on another replica once this one is restarted."""
+
+
+class UploadRefused(InferScaleError):
+    """A Job's upload credential that is missing, malformed, forged or expired (inferscale/uploadtoken.py; 401)."""
+
+
+class UploadDenied(InferScaleError):
+    """A valid upload credential presented for a tenant or user it was not minted for (403)."""

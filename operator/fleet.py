@@ -1,4 +1,4 @@
-"""The operator's side of the fleet path: publish each serving pod's peers, and keep every tier and node clean.
+"""The operator's side of the fleet path: publish each serving pod's peers, and keep every tier clean.
 
 - Peers: every serving pod is told the others' peer addresses (podIP + INFERSCALE_NIXL_PORT, from the pod's status)
   over the internal API, so a pod that lacks a user asks them in turn (inferscale/store/fleet.py). Only the operator sets
@@ -6,8 +6,6 @@
 - Invalidation: after an edit, every pod outside the placement drops the user entirely (it may hold an on-demand
   copy of an older version) and fetches the current one on its next request; the placement pods are brought up to
   date by the pulls themselves.
-- Job dirs: the blobs of removed items (and of changed items on nodes other than the new Job's) leave the Job
-  output dirs on the nodes the operator's record names, so no import brings back an old version.
 - Items ConfigMaps (every memory text) are deleted once their Job is done, and any superseded one of the object;
   so are the Jobs' key Secrets.
 """
@@ -64,23 +62,6 @@ async def drop_elsewhere(client: ServerClient, pods: Iterable[ServingPod], keep:
     for r in results:
         if isinstance(r, BaseException):
             logger.warning(f"could not drop a stale copy: {r}")
-
-
-async def clean_job_dirs(client: ServerClient, pods: Sequence[ServingPod], drop: dict[str, list[str]], tenant: str,
-                         user: str, kv_dir: str, logger: logging.Logger) -> None:
-    """Delete ``drop[node]`` items' blobs from the Job output dir on each node, through one serving pod there (a
-    purge with ``items`` and ``source_dir`` removes only those files). A node without a serving pod is left (its
-    dir is only read through a pod of that node)."""
-    for node, items in sorted(drop.items()):
-        if not items:
-            continue
-        pod = next((p for p in pods if p.node == node), None)
-        if pod is None:
-            continue
-        try:
-            await client.purge(pod, tenant, user, sorted(items), kv_dir)
-        except ServerCallError as e:
-            logger.warning(f"could not clean {kv_dir} on {node}: {e}")
 
 
 def delete_items_configmaps(kube: Kube, cfg: Settings, uid: str, keep: str | None = None) -> int:

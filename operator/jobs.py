@@ -1,9 +1,11 @@
 """Encoding and cleanup Jobs: the manifests (pure functions), how to read a Job's outcome, and whose Job it is.
 
 Trust boundary (ARCHITECTURE.md, "Trust boundary"): every Job, its items ConfigMap and the per-user record live in
-the platform namespace (`Settings.job_namespace`), which tenants cannot write to. A Job mounts exactly one
-`<kv>/<tenant>/<user>` directory of the node, runs as the image's non-root user under a restricted securityContext,
-and is bounded in time and resources. The operator trusts a Job only when it carries the labels it set for that
+the Jobs' namespace (`Settings.job_namespace`), which tenants cannot write to. An encode Job mounts no hostPath: it
+writes its blobs to its own emptyDir, then delivers them to the serving pod the operator chose (`Delivery`:
+`POST /internal/v1/ingest/<tenant>/<user>` with an upload credential minted for that tenant, user and Job,
+inferscale/uploadtoken.py). It runs as the image's non-root user under Pod Security `restricted` and is bounded in
+time and resources. The operator trusts a Job only when it carries the labels it set for that
 UserMemory's uid, and a pod only when the Job is its controller (ownerReferences), never by a `job-name` label.
 
 A Job's name derives from the tenant, the UserMemory's uid, the content hash and the ids it encodes, so a restarted
@@ -12,9 +14,9 @@ operator derives the same name and a create answered 409 means "already there".
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import posixpath
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -27,39 +29,36 @@ from .spec import Item
 
 ITEMS_MOUNT = "/memories"
 ITEMS_KEY = "items.jsonl"
-# Where a Job sees its one user directory of the node's KV hostPath.
+# The encode Job's own emptyDir: its blobs, before it delivers them.
 OUT_MOUNT = "/var/run/inferscale/out"
 KEK_MOUNT = "/var/run/inferscale/kek"
 KEK_KEY = "kek"
+# The Job's upload credential (inferscale/uploadtoken.py): a key of its own Secret, or (Jobs in the release
+# namespace, where the operator may create no Secret) its pod's annotation through the downward API.
+CREDENTIAL_MOUNT = "/var/run/inferscale/upload"
+CREDENTIAL_KEY = "upload-credential"
+ANNOTATION_CREDENTIAL = "inferscale.io/upload-credential"
+# Where the Job delivers (the pod the operator chose, and its node): read back when the Job has succeeded.
+ANNOTATION_DELIVER_POD = "inferscale.io/deliver-pod"
+ANNOTATION_DELIVER_NODE = "inferscale.io/deliver-node"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 # The API server's limit on a ConfigMap's data (keys and values together).
 CONFIGMAP_MAX_BYTES = 1 << 20
 # How many items an encode Job encodes: the per-tenant cap on pending encode work counts these (quota.py).
 ANNOTATION_ITEMS = "inferscale.io/items"
+# The credential outlives the Job's deadline by this much (a pod may wait to be scheduled).
+CREDENTIAL_MARGIN_S = 600
 
 JobPhase = Literal["Running", "Succeeded", "Failed"]
-Role = Literal["encode", "cleanup", "items", "key", "user-record"]
+Role = Literal["encode", "items", "key", "user-record"]
 
-# Run by the cleanup Job as the non-root fleet user: empty the mounted user directory (symlinks are removed, never
-# followed). The directory itself stays (an empty dir holds no data); removing it would need its parent mounted.
-_CLEAN_PY = ("import os, shutil, sys\n"
-             "d = sys.argv[1]\n"
-             "for n in os.listdir(d):\n"
-             "    p = os.path.join(d, n)\n"
-             "    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)\n")
-# Where the init container sees the tenant's directory (`<kv>/<tenant>`).
-TENANT_MOUNT = "/var/run/inferscale/tenant"
-# Run by the encode Job's init container: kubelet creates missing hostPath directories (`<kv>/<tenant>` and
-# `<kv>/<tenant>/<user>`) as root, and the encoder runs as the fleet user, who must write the user's directory and
-# (for a serving pod's purge) remove it from the tenant's. Only the tenant's directory is mounted, only CAP_CHOWN is
-# kept, and the code is ours (the tenant supplies only item text): the root step can do nothing but hand these two
-# directories to the fleet user. Non-recursive, never through a symlink.
-_CHOWN_PY = ("import os, sys\n"
-             "tenant_dir, user, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
-             "for p in (tenant_dir, os.path.join(tenant_dir, user)):\n"
-             "    st = os.lstat(p)\n"
-             "    if (st.st_uid, st.st_gid) != (uid, uid):\n"
-             "        os.chown(p, uid, uid, follow_symlinks=False)\n")
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """Where an encode Job delivers its blobs: a serving pod's ingest URL, that pod and its node."""
+    url: str
+    pod: str  # namespace/name
+    node: str
 
 
 def _digest(*parts: Any) -> str:
@@ -75,14 +74,6 @@ def job_name(tenant: str, cr_name: str, cr_uid: str, content_hash: str, ids: Ite
     # Tenant and uid in the hash: Jobs of every tenant share one namespace, and a later namesake UserMemory must
     # not find this one's Job.
     return f"{_prefix(tenant, cr_name)}-enc-{_digest(tenant, cr_uid, content_hash, sorted(ids))}"
-
-
-def cleanup_job_name(tenant: str, cr_name: str, cr_uid: str, node: str) -> str:
-    return f"{_prefix(tenant, cr_name)}-clean-{_digest(tenant, cr_uid, node)}"
-
-
-def kv_dir(settings: Settings, tenant: str, user_id: str) -> str:
-    return posixpath.join(settings.kv_host_path, tenant, user_id)
 
 
 def labels(tenant: str, cr_name: str, cr_uid: str, role: Role) -> dict[str, str]:
@@ -127,15 +118,16 @@ def configmap_manifest(name: str, settings: Settings, tenant: str, cr_name: str,
 
 
 def key_secret_manifest(name: str, settings: Settings, tenant: str, cr_name: str, cr_uid: str,
-                        tenant_keys: str) -> dict[str, Any]:
-    """The Job's key file (inferscale/tenantkey.py: its tenant's derived keys), created before it, then owned by it."""
+                        tenant_keys: str, credential: str) -> dict[str, Any]:
+    """The Job's Secret: its key file (inferscale/tenantkey.py: its tenant's derived keys) and its upload credential,
+    created before it, then owned by it."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
         "metadata": {"name": name, "namespace": settings.job_namespace,
                      "labels": labels(tenant, cr_name, cr_uid, "key")},
-        "stringData": {KEK_KEY: tenant_keys},
+        "stringData": {KEK_KEY: tenant_keys, CREDENTIAL_KEY: credential},
     }
 
 
@@ -163,26 +155,30 @@ def _pod_context(settings: Settings) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _user_volume(settings: Settings, tenant: str, user_id: str) -> dict[str, Any]:
-    # Exactly this user's directory of the node: nothing of another user or tenant is visible in the pod.
-    return {"name": "kv", "hostPath": {"path": kv_dir(settings, tenant, user_id), "type": "DirectoryOrCreate"}}
+def _credential_volume(name: str, settings: Settings) -> dict[str, Any]:
+    if settings.kek_file:  # the Job's own Secret holds it (key_secret_manifest)
+        return {"name": "upload", "secret": {"secretName": name, "defaultMode": 0o440,
+                                             "items": [{"key": CREDENTIAL_KEY, "path": CREDENTIAL_KEY}]}}
+    # Jobs beside the platform's Secrets: the operator may create none there, so the pod's own annotation.
+    return {"name": "upload", "downwardAPI": {"defaultMode": 0o440, "items": [
+        {"path": CREDENTIAL_KEY, "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_CREDENTIAL}']"}}]}}
 
 
 def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str, model: str,
-                 ids: Iterable[str], settings: Settings) -> dict[str, Any]:
+                 ids: Iterable[str], settings: Settings, delivery: Delivery, credential: str) -> dict[str, Any]:
+    """The encode Job: encode `ids` into its emptyDir, then deliver them to `delivery` with `credential`."""
     ids = sorted(ids)
     command = ["inferscale", "encode", f"{ITEMS_MOUNT}/{ITEMS_KEY}", "--out", OUT_MOUNT, "--model", model,
-               "--only", ",".join(sorted(ids)), "--embed"]
+               "--only", ",".join(sorted(ids)), "--embed",
+               "--deliver", delivery.url, "--upload-credential-file", f"{CREDENTIAL_MOUNT}/{CREDENTIAL_KEY}"]
     volumes: list[dict[str, Any]] = [{"name": "memories", "configMap": {"name": name}},
-                                     _user_volume(settings, tenant, user_id),
-                                     # The init container's only: the tenant's directory (see _CHOWN_PY).
-                                     {"name": "kv-tenant", "hostPath": {"path": posixpath.join(settings.kv_host_path,
-                                                                                               tenant),
-                                                                        "type": "DirectoryOrCreate"}},
-                                     {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
+                                     {"name": "out", "emptyDir": {"sizeLimit": settings.encoder_out_size}},
+                                     {"name": "tmp", "emptyDir": {"sizeLimit": settings.encoder_out_size}},
+                                     _credential_volume(name, settings)]
     mounts: list[dict[str, Any]] = [{"name": "memories", "mountPath": ITEMS_MOUNT, "readOnly": True},
-                                    {"name": "kv", "mountPath": OUT_MOUNT},
-                                    {"name": "tmp", "mountPath": "/tmp"}]
+                                    {"name": "out", "mountPath": OUT_MOUNT},
+                                    {"name": "tmp", "mountPath": "/tmp"},
+                                    {"name": "upload", "mountPath": CREDENTIAL_MOUNT, "readOnly": True}]
     key_secret = name if settings.kek_file else settings.kek_secret
     if key_secret:
         # Blobs are sealed with a data key wrapped for this tenant and bound to it and the user; with kek_file the
@@ -206,17 +202,7 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
         "securityContext": restricted_container_context(),
         "volumeMounts": mounts,
     }
-    owner_init: dict[str, Any] = {
-        "name": "kv-owner",
-        "image": settings.encoder_image,
-        "command": ["python", "-c", _CHOWN_PY, TENANT_MOUNT, user_id, str(settings.run_as_user)],
-        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}},
-        # The one root step, in the platform namespace only: CAP_CHOWN on the tenant's and the user's directory.
-        "securityContext": {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
-                            "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"},
-                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
-        "volumeMounts": [{"name": "kv-tenant", "mountPath": TENANT_MOUNT}],
-    }
+    where = {ANNOTATION_DELIVER_POD: delivery.pod, ANNOTATION_DELIVER_NODE: delivery.node}
     return _job(name, tenant, cr_name, cr_uid, "encode", settings, {
         # A bad item exits 2 and would fail again: retrying only burns GPU time.
         "backoffLimit": 1,
@@ -228,10 +214,16 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
     }, {
         "nodeSelector": dict(settings.encoder_node_selector),
         "tolerations": [dict(t) for t in settings.encoder_tolerations],
-        "initContainers": [owner_init],
         "containers": [container],
         "volumes": volumes,
-    }, {ANNOTATION_ITEMS: str(len(ids))})
+    }, {ANNOTATION_ITEMS: str(len(ids)), **where},
+        None if settings.kek_file else {ANNOTATION_CREDENTIAL: credential})
+
+
+def delivered_to(job: Mapping[str, Any]) -> tuple[str, str]:
+    """(pod as namespace/name, node) a succeeded encode Job delivered to (its annotations, set by the operator)."""
+    ann = (job.get("metadata") or {}).get("annotations") or {}
+    return str(ann.get(ANNOTATION_DELIVER_POD) or ""), str(ann.get(ANNOTATION_DELIVER_NODE) or "")
 
 
 def job_phase(job: Mapping[str, Any]) -> tuple[JobPhase, str]:
@@ -249,54 +241,18 @@ def job_phase(job: Mapping[str, Any]) -> tuple[JobPhase, str]:
     return "Running", ""
 
 
-def job_node(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> str:
-    """The node the Job ran on: the nodeName of a pod it controls, else its node selector's hostname."""
-    for pod in pods_of(job, pods):
-        node = (pod.get("spec") or {}).get("nodeName")
-        if node:
-            return str(node)
-    selector = (((job.get("spec") or {}).get("template") or {}).get("spec") or {}).get("nodeSelector") or {}
-    return str(selector.get(HOSTNAME_LABEL, ""))
-
-
-def cleanup_job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, node: str, user_id: str,
-                         settings: Settings) -> dict[str, Any]:
-    """A Job that empties exactly `<kv>/<tenant>/<user>` on `node`, for a node with no serving pod.
-
-    `node` comes from the operator's own record (never from the tenant-writable status). Bound to the node by
-    `nodeName`; it tolerates only the encoder's tolerations. It removes itself after `ttlSecondsAfterFinished`.
-    """
-    container: dict[str, Any] = {
-        "name": "cleanup",
-        "image": settings.encoder_image,
-        "command": ["python", "-c", _CLEAN_PY, OUT_MOUNT],
-        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}},
-        "securityContext": restricted_container_context(),
-        "volumeMounts": [{"name": "kv", "mountPath": OUT_MOUNT}],
-    }
-    return _job(name, tenant, cr_name, cr_uid, "cleanup", settings, {
-        "backoffLimit": 2,
-        "activeDeadlineSeconds": max(int(settings.cleanup_timeout_seconds), 1),
-        "ttlSecondsAfterFinished": 600,
-    }, {
-        "nodeName": node,
-        "tolerations": [dict(t) for t in settings.encoder_tolerations],
-        "containers": [container],
-        "volumes": [_user_volume(settings, tenant, user_id)],
-    })
-
-
 def _job(name: str, tenant: str, cr_name: str, cr_uid: str, role: Role, settings: Settings,
          job_spec: dict[str, Any], pod_spec: dict[str, Any],
-         annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    """A batch/v1 Job in the platform namespace, labelled for its UserMemory; its pods never restart in place."""
+         annotations: dict[str, str] | None = None, pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """A batch/v1 Job in the Jobs' namespace, labelled for its UserMemory; its pods never restart in place."""
     pod_labels = labels(tenant, cr_name, cr_uid, role)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name, "namespace": settings.job_namespace, "labels": pod_labels,
                      "annotations": annotations or {}},
-        "spec": {**job_spec, "template": {"metadata": {"labels": pod_labels}, "spec": {
+        "spec": {**job_spec, "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations or {}},
+                                          "spec": {
             "restartPolicy": "Never", "automountServiceAccountToken": False, "enableServiceLinks": False,
             "securityContext": _pod_context(settings), **pod_spec}}},
     }

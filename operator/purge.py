@@ -1,4 +1,5 @@
-"""Deleting a UserMemory: purge its user from every serving pod and the nodes its Jobs wrote to, from the record.
+"""Deleting a UserMemory: purge its user from every serving pod, from the operator's record. Encode Jobs deliver their
+blobs to a serving pod (jobs.Delivery) and keep nothing on a node, so the serving pods are the only place to purge.
 
 Two ways in: the finalizer (`purge`, while the object still exists), and an object gone without its finalizer (a
 tenant may remove it): `purge_record` works from the operator's record alone, so `orphans.py` can finish the job.
@@ -15,7 +16,7 @@ from typing import Any
 
 import kopf
 
-from . import jobs, records
+from . import records
 from .kube import Kube
 from .reconcile import tenant_allowed
 from .servers import ServerCallError, ServerClient, serving_pods
@@ -36,11 +37,9 @@ def _event(body: Body, warning: bool, reason: str, message: str) -> None:
 
 
 async def purge(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger: logging.Logger) -> None:
-    """The finalizer: purge the user from every serving pod, and delete the encode Jobs' output dir on the nodes they
-    ran on (the serving pod there does it; a node without one gets a cleanup Job). Raise (retry) until all of the
-    serving pods answered and the cleanup Jobs finished or ran past INFERSCALE_CLEANUP_TIMEOUT_SECONDS.
+    """The finalizer: purge the user from every serving pod. Raise (retry) until all of them answered.
 
-    The user and the nodes come from the operator's record (records.py), never from the tenant-writable spec/status:
+    The user comes from the operator's record (records.py), never from the tenant-writable spec/status:
     an object that never claimed a userId (invalid, duplicate, not a tenant) placed nothing and is released at once.
     Past INFERSCALE_PURGE_TIMEOUT_SECONDS after the deletion began, it gives up with a Warning and releases the
     finalizer: a purge that cannot succeed must not block the namespace's deletion forever."""
@@ -65,9 +64,8 @@ async def purge(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, logger
 async def purge_record(cfg: Settings, kube: Kube, body: Body, record: records.UserRecord) -> str:
     """One purge round for the user of `record`; the record is released when it is done. "" when done, else what
     it still waits for. `body` names the object for Events and cleanup Job names (it may be gone already)."""
-    kv_dir = jobs.kv_dir(cfg, record.tenant, record.user_id)
     try:
-        waiting = await _purge_once(cfg, kube, body, record.user_id, kv_dir, list(record.nodes))
+        waiting = await _purge_once(cfg, kube, body, record.user_id)
     except ServerCallError as e:
         waiting = str(e)
     if not waiting:
@@ -81,72 +79,27 @@ def past_deadline(cfg: Settings, started: float | None) -> bool:
 
 def give_up(cfg: Settings, kube: Kube, body: Body, record: records.UserRecord, waiting: str) -> str:
     """Release the record of a purge that ran past INFERSCALE_PURGE_TIMEOUT_SECONDS, with a Warning; its message."""
-    kv_dir = jobs.kv_dir(cfg, record.tenant, record.user_id)
-    msg = (f"purge gave up after {cfg.purge_timeout_seconds:.0f}s ({waiting}); {kv_dir} may be left on "
-           f"node(s) {', '.join(record.nodes) or 'none'} or serving pods")
+    msg = (f"purge gave up after {cfg.purge_timeout_seconds:.0f}s ({waiting}); {record.tenant}/{record.user_id} may "
+           "be left on serving pods")
     _event(body, True, reason="PurgeTimedOut", message=msg)
     records.release(kube, cfg, record)
     return msg
 
 
-async def _purge_once(cfg: Settings, kube: Kube, body: Body, user: str, kv_dir: str, nodes: list[str]) -> str:
+async def _purge_once(cfg: Settings, kube: Kube, body: Body, user: str) -> str:
     """One purge round: "" when done, else what it still waits for."""
-    meta = body["metadata"]
-    tenant = meta["namespace"]
+    tenant = body["metadata"]["namespace"]
     raw = await asyncio.to_thread(kube.list_pods, cfg.server_namespace, cfg.server_selector)
     pods = serving_pods(raw, cfg.internal_port, require_ready=False, nixl_port=cfg.nixl_port,
                         scheme=cfg.internal_scheme)
     async with ServerClient(cfg) as client:
-        results = await asyncio.gather(*(client.purge(p, tenant, user, None, kv_dir if p.node in nodes else None)
-                                         for p in pods), return_exceptions=True)
+        results = await asyncio.gather(*(client.purge(p, tenant, user, None) for p in pods), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         return f"purge failed on {len(failed)}/{len(pods)} serving pod(s): {failed[0]}"
     removed = sum(int(r.get("removed_blocks") or 0) for r in results if isinstance(r, dict))
-    # A node counts as cleaned when a serving pod there handled source_dir (one that predates it omits the answer).
-    cleaned = {p.node for p, r in zip(pods, results) if isinstance(r, dict) and "source_dir_removed" in r}
-    waiting: list[str] = []
-    for node in (n for n in nodes if n not in cleaned):
-        why = await _clean_node(cfg, kube, body, node, user, kv_dir)
-        if why:
-            waiting.append(why)
-    if waiting:
-        return "; ".join(waiting)
-    where = f"; deleted {kv_dir} on node(s) {', '.join(nodes)}" if nodes else ""
-    _event(body, False, reason="Purged", message=f"removed {removed} block(s) from {len(pods)} serving pod(s){where}")
+    _event(body, False, reason="Purged", message=f"removed {removed} block(s) from {len(pods)} serving pod(s)")
     return ""
-
-
-async def _clean_node(cfg: Settings, kube: Kube, body: Body, node: str, user: str, kv_dir: str) -> str:
-    """Run (or look at) the cleanup Job that empties `kv_dir` on `node`: "" when done or given up, else what runs."""
-    meta = body["metadata"]
-    tenant, name, uid = meta["namespace"], meta["name"], str(meta.get("uid") or "")
-    if await asyncio.to_thread(kube.node_labels, node) is None:
-        return ""  # the node is gone, and the directory with it
-    jname = jobs.cleanup_job_name(tenant, name, uid, node)
-    live = await asyncio.to_thread(kube.read_job, cfg.job_namespace, jname)
-    if live is None:
-        await asyncio.to_thread(kube.create_job, jobs.cleanup_job_manifest(jname, tenant, name, uid, node, user, cfg))
-        _event(body, False, reason="NodeCleanupStarted", message=f"Job {jname} deletes {kv_dir} on node {node}")
-        live = await asyncio.to_thread(kube.read_job, cfg.job_namespace, jname)
-        if live is None:
-            return f"cleanup Job {jname} on node {node} (not found after create)"
-    if not jobs.made_by_us(live, cfg, tenant, uid, "cleanup"):
-        _event(body, True, reason="ForeignJob", message=f"Job {jname} was not created by the operator; not trusted")
-        return ""
-    phase, why = jobs.job_phase(live)
-    if phase == "Succeeded":
-        return ""
-    if phase == "Failed":
-        _event(body, True, reason="NodeCleanupFailed", message=f"Job {jname} could not delete {kv_dir} on node {node}: "
-                                                            f"{why}; left behind")
-        return ""
-    created = _parse_time((live.get("metadata") or {}).get("creationTimestamp"))
-    if created is not None and time.time() - created > cfg.cleanup_timeout_seconds:
-        _event(body, True, reason="NodeCleanupTimedOut", message=f"Job {jname} did not delete {kv_dir} on node {node} "
-                                                              f"within {cfg.cleanup_timeout_seconds:.0f}s; left behind")
-        return ""
-    return f"cleanup Job {jname} on node {node}"
 
 
 def _parse_time(value: Any) -> float | None:

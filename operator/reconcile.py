@@ -18,7 +18,7 @@ from typing import Any
 
 import kopf
 
-from inferscale import tenantkey
+from inferscale import tenantkey, uploadtoken
 from inferscale.sealing import Keyring
 
 from . import fleet, jobs, placement, quota, records
@@ -78,7 +78,6 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
     if changed:
         jns = cfg.job_namespace
         jname = jobs.job_name(tenant, name, uid, chash, changed)
-        job = jobs.job_manifest(jname, tenant, name, uid, desired.user_id, desired.model, changed, cfg)
         live = await asyncio.to_thread(kube.read_job, jns, jname)
         if live is None:
             # Every item, in spec order (the changed ones are encoded behind the items before them), in a ConfigMap
@@ -88,7 +87,16 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
                 msg = (f"the items file is {jobs.configmap_bytes(items_cm)} bytes, more than a ConfigMap holds "
                        f"({jobs.CONFIGMAP_MAX_BYTES}); encode fewer or shorter items per UserMemory")
                 return _fail(patch, body, conds, gen, ENCODED, "ItemsTooLarge", msg)
-            key = await asyncio.to_thread(_key_secret, cfg, jname, tenant, name, uid)
+            delivery = await _delivery(cfg, kube, tenant, desired.user_id, desired.node_selector,
+                                       status.get("placements") or [])
+            if delivery is None:  # the Job would have nowhere to deliver: no GPU is held until there is a pod
+                return await _queued(cfg, body, patch, status, conds, gen, "no serving pod is ready to take the "
+                                     "encoded blobs")
+            credential = uploadtoken.mint(uploadtoken.upload_key(cfg.internal_token), tenant, desired.user_id, jname,
+                                          int(cfg.encode_deadline_seconds) + jobs.CREDENTIAL_MARGIN_S)
+            job = jobs.job_manifest(jname, tenant, name, uid, desired.user_id, desired.model, changed, cfg,
+                                    delivery, credential)
+            key = await asyncio.to_thread(_key_secret, cfg, jname, tenant, name, uid, credential)
             why = await asyncio.to_thread(quota.start_encode, kube, cfg, tenant, items_cm, job, key)
             if why:
                 return await _queued(cfg, body, patch, status, conds, gen, why)
@@ -115,26 +123,19 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
         await asyncio.to_thread(fleet.delete_key_secrets, kube, cfg, uid)
         if phase == "Failed":
             return _fail(patch, body, conds, gen, ENCODED, "EncodeJobFailed", f"Job {jname} failed: {why}", job=job_ref)
-        job_pods = await asyncio.to_thread(kube.list_pods, jns, f"job-name={jname}")
-        node = jobs.job_node(live, job_pods)  # only pods this Job controls count
+        holder, node = jobs.delivered_to(live)  # the operator's own annotations on a Job it made
         record = await asyncio.to_thread(records.add_node, kube, cfg, record, node)
-        job_ref = {**job_ref, "node": node}
+        job_ref = {**job_ref, "node": node, "pod": holder}
         for i in changed:
-            encoded[i] = {"hash": hashes[i], "node": node}
-        kopf.info(body, reason="Encoded", message=f"Job {jname} encoded {len(changed)} item(s) on node {node or '?'}")
+            encoded[i] = {"hash": hashes[i], "node": node, "pod": holder}
+        kopf.info(body, reason="Encoded", message=f"Job {jname} encoded {len(changed)} item(s) and delivered them "
+                                                  f"to {holder or '?'}")
     for i in removed:
         encoded.pop(i, None)
     conds = set_condition(conds, ENCODED, True, "Encoded", f"{len(encoded)} item(s) encoded", gen)
 
     placed = await place(cfg, kube, body, desired.user_id, desired.replicas, desired.node_selector,
                          encoded, set(changed), removed, status.get("placements") or [], logger)
-    if changed or removed:  # old versions leave the Job dirs: removed items everywhere, changed ones elsewhere
-        job_node = (job_ref or {}).get("node") if changed else None
-        drop = {n: [*removed, *(changed if n != job_node else [])] for n in record.nodes}
-        all_pods, _ = await _serving(cfg, kube, {})
-        async with ServerClient(cfg) as client:
-            await fleet.clean_job_dirs(client, all_pods, drop, tenant, desired.user_id,
-                                       jobs.kv_dir(cfg, tenant, desired.user_id), logger)
     counts = dict(status.get("counts") or {})
     patch.status.update(
         phase=placed.phase, message=placed.message, observedGeneration=gen, contentHash=chash,
@@ -146,12 +147,26 @@ async def reconcile(cfg: Settings, kube: Kube, body: Body, patch: kopf.Patch, lo
     )
 
 
-def _key_secret(cfg: Settings, jname: str, tenant: str, cr_name: str, uid: str) -> dict[str, Any] | None:
-    """The Job's Secret of its tenant's derived keys (with INFERSCALE_KEK_FILE), else None."""
+def _key_secret(cfg: Settings, jname: str, tenant: str, cr_name: str, uid: str,
+                credential: str) -> dict[str, Any] | None:
+    """The Job's Secret of its tenant's derived keys and its upload credential (with INFERSCALE_KEK_FILE), else None
+    (the Jobs then run beside the platform's Secrets, where the operator may create none)."""
     if not cfg.kek_file:
         return None
     tenant_keys = tenantkey.derive_text(Keyring.load(cfg.kek_file), tenant)
-    return jobs.key_secret_manifest(jname, cfg, tenant, cr_name, uid, tenant_keys)
+    return jobs.key_secret_manifest(jname, cfg, tenant, cr_name, uid, tenant_keys, credential)
+
+
+async def _delivery(cfg: Settings, kube: Kube, tenant: str, user: str, node_selector: Mapping[str, str],
+                    previous: Sequence[Mapping[str, Any]]) -> jobs.Delivery | None:
+    """The serving pod a new encode Job delivers to: one already holding the user if any (placement stays put),
+    else the placement's first choice among the ready pods on the user's nodes; None when there is none."""
+    _, candidates = await _serving(cfg, kube, node_selector)
+    chosen = placement.choose(1, candidates, [_prev_key(e) for e in previous], {})
+    if not chosen:
+        return None
+    pod = chosen[0]
+    return jobs.Delivery(f"{pod.endpoint}/internal/v1/ingest/{tenant}/{user}", placement.pod_key(pod), pod.node)
 
 
 def _fail(patch: kopf.Patch, body: Body, conds: list[dict[str, Any]], gen: int | None, cond: str, reason: str,
@@ -257,7 +272,6 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
     all_pods, candidates = await _serving(cfg, kube, node_selector)
     prev = {_prev_key(e): e for e in previous}
     everyone = {placement.pod_key(p): p for p in all_pods}
-    kv_dir = jobs.kv_dir(cfg, tenant, user)
     tokens: int | None = None
 
     async with ServerClient(cfg) as client:
@@ -272,12 +286,16 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
             usable.append(pod)
             free[placement.pod_key(pod)] = placement.free_from_capacity(cap)
 
-        def source(node: str, target: ServingPod) -> dict[str, Any]:
-            # Same node: the pod reads the Job's hostPath dir; else it fetches from a NIXL peer there.
-            peer = None
-            if node != target.node:
-                peer = next((p.peer for p in everyone.values() if p.node == node and p.peer), None)
-            return {"node": node, "dir": kv_dir, "peer": peer}
+        def source(node: str, holder: str, target: ServingPod) -> dict[str, Any]:
+            # The pod the Job delivered to holds the blobs (no peer: it answers from its store); any other pod
+            # fetches them from it over NIXL, else from another pod that holds the user.
+            if placement.pod_key(target) == holder or (not holder and node == target.node):
+                return {"node": node, "peer": None}
+            held = everyone.get(holder)
+            if held is None or held.node != node:  # gone, or not on the node the operator's record has
+                held = next((p for k, p in everyone.items() if k in prev and holds(prev[k], p) and p != target),
+                            None)
+            return {"node": node, "peer": held.peer if held is not None else None}
 
         async def sync(pod: ServingPod) -> dict[str, Any]:
             nonlocal tokens
@@ -290,11 +308,11 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
             entry: dict[str, Any] = {"node": pod.node, "pod": pod.name, "namespace": pod.namespace, "uid": pod.uid,
                                      **({"peer": pod.peer} if pod.peer else {}),
                                      "tier": (held or {}).get("tier", "dram"), "bytes": int((held or {}).get("bytes") or 0)}
-            groups: dict[str, list[str]] = {}
+            groups: dict[tuple[str, str], list[str]] = {}
             for i in ids:
-                groups.setdefault(encoded[i].get("node", ""), []).append(i)
-            for node, group in sorted(groups.items()):
-                resp = await client.pull(pod, tenant, user, source(node, pod), group)
+                groups.setdefault((encoded[i].get("node", ""), str(encoded[i].get("pod") or "")), []).append(i)
+            for (node, holder), group in sorted(groups.items()):
+                resp = await client.pull(pod, tenant, user, source(node, holder, pod), group)
                 entry["tier"] = resp.get("tier") or entry["tier"]
                 entry["bytes"] = int(resp.get("bytes") or 0)
                 if isinstance(resp.get("tokens"), int):
@@ -305,9 +323,12 @@ async def place(cfg: Settings, kube: Kube, body: Body, user: str, replicas: int,
 
         done: dict[str, dict[str, Any]] = {}
         excluded: set[str] = set()
+        # The pods the Jobs delivered to hold the blobs already: they stay chosen behind the current placement.
+        current = [*prev, *(h for h in sorted({str(e.get("pod") or "") for e in encoded.values()})
+                            if h in everyone and h not in prev)]
         while True:
             chosen = placement.choose(replicas, [p for p in usable if placement.pod_key(p) not in excluded],
-                                      list(prev), free)
+                                      current, free)
             pending = [p for p in chosen if placement.pod_key(p) not in done]
             if not pending:
                 break

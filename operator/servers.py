@@ -104,13 +104,8 @@ class ServerClient:
         body = {"tenant": tenant, "user": user, "source": dict(source), "items": items}
         return await self._call(pod, "POST", "/internal/v1/pull", body)
 
-    async def purge(self, pod: ServingPod, tenant: str, user: str, items: list[str] | None,
-                    source_dir: str | None = None) -> dict[str, Any]:
-        """`source_dir`: also delete that encoding-Job output dir on the pod's node (`source_dir_removed` in the answer;
-        a server that does not know the field leaves it out)."""
+    async def purge(self, pod: ServingPod, tenant: str, user: str, items: list[str] | None) -> dict[str, Any]:
         body: dict[str, Any] = {"tenant": tenant, "user": user, "items": items}
-        if source_dir is not None:
-            body["source_dir"] = source_dir
         return await self._call(pod, "POST", "/internal/v1/purge", body)
 
     async def set_peers(self, pod: ServingPod, peers: list[str]) -> dict[str, Any]:

@@ -77,7 +77,8 @@ class Settings:
     encoder_node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
     encoder_tolerations: Sequence[Mapping[str, Any]] = ()
     encoder_gpus: int = 1
-    kv_host_path: str = "/var/lib/inferscale/kv"
+    # The size limit of an encode Job's own emptyDirs (its blobs, and /tmp where it packs them to deliver).
+    encoder_out_size: str = "4Gi"
     models: tuple[str, ...] = ("gemma-3-270m",)
     # The KV storage format encode Jobs write (``encode --kv-dtype``): the fleet's INFERSCALE_KV_DTYPE.
     kv_dtype: str = DEFAULT_KV_DTYPE
@@ -130,13 +131,12 @@ class Settings:
                 encoder_node_selector=_json_dict(get("INFERSCALE_ENCODER_NODE_SELECTOR"), "INFERSCALE_ENCODER_NODE_SELECTOR"),
                 encoder_tolerations=_json_list(get("INFERSCALE_ENCODER_TOLERATIONS"), "INFERSCALE_ENCODER_TOLERATIONS"),
                 encoder_gpus=int(get("INFERSCALE_ENCODER_GPUS") or d.encoder_gpus),
-                kv_host_path=get("INFERSCALE_KV_HOST_PATH") or d.kv_host_path,
+                encoder_out_size=get("INFERSCALE_ENCODER_OUT_SIZE") or d.encoder_out_size,
                 models=_csv(get("INFERSCALE_MODELS")) or d.models,
                 kv_dtype=get("INFERSCALE_KV_DTYPE") or d.kv_dtype,
                 recheck_seconds=float(get("INFERSCALE_RECHECK_SECONDS") or d.recheck_seconds),
                 job_poll_seconds=float(get("INFERSCALE_JOB_POLL_SECONDS") or d.job_poll_seconds),
                 http_timeout_seconds=float(get("INFERSCALE_HTTP_TIMEOUT_SECONDS") or d.http_timeout_seconds),
-                cleanup_timeout_seconds=float(get("INFERSCALE_CLEANUP_TIMEOUT_SECONDS") or d.cleanup_timeout_seconds),
                 purge_timeout_seconds=float(get("INFERSCALE_PURGE_TIMEOUT_SECONDS") or d.purge_timeout_seconds),
                 orphan_sweep_seconds=float(get("INFERSCALE_ORPHAN_SWEEP_SECONDS") or d.orphan_sweep_seconds),
             ).checked()
@@ -153,9 +153,8 @@ class Settings:
                               "(Jobs mount the KEK), not both")
         if self.encoder_gpus < 0:
             raise ConfigError("INFERSCALE_ENCODER_GPUS must be >= 0")
-        if self.recheck_seconds <= 0 or self.job_poll_seconds <= 0 or self.cleanup_timeout_seconds <= 0:
-            raise ConfigError("INFERSCALE_RECHECK_SECONDS, INFERSCALE_JOB_POLL_SECONDS and "
-                              "INFERSCALE_CLEANUP_TIMEOUT_SECONDS must be > 0")
+        if self.recheck_seconds <= 0 or self.job_poll_seconds <= 0:
+            raise ConfigError("INFERSCALE_RECHECK_SECONDS and INFERSCALE_JOB_POLL_SECONDS must be > 0")
         if min(self.purge_timeout_seconds, self.encode_deadline_seconds, self.orphan_sweep_seconds) <= 0:
             raise ConfigError("INFERSCALE_PURGE_TIMEOUT_SECONDS, INFERSCALE_ENCODE_DEADLINE_SECONDS and "
                               "INFERSCALE_ORPHAN_SWEEP_SECONDS must be > 0")
@@ -169,8 +168,6 @@ class Settings:
         if self.job_namespace in self.tenants:
             raise ConfigError(f"INFERSCALE_JOB_NAMESPACE {self.job_namespace!r} must not be a tenant: tenants must "
                               "not be able to write where Jobs and records live")
-        if not self.kv_host_path.startswith("/"):
-            raise ConfigError(f"INFERSCALE_KV_HOST_PATH must be absolute: {self.kv_host_path!r}")
         if not self.models:
             raise ConfigError("INFERSCALE_MODELS must name at least one model")
         if self.kv_dtype not in KV_DTYPES:
@@ -257,11 +254,9 @@ _FLAGS: dict[str, str] = {
     "--encoder-node-selector": "INFERSCALE_ENCODER_NODE_SELECTOR",
     "--encoder-tolerations": "INFERSCALE_ENCODER_TOLERATIONS",
     "--encoder-gpus": "INFERSCALE_ENCODER_GPUS",
-    "--kv-host-path": "INFERSCALE_KV_HOST_PATH",
     "--models": "INFERSCALE_MODELS",
     "--recheck-seconds": "INFERSCALE_RECHECK_SECONDS",
     "--job-poll-seconds": "INFERSCALE_JOB_POLL_SECONDS",
-    "--cleanup-timeout-seconds": "INFERSCALE_CLEANUP_TIMEOUT_SECONDS",
 }
 
 

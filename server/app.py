@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
 from inferscale import __version__
-from inferscale.server import chat, httperrors, internal, memories, ops
+from inferscale.server import chat, httperrors, ingest, internal, memories, ops
 from inferscale.server.accesslog import RouteAccessLog
 from inferscale.server.auth import TenantRegistry, require_tenant
 from inferscale.server.guard import TenantGuard
@@ -92,8 +92,12 @@ def create_internal_app(settings: Settings, store, telemetry, fleet: Fleet) -> F
     app.state = InternalServices(settings=settings, store=store, fleet=fleet)  # type: ignore[assignment]
     httperrors.install(app)
     # No tenants here: size, and the operator's token before the body is read.
-    app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token)
+    # A Job's delivery (server/ingest.py) has its own credential and limit, checked there before the body too.
+    app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token,
+                       upload_check=ingest.upload_checker(settings.internal_token or ""),
+                       upload_limit=settings.ingest_max_bytes)
     app.include_router(internal.router)
+    app.include_router(ingest.router)
     telemetry.instrument(app)
     app.add_middleware(RouteAccessLog)
     return app

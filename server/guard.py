@@ -11,7 +11,10 @@ admitted:
 5. the ``x-inferscale-ttft-ms`` response header is rounded up to ``TTFT_GRANULARITY_MS``, so the header is not a
    finer instrument than a tenant's own clock for observing other tenants' load (docs/interfaces.md).
 The internal listener gets 1 and 4, and its token (INFERSCALE_INTERNAL_TOKEN) checked the same way before the body
-(its routes check it again; tenant keys mean nothing there).
+(its routes check it again; tenant keys mean nothing there). Its one exception is a Job's delivery
+(``INGEST_PREFIX``): a per-Job upload credential for the path's tenant and user (inferscale/uploadtoken.py) is
+checked from the headers before the body, ``Content-Length`` against the larger ``upload_limit``, and the body is
+streamed to the route, which counts it against the same limit (server/ingest.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 from typing import Any, Awaitable, Callable
 
 from inferscale.contract import TTFT_GRANULARITY_MS
+from inferscale.errors import UploadDenied, UploadRefused
 from inferscale.server.auth import AuthError, TenantRegistry
 from inferscale.server.httperrors import response as error_response
 
@@ -29,6 +33,9 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 TTFT_HEADER = b"x-inferscale-ttft-ms"
 RETRY_AFTER_S = 1  # an in-flight slot frees when one of the tenant's own requests ends
+INGEST_PREFIX = "/internal/v1/ingest/"
+# (tenant, user, bearer) -> None when that credential may upload there; raises UploadRefused / UploadDenied.
+UploadCheck = Callable[[str, str, str | None], None]
 
 
 def coarse_ttft_ms(value: float) -> float:
@@ -52,13 +59,17 @@ class TenantGuard:
     """See the module docstring. ``tenants`` None = no tenant checks (the internal listener)."""
 
     def __init__(self, app, *, limit: int, tenants: TenantRegistry | None = None, coarse_ttft: bool = True,
-                 internal_token: str | None = None) -> None:
+                 internal_token: str | None = None, upload_check: UploadCheck | None = None,
+                 upload_limit: int = 0) -> None:
         self.app, self.limit, self.tenants, self.coarse_ttft = app, limit, tenants, coarse_ttft
         self.internal_token = internal_token
+        self.upload_check, self.upload_limit = upload_check, upload_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.upload_check is not None and scope.get("path", "").startswith(INGEST_PREFIX):
+            return await self._upload(scope, receive, send)
         declared = _header(scope, b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
             return await self._too_large(scope, receive, send)
@@ -90,6 +101,27 @@ class TenantGuard:
         finally:
             if tenant is not None:
                 tenant.leave()
+
+    async def _upload(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A Job's delivery: its own credential and size limit, checked before the body; the body streamed."""
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.upload_limit:
+            resp = error_response(413, f"delivery over {self.upload_limit} bytes", "invalid_request_error",
+                                  "request_too_large", headers={"Connection": "close"})
+            return await resp(scope, receive, send)
+        parts = scope["path"][len(INGEST_PREFIX):].split("/")
+        try:
+            if len(parts) != 2:
+                raise UploadDenied("a delivery path is /internal/v1/ingest/{tenant}/{user}")
+            assert self.upload_check is not None
+            self.upload_check(parts[0], parts[1], bearer_token(scope))
+        except (UploadRefused, UploadDenied) as e:
+            status, code = (401, "invalid_upload_credential") if isinstance(e, UploadRefused) else \
+                (403, "upload_not_permitted")
+            resp = error_response(status, str(e), "authentication_error" if status == 401 else "permission_error",
+                                  code, headers={"Connection": "close"})
+            return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None as soon as it is over the limit (the rest is never read)."""

@@ -36,6 +36,8 @@ def response(status: int, message: str, type: str, code: str | None = None, para
 
 # Typed engine/store errors -> (status, type, code).
 _TYPED: list[tuple[type, int, str, str]] = [
+    (E.UploadRefused, 401, "authentication_error", "invalid_upload_credential"),
+    (E.UploadDenied, 403, "permission_error", "upload_not_permitted"),
     (E.NotFoundError, 404, "not_found_error", "not_found"),
     (E.PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
     (E.MemoryItemError, 400, "invalid_request_error", "invalid_memory_item"),

@@ -7,11 +7,12 @@ import asyncio
 import os
 import shutil
 from pathlib import Path
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from inferscale.errors import UnsafePathError
+from inferscale.errors import NotFoundError, UnsafePathError
 from inferscale.jobpaths import job_dir_path
 from inferscale.kvformat import SUFFIX
 from inferscale.server.auth import require_internal
@@ -24,6 +25,11 @@ router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depen
 
 def _pull(store, settings, req: PullRequest):
     src = req.source
+    if src.peer is None and _holds(store, req.tenant, req.user, req.items):
+        return None  # the Job delivered them here (server/ingest.py): nothing to read
+    if src.peer is None and src.dir is None:
+        raise NotFoundError(f"user {req.user!r} of tenant {req.tenant!r}: these items were not delivered to this pod "
+                            "and the pull names no peer")
     if src.peer is None or src.node == settings.node_name:  # the encoding Job's output is on this node
         # The same rule as purge's source_dir (inferscale/jobpaths.py), checked before anything is read.
         path = job_dir_path(settings.kv_host_path, req.tenant, req.user, src.dir, param="source.dir")
@@ -36,6 +42,14 @@ def _pull(store, settings, req: PullRequest):
     return store.pull_from_peer(req.tenant, req.user, src.peer, req.items, source_dir=src.dir)
 
 
+def _holds(store, tenant: str, user: str, items: list[str] | None) -> bool:
+    """Whether this pod already holds all of these items of the user (``items`` None: the whole dir, unknown)."""
+    if not items:
+        return False
+    have = {r.item_id for r in store.catalogue.items(tenant, user) if not r.corrupt}
+    return set(items) <= have
+
+
 @router.post("/pull", response_model=PullResult)
 async def pull(req: PullRequest, request: Request) -> PullResult:
     """Load the user's blobs into this pod's store (from ``source.dir`` on this node, else from the peer's NIXL
@@ -43,9 +57,13 @@ async def pull(req: PullRequest, request: Request) -> PullResult:
     st = request.app.state
     await asyncio.to_thread(_pull, st.store, st.settings, req)
     infos = await asyncio.to_thread(st.store.list, req.tenant, req.user)  # totals after the pull
-    tier = "gpu" if st.settings.gpu_budget_bytes > 0 and getattr(st.store, "gpu", None) is not None else "dram"
     return PullResult(tenant=req.tenant, user=req.user, blocks=len(infos), bytes=sum(i.size for i in infos),
-                      tokens=sum(i.tokens for i in infos), tier=tier)
+                      tokens=sum(i.tokens for i in infos), tier=pod_tier(st))
+
+
+def pod_tier(st) -> Literal["dram", "gpu"]:
+    """The fastest tier this pod keeps a user's blocks in, as pull and ingest report it."""
+    return "gpu" if st.settings.gpu_budget_bytes > 0 and getattr(st.store, "gpu", None) is not None else "dram"
 
 
 def _remove_items(path: Path, items: list[str]) -> bool:

@@ -300,7 +300,8 @@ class Removed(BaseModel):
 # ---- internal (operator -> pod), docs/interfaces.md -----------------------------------------------------------
 class PullSource(BaseModel):
     node: str = Field(..., max_length=253)
-    dir: str = Field(..., min_length=1, max_length=4096)
+    # A Job's output dir on this node (the CLI/dev path; inferscale/jobpaths.py): the chart's Jobs deliver instead.
+    dir: str | None = Field(None, min_length=1, max_length=4096)
     peer: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}$")] | None = Field(
         None, description="host:port of the peer's NIXL agent")
 

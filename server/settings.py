@@ -45,6 +45,7 @@ ENV = {
     "pod_name": "INFERSCALE_POD_NAME",
     "kv_host_path": "INFERSCALE_KV_HOST_PATH",
     "kv_dtype": "INFERSCALE_KV_DTYPE",
+    "ingest_max_bytes": "INFERSCALE_INGEST_MAX_BYTES",
     "default_k": "INFERSCALE_DEFAULT_K",
     "default_mode": "INFERSCALE_DEFAULT_MODE",
     "max_k": "INFERSCALE_MAX_K",
@@ -137,6 +138,8 @@ class Settings(BaseModel):
     torch_threads: int = Field(0, ge=0)  # torch's CPU threads; 0: all usable cores but one (engine/threads.py)
     console_traces: bool = False
     max_body_bytes: int = Field(16 << 20, ge=1024)
+    # The largest delivery an encode Job may upload (server/ingest.py): spooled to the pod's /tmp while verified.
+    ingest_max_bytes: int = Field(1 << 30, ge=1024)
 
     @model_validator(mode="after")
     def _credentials_from_files(self) -> Settings:

@@ -1,7 +1,9 @@
 """``inferscale encode ITEMS.jsonl --out DIR``: memories → one KV blob per item (atomic writes, 0600).
 
 With ``--kek-file F --tenant T --user U`` (an encoding Job) the blobs are sealed for that tenant and user
-(``inferscale.sealing``): the only form a server's Job-dir import accepts. Without them, plain blobs for local use."""
+(``inferscale.sealing``): the only form a server's Job-dir import accepts. Without them, plain blobs for local use.
+With ``--deliver URL --upload-credential-file F`` (what the operator's encode Job runs) the blobs written are then
+uploaded to that serving pod's ingest route (inferscale/delivery.py); ``--out`` is then the Job's own emptyDir."""
 
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tenantkey.py; what the operator hands an encode Job): seal the blobs for --tenant/--user")
     p.add_argument("--tenant", default=None, help="the tenant the sealed blobs belong to (with --kek-file)")
     p.add_argument("--user", default=None, help="the user the sealed blobs belong to (with --kek-file)")
+    p.add_argument("--deliver", default=None,
+                   help="then upload the blobs to this serving pod's /internal/v1/ingest/<tenant>/<user> URL")
+    p.add_argument("--upload-credential-file", default=None,
+                   help="the Job's upload credential (inferscale/uploadtoken.py), the bearer of --deliver")
 
 
 def _keyring(args: argparse.Namespace):
@@ -59,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     from inferscale.kvformat import save_block
 
     keyring = _keyring(args)  # before any model work: a bad flag costs nothing
+    if bool(args.deliver) != bool(args.upload_credential_file):
+        raise ConfigError("--deliver and --upload-credential-file go together")
     items = read_jsonl(args.input)
     only = None
     if args.only:
@@ -80,8 +88,12 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(only) if only else len(items), unit="item", desc="encoding") as bar:
         blocks = engine.encode(items, only=only, context_tokens=args.context_tokens, batch_tokens=args.batch_tokens,
                                on_progress=bar.update, embed=embed)
-    for block in blocks:
-        save_block(block, out, keyring=keyring, tenant=args.tenant, user=args.user)
+    written = [save_block(block, out, keyring=keyring, tenant=args.tenant, user=args.user).name for block in blocks]
     tokens = sum(b.num_tokens for b in blocks)
     print(f"encoded {len(blocks)} items ({tokens} tokens, {sum(b.nbytes for b in blocks)} bytes) into {out}")
+    if args.deliver and written:
+        from inferscale.delivery import deliver
+
+        total = deliver(args.deliver, args.upload_credential_file, out, written)
+        print(f"delivered {len(written)} blobs to {args.deliver} (the user now has {total} there)")
     return 0

@@ -71,6 +71,15 @@ def _check_owner(info: BlobInfo, where: Path, tenant: str, user: str) -> None:
             raise UnsafePathError(f"blob {where} was made for {field} {have!r}, not {want!r}; refused")
 
 
+def open_owned(data: bytes, keyring: sealing.Keyring | None, tenant: str, user: str, item: str,
+               where: Path | str) -> tuple[memoryview, BlobInfo]:
+    """One blob's verified plain image, refused unless it was made (and, with a keyring, sealed) for exactly
+    (tenant, user, item). The one check for a Job's output, read from its directory or delivered (store/ingest.py)."""
+    image, info = open_image(data, keyring, tenant=tenant, user=user, item=item, source=str(where))
+    _check_owner(info, Path(where), tenant, user)
+    return image, info
+
+
 def read_job_dir(tenant: str, user: str, directory: str | os.PathLike, items: list[str] | None,
                  keyring: sealing.Keyring | None = None) -> list[tuple[memoryview, BlobInfo]]:
     """(plain image, info) of each blob of ``items`` (all when None) in ``directory``, verified, in name order.
@@ -93,9 +102,7 @@ def read_job_dir(tenant: str, user: str, directory: str | os.PathLike, items: li
         for item, name in by_item.items():
             check_name("item", item)
             data = _read_blob(dir_fd, d, name)
-            image, info = open_image(data, keyring, tenant=tenant, user=user, item=item, source=str(d / name))
-            _check_owner(info, d / name, tenant, user)
-            out.append((image, info))
+            out.append(open_owned(data, keyring, tenant, user, item, d / name))
         return out
     finally:
         os.close(dir_fd)

@@ -320,7 +320,12 @@ class KVStore:
         disk tier and, with ``load``, in DRAM. Every blob is checked before any is stored; nothing is read through a
         symlink (inferscale/store/jobdir.py)."""
         t0 = time.perf_counter()
-        images = read_job_dir(tenant, user, directory, items, self.keyring)
+        return self.import_images(tenant, user, read_job_dir(tenant, user, directory, items, self.keyring), t0,
+                                  load=load)
+
+    def import_images(self, tenant: str, user: str, images: list[tuple[memoryview, BlobInfo]], t0: float, *,
+                      load: bool = True) -> PullResult:
+        """Store a Job's verified blobs (read from its dir, or delivered: store/ingest.py) as current versions."""
         tier, nbytes = ("dram" if load else "disk"), 0
         for data, info in images:
             self.store_image(tenant, user, data, info, cache=load)

@@ -239,7 +239,7 @@ def test_chart_crd_is_identical_to_top_level_crd():
     (("server.device=gpu",), "device"),
     (("server.kind=Deployment",), "kind"),
     (("image.pullPolicy=Sometimes",), "pullPolicy"),
-    (("kv.hostPath=relative/dir",), "hostPath"),
+    (("podSecurity.enforce=privileged",), "enforce"),  # the release namespace holds the platform's Secrets
     (("otel.enabled=true",), "endpoint"),           # enabled without an endpoint
     (("otel.protocol=grpc",), "protocol"),          # the images have only the OTLP/HTTP exporter
 ])
@@ -252,7 +252,7 @@ def test_schema_rejects_bad_values(sets, needle):
 def test_schema_accepts_good_overrides():
     """Control for the test above: valid overrides of the same keys render."""
     sets = ("server.replicas=3", "server.device=cpu", "server.gpus=0", "server.kind=DaemonSet",
-            "image.pullPolicy=Always", "kv.hostPath=/mnt/kv", "otel.enabled=true", "otel.endpoint=http://c:4318")
+            "image.pullPolicy=Always", "podSecurity.enforce=baseline", "otel.enabled=true", "otel.endpoint=http://c:4318")
     assert helm(*template_args("values.yaml", sets=sets)).returncode == 0
 
 
@@ -264,7 +264,7 @@ def test_values_files_match_schema_directly(values):
                       yaml.safe_load((CHART / values).read_text()) or {})
     jsonschema.validate(merged, schema)
     assert schema["additionalProperties"] is False
-    for section in ("image", "server", "operator", "encoder", "otel", "apiKeys", "internalToken", "kv"):
+    for section in ("image", "server", "operator", "encoder", "otel", "apiKeys", "internalToken", "podSecurity"):
         assert schema["properties"][section]["additionalProperties"] is False, section
 
 
@@ -289,7 +289,8 @@ def test_env_contract_from_interfaces_md(values):
                        "INFERSCALE_STEP_TOKENS", "INFERSCALE_CHUNK_TOKENS", "INFERSCALE_MAX_QUEUED_PER_TENANT",
                        "INFERSCALE_QUEUE_TIMEOUT_S", "INFERSCALE_TENANT_MAX_MEMORIES", "INFERSCALE_TENANT_MAX_DISK_BYTES",
                        "INFERSCALE_TENANT_DRAM_BYTES", "INFERSCALE_TENANT_ENCODE_TOKENS_PER_MINUTE",
-                       "INFERSCALE_STEP_TIME_S", "INFERSCALE_TORCH_THREADS"}
+                       "INFERSCALE_STEP_TIME_S", "INFERSCALE_TORCH_THREADS",
+                       "INFERSCALE_KV_HOST_PATH", "INFERSCALE_INGEST_MAX_BYTES"}  # a dev server's Job dirs; 1 GiB
     assert want["operator"] - set(op_env) == set()
     assert want["server"] - optional_server - set(srv_env) == set()
     for k in ("OTEL_SERVICE_NAME", "OTEL_SDK_DISABLED", "OTEL_RESOURCE_ATTRIBUTES"):
@@ -400,17 +401,21 @@ def test_probes_security_and_resources(values):
     assert s["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
-def test_kv_volume_is_node_local_and_at_the_host_path():
-    m = docs("values.yaml", sets=("kv.hostPath=/mnt/nvme/kv",))
+def test_servers_mount_no_node_directory_and_the_namespaces_enforce_restricted():
+    """Issue 24 finding 1: no hostPath (Pod Security `restricted` forbids it) and the labels that enforce it."""
+    m = docs("values.yaml", sets=("encoder.namespace=inferscale-jobs", "encoder.createNamespace=true",
+                                  "podSecurity.manageReleaseNamespace=true"))
     s = workload(m, "server")
     vols = {v["name"]: v for v in s["spec"]["template"]["spec"]["volumes"]}
     mounts = {v["name"]: v for v in container(s)["volumeMounts"]}
-    assert vols["kv"]["hostPath"]["path"] == "/mnt/nvme/kv"
-    assert mounts["kv"]["mountPath"] == "/mnt/nvme/kv"  # a pull's "dir" means the same inside the pod
-    assert effective_env(m, workload(m, "operator"))["INFERSCALE_KV_HOST_PATH"] == "/mnt/nvme/kv"
-    # The server deletes a deleted user's Job output there (a purge's source_dir must lie inside it).
-    assert effective_env(m, s)["INFERSCALE_KV_HOST_PATH"] == "/mnt/nvme/kv"
-    assert not mounts["kv"].get("readOnly")
+    assert not [v for v in vols.values() if "hostPath" in v] and "kv" not in vols
+    namespaces = {x["metadata"]["name"]: x["metadata"]["labels"] for x in m if x["kind"] == "Namespace"}
+    assert set(namespaces) == {"inferscale", "inferscale-jobs"}
+    assert all(lab["pod-security.kubernetes.io/enforce"] == "restricted" for lab in namespaces.values())
+    off = docs("values.yaml")
+    assert not [x for x in off if x["kind"] == "Namespace"], "by default the namespace is the installer's"
+    unlabelled = docs("values.yaml", sets=("podSecurity.enforce=", "podSecurity.manageReleaseNamespace=true"))
+    assert "pod-security.kubernetes.io/enforce" not in one(unlabelled, "Namespace")["metadata"]["labels"]
     data_dir = effective_env(m, s)["INFERSCALE_DATA_DIR"]
     assert mounts["data"]["mountPath"] == data_dir and "emptyDir" in vols["data"]
 
@@ -484,7 +489,7 @@ def test_rbac_is_least_privilege():
 
 def test_no_hard_coded_namespace():
     m = docs("values-gpu.yaml", namespace="ns-under-test", release="rel")
-    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Namespace"}
     for x in m:
         if x["kind"] in cluster_scoped:
             assert "namespace" not in x["metadata"]
@@ -607,17 +612,23 @@ def test_schema_rejects_bad_tenants(sets, needle):
     assert proc.returncode != 0 and needle in proc.stderr, proc.stderr
 
 
-def test_kv_host_path_is_prepared_for_the_fleet_user():
-    m = docs("values.yaml", sets=("server.podSecurityContext.runAsUser=2000", "server.podSecurityContext.runAsGroup=3000"))
-    spec = workload(m, "server")["spec"]["template"]["spec"]
-    (init,) = spec["initContainers"]
-    assert init["command"][-3:] == ["/var/lib/inferscale/kv", "2000", "3000"]
-    assert init["volumeMounts"] == [{"name": "kv", "mountPath": "/var/lib/inferscale/kv"}]
-    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
-    assert init["securityContext"]["allowPrivilegeEscalation"] is False
-    assert init["image"] == container(workload(m, "server"))["image"]
-    off = workload(docs("values.yaml", sets=("kv.prepareHostPath=false",)), "server")["spec"]["template"]["spec"]
-    assert "initContainers" not in off
+@pytest.mark.parametrize("values", VALUES_FILES)
+def test_every_pod_is_restricted(values):
+    """Pod Security `restricted` for every pod template the chart renders (its hooks included): non-root, seccomp
+    RuntimeDefault, no privilege escalation, ALL capabilities dropped, only the volume kinds it allows."""
+    allowed = {"configMap", "secret", "emptyDir", "projected", "persistentVolumeClaim", "ephemeral", "downwardAPI"}
+    for x in docs(values):
+        spec = (x.get("spec") or {}).get("template", {}).get("spec") if x["kind"] != "Pod" else x["spec"]
+        if not spec:
+            continue
+        assert spec["securityContext"]["runAsNonRoot"] is True, x["metadata"]["name"]
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, x["metadata"]["name"]
+        for v in spec.get("volumes") or []:
+            assert set(v) - {"name"} <= allowed, (x["metadata"]["name"], v)
+        for c in [*(spec.get("initContainers") or []), *spec["containers"]]:
+            sc = c.get("securityContext") or {}
+            assert sc.get("allowPrivilegeEscalation") is False and sc["capabilities"]["drop"] == ["ALL"], c["name"]
+            assert not sc.get("capabilities", {}).get("add") and sc.get("runAsUser", 1) != 0, c["name"]
 
 
 def test_servers_and_encoder_share_the_serving_image_and_the_operator_runs_the_slim_one():

@@ -26,7 +26,7 @@ import test_chart as chart  # noqa: E402  (helm, template_args, docs, workload, 
 
 BAR = {"CKV_K8S_25", "CKV_K8S_35", "CKV_K8S_43", "CKV2_K8S_6"}
 # Bar checks that still fail, and what fixes them: {check: (resource fragment, why)}.
-OPEN = {"CKV_K8S_25": ("", "root init containers kv-permissions / kv-owner add CHOWN/FOWNER: issue 24 finding 1")}
+OPEN: dict[str, tuple[str, str]] = {}
 DIGEST = "sha256:" + "ab" * 32
 PINNED = (f"image.digest={DIGEST}", f"operator.image.digest={DIGEST}", "tenants={acme,globex}")
 # name -> (values files, --set values, --api-versions): the values files and the variants tests/chart renders.
@@ -56,16 +56,17 @@ def checkov_bin() -> str:
 
 
 def job_manifests(rendered: list[dict]) -> list[dict]:
-    """The operator's encode and cleanup Jobs, made by its own code from the settings the chart gives it."""
+    """The operator's encode Jobs, made by its own code from the settings the chart gives it (its credential from
+    its own Secret, and, Jobs beside the platform's Secrets, from its pod's annotation)."""
     from inferscale.operator import jobs
     from inferscale.operator.settings import Settings
 
     env = {k: str(v) for k, v in chart.effective_env(rendered, chart.workload(rendered, "operator")).items()
            if isinstance(v, str) and not k.endswith("_FILE")}
     cfg = Settings.from_env(env)
-    enc = jobs.job_manifest("acme-u-enc-0123456789", "acme", "u", "uid-1", "u", cfg.models[0], ["m1"], cfg)
-    clean = jobs.cleanup_job_manifest("acme-u-clean-0123456789", "acme", "u", "uid-1", "node-1", "u", cfg)
-    return [enc, clean]
+    to = jobs.Delivery("http://10.0.0.1:8001/internal/v1/ingest/acme/u", "ns/server-0", "node-1")
+    return [jobs.job_manifest("acme-u-enc-0123456789", "acme", "u", "uid-1", "u", cfg.models[0], ["m1"], cfg, to,
+                              "isu1.claims.mac")]
 
 
 def accepted_in_readme() -> dict[str, str]:

@@ -14,13 +14,12 @@ import kopf
 import pytest
 from kopf.testing import KopfRunner
 
-from operator_fakes import EmulatorThread, ServingPodStandIn, serving_pods
+from operator_fakes import TOKEN, EmulatorThread, ServingPodStandIn, deliver, serving_pods
 
 T = TypeVar("T")
 TENANT = "acme"
 SERVER_NS = "inferscale-system"
 JOB_NS = SERVER_NS  # the platform namespace: Jobs, their items ConfigMaps and the per-user records
-TOKEN = "test-internal-token"
 UM = "apis/inferscale.io/v1alpha1"
 
 
@@ -94,8 +93,12 @@ class Cluster:
         return self.requests_for("jobs").count(method)
 
     def finish_job(self, job: dict[str, Any], node: str = "gpu-node-0", ok: bool = True) -> None:
-        """Play kubelet + job controller: a pod on `node` (controlled by the Job), then a Complete (or Failed) status."""
+        """Play kubelet + job controller: a pod on `node` (controlled by the Job) that, when `ok`, delivers its items
+        to the `--deliver` URL with its upload credential (as `inferscale encode --deliver` does), then a Complete
+        (or Failed) status."""
         ns, name, uid = job["metadata"]["namespace"], job["metadata"]["name"], job["metadata"]["uid"]
+        if ok:
+            deliver(job, self.job_credential(job))
         self.create(f"/api/v1/namespaces/{ns}/pods", {
             "metadata": {"name": f"{name}-x1", "namespace": ns,
                          "labels": {"job-name": name, "batch.kubernetes.io/controller-uid": uid},
@@ -110,11 +113,22 @@ class Cluster:
         self.patch(f"/apis/batch/v1/namespaces/{ns}/jobs/{name}/status",
                    {"status": {"succeeded" if ok else "failed": 1, "conditions": [cond]}})
 
+    def job_credential(self, job: dict[str, Any]) -> str:
+        """The upload credential the Job's pod would read: its own Secret's key, or its template's annotation."""
+        tmpl = job["spec"]["template"]
+        cred = (tmpl["metadata"].get("annotations") or {}).get("inferscale.io/upload-credential")
+        if cred:
+            return cred
+        secret = self.get(f"/api/v1/namespaces/{job['metadata']['namespace']}/secrets/{job['metadata']['name']}")
+        return ((secret or {}).get("stringData") or {}).get("upload-credential", "")
+
     def events(self, ns: str = TENANT) -> list[dict[str, Any]]:
         return self.list(f"/api/v1/namespaces/{ns}/events")
 
     def add_serving_pod(self, standin: ServingPodStandIn, labels: dict[str, str] | None = None,
                         pod_ip: str = "127.0.0.1", annotations: dict[str, str] | None = None) -> None:
+        if self.get(f"/api/v1/namespaces/{SERVER_NS}/pods/{standin.pod}") is not None:
+            return  # registered already (the `standins` fixture does)
         self.create("/api/v1/nodes", {"metadata": {"name": standin.node, "labels": {
             "kubernetes.io/hostname": standin.node, **(labels or {})}}})
         self.create(f"/api/v1/namespaces/{SERVER_NS}/pods", {
@@ -165,8 +179,11 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
 
 
 @pytest.fixture()
-def standins() -> Iterator[list[ServingPodStandIn]]:
+def standins(cluster: Cluster) -> Iterator[list[ServingPodStandIn]]:
+    """Two serving pods, registered in the cluster: an encode Job needs one to deliver to."""
     with serving_pods(2) as pods:
+        for s in pods:
+            cluster.add_serving_pod(s)
         yield pods
 
 

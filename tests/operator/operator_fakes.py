@@ -18,12 +18,16 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import httpx
 import jsonpatch
+from inferscale import uploadtoken
 from inferscale.contract import is_valid_id
+from inferscale.errors import UploadDenied, UploadRefused
 import kmock
 from kmock._internal import rendering
 
 T = TypeVar("T")
+TOKEN = "test-internal-token"  # the operator tests' INFERSCALE_INTERNAL_TOKEN (conftest.py)
 
 RESOURCES: dict[str, kmock.ResourceInfo] = {
     "inferscale.io/v1alpha1/usermemories": kmock.ResourceInfo(
@@ -224,23 +228,23 @@ class EmulatorThread:
 
 
 class ServingPodStandIn:
-    """TEST STAND-IN for a serving pod's internal API (docs/interfaces.md), on loopback.
+    """TEST STAND-IN for a serving pod's internal API (docs/interfaces.md), on loopback. A Job's delivery
+    (`/internal/v1/ingest/{tenant}/{user}`) is checked with the real upload credential rule (uploadtoken.verify)
+    and its body names the item ids it delivers (`deliver`), not blobs.
 
     Keeps {(tenant, user): {item ids}} and records every call, so tests can assert pulls and purges.
-    `fail_purges` / `fail_pulls` make the next N such calls answer 500. A purge naming a `source_dir` answers
-    `source_dir_removed` (True the first time per dir) unless `knows_source_dir` is False (a server predating it).
+    `fail_purges` / `fail_pulls` make the next N such calls answer 500.
     """
 
-    def __init__(self, node: str, pod: str, capacity: int = 10**9, used: int = 0) -> None:
+    def __init__(self, node: str, pod: str, capacity: int = 10**9, used: int = 0, token: str = TOKEN) -> None:
         self.node, self.pod, self.capacity, self.used = node, pod, capacity, used
         self.store: dict[tuple[str, str], set[str]] = {}
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.auth: list[str | None] = []
         self.fail_purges = 0
         self.fail_pulls = 0
-        self.knows_source_dir = True
-        self.removed_dirs: set[str] = set()
         self.peers: list[str] = []  # what the operator published (PUT /internal/v1/peers)
+        self.token = token  # the internal token: an upload credential is checked under its derived key
         self._lock = threading.Lock()
         standin = self
 
@@ -255,6 +259,20 @@ class ServingPodStandIn:
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
                 self.wfile.write(raw)
+
+            def _ingest(self, body: dict[str, Any]) -> None:
+                tenant, user = self.path.split("/")[4:6]
+                bearer = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+                try:
+                    uploadtoken.verify(uploadtoken.upload_key(standin.token), bearer, tenant, user)
+                except (UploadRefused, UploadDenied) as e:
+                    standin.calls.append(("ingest-refused", {"tenant": tenant, "user": user, "why": str(e)}))
+                    return self._reply(403 if isinstance(e, UploadDenied) else 401, {"detail": str(e)})
+                standin.calls.append(("ingest", {"tenant": tenant, "user": user, "items": body["items"]}))
+                held = standin.store.setdefault((tenant, user), set())
+                held.update(body["items"])
+                self._reply(200, {"tenant": tenant, "user": user, "blocks": len(held), "bytes": len(held) * 1000,
+                                  "tokens": len(held) * 10, "tier": "dram"})
 
             def do_GET(self) -> None:
                 if self.path != "/internal/v1/capacity":
@@ -279,6 +297,8 @@ class ServingPodStandIn:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 with standin._lock:
                     standin.auth.append(self.headers.get("Authorization"))
+                    if self.path.startswith("/internal/v1/ingest/"):  # a Job's delivery: its credential only
+                        return self._ingest(body)
                     if not is_valid_id(body.get("user")):  # as the real server: the store refuses such an id
                         standin.calls.append(("refused", body))
                         return self._reply(400, {"detail": f"invalid user id {body.get('user')!r}"})
@@ -303,13 +323,7 @@ class ServingPodStandIn:
                         held -= gone
                         if not held:
                             standin.store.pop(key, None)
-                        answer: dict[str, Any] = {"removed_blocks": len(gone), "removed_bytes": len(gone) * 1000}
-                        if body.get("source_dir") and standin.knows_source_dir and body.get("items"):
-                            answer["source_dir_removed"] = True  # only those items' blobs leave the dir
-                        elif body.get("source_dir") and standin.knows_source_dir:
-                            answer["source_dir_removed"] = body["source_dir"] not in standin.removed_dirs
-                            standin.removed_dirs.add(body["source_dir"])
-                        return self._reply(200, answer)
+                        return self._reply(200, {"removed_blocks": len(gone), "removed_bytes": len(gone) * 1000})
                 self._reply(404, {"detail": "not found"})
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -328,6 +342,13 @@ class ServingPodStandIn:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def deliver(job: dict[str, Any], credential: str) -> httpx.Response:
+    """What an encode Job's `--deliver` step does, for the stand-in: POST its `--only` ids to its `--deliver` URL."""
+    cmd = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    url, ids = cmd[cmd.index("--deliver") + 1], cmd[cmd.index("--only") + 1].split(",")
+    return httpx.post(url, json={"items": ids}, headers={"Authorization": f"Bearer {credential}"}, timeout=10)
 
 
 @contextlib.contextmanager

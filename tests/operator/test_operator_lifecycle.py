@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from conftest import JOB_NS, TENANT, TOKEN, Cluster, running_operator, wait_for
+from conftest import JOB_NS, SERVER_NS, TENANT, TOKEN, Cluster, running_operator, wait_for
 from operator_fakes import ServingPodStandIn
 
-KV_DIR = "/var/lib/inferscale/kv/acme/caroline"
 MEMORIES = [
     {"id": "m1", "text": "Caroline went to a support group.", "timestamp": "2023-05-08"},
     {"id": "m2", "text": "Caroline is researching adoption agencies.", "timestamp": "2023-05-25"},
@@ -64,7 +63,8 @@ def test_apply_encodes_then_places(cluster: Cluster, standins: list[ServingPodSt
     assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod_spec["tolerations"][0]["key"] == "nvidia.com/gpu"
     volumes = {v["name"]: v for v in pod_spec["volumes"]}
-    assert volumes["kv"]["hostPath"]["path"] == KV_DIR  # this user's directory only
+    assert not [v for v in volumes.values() if "hostPath" in v], "no node directory: Pod Security restricted"
+    assert volumes["out"]["emptyDir"] and "--deliver" in container["command"]
     assert volumes["memories"]["configMap"]["name"] == job["metadata"]["name"]
     assert job["metadata"]["namespace"] == JOB_NS
     assert job["metadata"]["labels"]["inferscale.io/owner-uid"] == um["metadata"]["uid"]
@@ -83,15 +83,19 @@ def test_apply_encodes_then_places(cluster: Cluster, standins: list[ServingPodSt
         ("node-0", "inferscale-server-0"), ("node-1", "inferscale-server-1")]
     assert status["counts"] == {"items": 3, "tokens": 30, "bytes": 3000}
     assert status["nodes"] == "node-0,node-1"
-    assert status["observedGeneration"] == 1 and status["job"]["node"] == "gpu-node-0"
+    # The Job delivered to the first serving pod (the placement's choice), which then holds the blobs.
+    assert status["observedGeneration"] == 1 and status["job"]["node"] == "node-0"
+    assert status["job"]["pod"] == f"{SERVER_NS}/inferscale-server-0"
+    assert standins[0].calls_of("ingest") == [{"tenant": TENANT, "user": "caroline", "items": ["m1", "m2", "m3"]}]
+    assert standins[1].calls_of("ingest") == []
     assert {c["type"]: c["status"] for c in status["conditions"]} == {
         "Valid": "True", "Encoded": "True", "Placed": "True", "Ready": "True"}
-    for s in standins:
+    for s in standins:  # the holder answers from its store; the other pod fetches from it (its peer address)
         (pull,) = s.calls_of("pull")
-        assert pull["source"] == {"node": "gpu-node-0", "dir": KV_DIR, "peer": None}
+        assert pull["source"] == {"node": "node-0", "peer": None if s is standins[0] else "127.0.0.1:5555"}
         assert pull["items"] == ["m1", "m2", "m3"] and (pull["tenant"], pull["user"]) == (TENANT, "caroline")
         assert s.held(TENANT, "caroline") == {"m1", "m2", "m3"}
-        assert set(s.auth) == {f"Bearer {TOKEN}"}
+        assert {a for a in s.auth if not a.startswith("Bearer isu1.")} == {f"Bearer {TOKEN}"}
     wanted = {"EncodeStarted", "Encoded", "Placed"}
     wait_for(lambda: wanted <= {e.get("reason") for e in cluster.events()}, what=f"events {wanted}")
 
@@ -124,12 +128,14 @@ def test_edit_one_memory_encodes_only_that_item(cluster: Cluster, standins: list
 
     assert after["contentHash"] != before["contentHash"]
     assert sorted(after["encoded"]) == ["m1", "m2"]
-    assert after["encoded"]["m2"]["node"] == "gpu-node-1" and after["encoded"]["m1"]["node"] == "gpu-node-0"
+    # The new Job delivered where the user already was (the placement's first pod), not where it ran.
+    assert after["encoded"]["m2"]["node"] == "node-0" and after["encoded"]["m1"]["node"] == "node-0"
+    assert standins[0].calls_of("ingest")[-1]["items"] == ["m2"]
     assert [p["pod"] for p in after["placements"]] == [p["pod"] for p in before["placements"]], "placement stable"
     for s in standins:
         pulls = s.calls_of("pull")
         assert len(pulls) == 2 and pulls[1]["items"] == ["m2"]
-        assert pulls[1]["source"]["node"] == "gpu-node-1"
+        assert pulls[1]["source"]["node"] == "node-0"
         assert {"tenant": TENANT, "user": "caroline", "items": ["m3"]} in s.calls_of("purge")
         assert s.held(TENANT, "caroline") == {"m1", "m2"}
 
@@ -152,76 +158,19 @@ def test_delete_waits_for_purge(cluster: Cluster, standins: list[ServingPodStand
     assert len(cluster.jobs()) == 1
 
 
-def cleanup_jobs(cluster: Cluster) -> list[dict[str, Any]]:
-    return [j for j in cluster.jobs() if "-clean-" in j["metadata"]["name"]]
-
-
-def test_delete_removes_the_jobs_output_via_the_serving_pod_on_its_node(
+def test_delete_purges_every_serving_pod_and_runs_no_node_job(
         cluster: Cluster, standins: list[ServingPodStandIn], operator: Any) -> None:
-    for s in standins:
-        cluster.add_serving_pod(s)
-    cluster.apply_um(caroline())
-    cluster.finish_job(wait_for(cluster.jobs, what="an encode Job")[0], node="node-1")  # a serving node
-    wait_for(phase_is(cluster, "Ready"), what="phase Ready")
+    """Jobs keep nothing on a node (they deliver): a deletion purges the serving pods' stores, names no node
+    directory and starts no Job."""
+    ready(cluster, standins)
     cluster.delete(cluster.um_path("caroline"))
     wait_for(lambda: cluster.um("caroline") is None, what="the object to be gone")
-
-    assert standins[0].calls_of("purge")[-1] == {"tenant": TENANT, "user": "caroline", "items": None}
-    assert standins[1].calls_of("purge")[-1] == {"tenant": TENANT, "user": "caroline", "items": None,
-                                                 "source_dir": KV_DIR}
-    assert standins[1].removed_dirs == {KV_DIR} and not standins[0].removed_dirs
-    assert cleanup_jobs(cluster) == []
+    for s in standins:
+        assert s.calls_of("purge")[-1] == {"tenant": TENANT, "user": "caroline", "items": None}
+        assert s.held(TENANT, "caroline") == set()
+    assert len(cluster.jobs()) == 1, "only the encode Job: no cleanup Job"
     purged = [e for e in cluster.events() if e.get("reason") == "Purged"]
-    assert purged and f"deleted {KV_DIR} on node(s) node-1" in purged[-1]["message"]
-
-
-@pytest.mark.parametrize("old_server", [False, True])
-def test_delete_runs_a_cleanup_job_where_no_serving_pod_deletes_the_output(
-        cluster: Cluster, standins: list[ServingPodStandIn], operator: Any, old_server: bool) -> None:
-    cluster.create("/api/v1/nodes", {"metadata": {"name": "gpu-node-0", "labels": {
-        "kubernetes.io/hostname": "gpu-node-0"}}})
-    # The Job ran on a node without a serving pod, or with one that predates source_dir (ignores it).
-    node = "node-0" if old_server else "gpu-node-0"
-    standins[0].knows_source_dir = not old_server
-    for s in standins:
-        cluster.add_serving_pod(s)
-    um = cluster.apply_um(caroline())
-    cluster.finish_job(wait_for(cluster.jobs, what="an encode Job")[0], node=node)
-    wait_for(phase_is(cluster, "Ready"), what="phase Ready")
-    cluster.delete(cluster.um_path("caroline"))
-
-    (job,) = wait_for(lambda: cleanup_jobs(cluster), what="a cleanup Job")
-    pod = job["spec"]["template"]["spec"]
-    assert pod["nodeName"] == node and pod["restartPolicy"] == "Never"
-    (container,) = pod["containers"]
-    assert container["image"] == "inferscale:test" and container["command"][-1] == "/var/run/inferscale/out"
-    assert "nvidia.com/gpu" not in str(container.get("resources"))
-    assert container["volumeMounts"] == [{"name": "kv", "mountPath": "/var/run/inferscale/out"}]
-    assert pod["volumes"][0]["hostPath"]["path"] == KV_DIR
-    assert not job["metadata"].get("ownerReferences"), "not garbage-collected along with the UserMemory"
-    assert job["metadata"]["name"].startswith("acme-caroline-clean-") and job["metadata"]["namespace"] == JOB_NS
-    st = wait_for(phase_is(cluster, "Deleting"), what="phase Deleting")
-    assert job["metadata"]["name"] in st["message"]
-    held = cluster.um("caroline")
-    assert held is not None and held["metadata"]["uid"] == um["metadata"]["uid"], "waits for the cleanup Job"
-
-    cluster.finish_job(job, node=node)
-    wait_for(lambda: cluster.um("caroline") is None, what="the object to be gone")
-    assert len(cleanup_jobs(cluster)) == 1
-    assert "NodeCleanupStarted" in {e.get("reason") for e in cluster.events()}
-
-
-def test_delete_waits_for_a_cleanup_job_only_so_long(cluster: Cluster, standins: list[ServingPodStandIn],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("INFERSCALE_CLEANUP_TIMEOUT_SECONDS", "1")
-    cluster.create("/api/v1/nodes", {"metadata": {"name": "gpu-node-0"}})
-    with running_operator():
-        ready(cluster, standins)
-        cluster.delete(cluster.um_path("caroline"))
-        wait_for(lambda: cleanup_jobs(cluster), what="a cleanup Job")
-        wait_for(lambda: cluster.um("caroline") is None, what="the object to be gone without the Job finishing")
-        reasons = [e.get("reason") for e in cluster.events()]
-        assert "NodeCleanupTimedOut" in reasons and "Purged" in reasons
+    assert purged and "from 2 serving pod(s)" in purged[-1]["message"]
 
 
 def test_restart_mid_encode_makes_no_duplicate_job(cluster: Cluster, standins: list[ServingPodStandIn]) -> None:

@@ -85,25 +85,24 @@ def test_job_phase_and_node() -> None:
     assert jobs.job_phase({"status": {"conditions": [{"type": "Complete", "status": "True"}]}})[0] == "Succeeded"
     failed = {"status": {"conditions": [{"type": "Failed", "status": "True", "message": "exit 2"}]}}
     assert jobs.job_phase(failed) == ("Failed", "exit 2")
-    job = {"metadata": {"uid": "j1", "namespace": "sys"},
-           "spec": {"template": {"spec": {"nodeSelector": {"kubernetes.io/hostname": "gpu-7"}}}}}
-    assert jobs.job_node(job, []) == "gpu-7"
-    owned = {"metadata": {"namespace": "sys", "ownerReferences": [{"kind": "Job", "uid": "j1", "controller": True}]},
-             "spec": {"nodeName": "gpu-3"}}
-    assert jobs.job_node(job, [owned]) == "gpu-3"
-    # A pod only labelled job-name (no controller reference to this Job's uid) is not the Job's pod.
-    assert jobs.job_node(job, [{"metadata": {"namespace": "sys", "labels": {"job-name": "x"}},
-                                "spec": {"nodeName": "evil"}}]) == "gpu-7"
+    job = encode_job(Settings())
+    assert jobs.delivered_to(job) == ("sys/server-0", "node-0"), "where it delivers: the operator's own annotations"
+
+
+DELIVERY = jobs.Delivery("http://10.0.0.1:8001/internal/v1/ingest/t/u", "sys/server-0", "node-0")
+
+
+def encode_job(cfg: Settings, ids: tuple[str, ...] = ("a",)) -> dict:
+    return jobs.job_manifest("j", "t", "u", "uid-1", "u", "gemma-3-270m", list(ids), cfg, DELIVERY, "isu1.x.y")
 
 
 def test_cpu_cluster_job_requests_no_gpu() -> None:
-    m = jobs.job_manifest("j", "t", "u", "uid", "u", "gemma-3-270m", ["a"], Settings(encoder_gpus=0))
+    m = encode_job(Settings(encoder_gpus=0))
     assert "nvidia.com/gpu" not in str(m["spec"]["template"]["spec"]["containers"][0]["resources"])
 
 
 def test_encode_job_writes_the_fleet_kv_dtype() -> None:
-    command = lambda cfg: jobs.job_manifest("j", "t", "u", "uid-1", "u", "gemma-3-270m", ["a"], cfg)["spec"]["template"][
-        "spec"]["containers"][0]["command"]
+    command = lambda cfg: encode_job(cfg)["spec"]["template"]["spec"]["containers"][0]["command"]
     assert "--kv-dtype" not in command(Settings())  # bf16: the encoder's default
     cfg = Settings.from_env({"INFERSCALE_KV_DTYPE": "int8"})
     assert command(cfg)[-2:] == ["--kv-dtype", "int8"]
@@ -140,7 +139,7 @@ def test_settings_from_env() -> None:
                            "INFERSCALE_ENCODER_GPUS": "0", "INFERSCALE_INTERNAL_PORT": "9001",
                            "INFERSCALE_TENANTS": "acme, globex"})
     assert s.models == ("a", "b") and s.encoder_node_selector == {"gpu": "yes"}
-    assert (s.encoder_gpus, s.internal_port, s.kv_host_path) == (0, 9001, "/var/lib/inferscale/kv")
+    assert (s.encoder_gpus, s.internal_port, s.encoder_out_size) == (0, 9001, "4Gi")
     assert s.tenants == ("acme", "globex") and not s.read_tenant_secrets
     with pytest.raises(ConfigError, match="INFERSCALE_TENANTS"):
         Settings.from_env({"INFERSCALE_TENANTS": "acme,../x"})
@@ -148,8 +147,6 @@ def test_settings_from_env() -> None:
         Settings.from_env({"INFERSCALE_TENANTS": "acme", "INFERSCALE_JOB_NAMESPACE": "acme"})
     with pytest.raises(ConfigError, match="INFERSCALE_ENCODER_TOLERATIONS"):
         Settings.from_env({"INFERSCALE_ENCODER_TOLERATIONS": '{"not": "a list"}'})
-    with pytest.raises(ConfigError):
-        Settings.from_env({"INFERSCALE_KV_HOST_PATH": "relative/path"})
 
 
 def test_main_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,16 +162,28 @@ def test_operator_imports_no_model_code() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_cleanup_job_deletes_exactly_the_users_dir_on_the_node() -> None:
-    cfg = Settings(kv_host_path="/mnt/kv", encoder_image="img:1")
-    name = jobs.cleanup_job_name("acme", "caroline", "uid-1", "gpu-7")
-    assert name.startswith("acme-caroline-clean-") and len(name) <= 63
-    assert name != jobs.cleanup_job_name("acme", "caroline", "uid-2", "gpu-7"), "a namesake gets its own Job"
-    job = jobs.cleanup_job_manifest(name, "acme", "caroline", "uid-1", "gpu-7", "caroline", cfg)
-    spec = job["spec"]["template"]["spec"]
-    assert spec["nodeName"] == "gpu-7" and spec["containers"][0]["command"][-1] == jobs.OUT_MOUNT
-    assert spec["volumes"][0]["hostPath"]["path"] == "/mnt/kv/acme/caroline" and spec["containers"][0]["image"] == "img:1"
-    assert job["spec"]["activeDeadlineSeconds"] == 300 and job["spec"]["ttlSecondsAfterFinished"] > 0
+def test_an_encode_job_mounts_no_host_path_and_delivers_with_its_credential() -> None:
+    """Issue 24 finding 1: Pod Security `restricted` forbids hostPath; the Job writes to its own emptyDir and
+    delivers, with its credential from its own Secret (kek_file) or its pod's annotation (beside the platform)."""
+    for cfg in (Settings(kek_secret="kek"), Settings(kek_file="/k")):
+        job = encode_job(cfg)
+        spec = job["spec"]["template"]["spec"]
+        kinds = {next(k for k in v if k != "name") for v in spec["volumes"]}
+        assert kinds <= {"configMap", "secret", "emptyDir", "downwardAPI"}, kinds
+        assert not spec.get("initContainers"), "no root init container"
+        (c,) = spec["containers"]
+        cmd = c["command"]
+        assert cmd[cmd.index("--deliver") + 1] == DELIVERY.url
+        assert cmd[cmd.index("--upload-credential-file") + 1] == f"{jobs.CREDENTIAL_MOUNT}/{jobs.CREDENTIAL_KEY}"
+        upload = next(v for v in spec["volumes"] if v["name"] == "upload")
+        pod_ann = job["spec"]["template"]["metadata"]["annotations"]
+        if cfg.kek_file:
+            assert upload["secret"]["secretName"] == "j" and jobs.ANNOTATION_CREDENTIAL not in pod_ann
+        else:
+            assert pod_ann[jobs.ANNOTATION_CREDENTIAL] == "isu1.x.y" and "downwardAPI" in upload
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] and sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
 def test_an_items_hash_covers_the_items_encoded_before_it():
@@ -215,7 +224,7 @@ def test_main_watches_only_the_tenant_namespaces(monkeypatch: pytest.MonkeyPatch
 
 
 def test_objects_the_operator_creates_carry_the_standard_labels() -> None:
-    job = jobs.job_manifest("j", "t", "u", "uid-1", "u", "gemma-3-270m", ["a"], Settings())
+    job = encode_job(Settings())
     for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
         lab = meta["labels"]
         assert lab["app.kubernetes.io/name"] == "inferscale" and lab["app.kubernetes.io/component"] == "encode"

@@ -57,8 +57,10 @@ def test_network_policy_guards_the_internal_and_peer_ports(values: str, sets: tu
     by_port = {r["ports"][0]["port"]: r for r in pol["spec"]["ingress"]}
     assert set(by_port) == {8000, 8001, 5555}
     assert "from" not in by_port[8000]  # tenant API: open by default (networkPolicy.tenantApiFrom restricts it)
-    (op_peer,) = by_port[8001]["from"]
+    op_peer, job_peer = by_port[8001]["from"]  # the operator, and the encode Jobs' deliveries: that port only
     assert op_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert job_peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "inferscale-operator",
+                                                      "inferscale.io/role": "encode"}
     assert len(by_port[8001]["ports"]) == 1
     (srv_peer,) = by_port[5555]["from"]
     assert srv_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "server"
@@ -99,11 +101,15 @@ def test_egress_is_denied_but_for_what_each_pod_needs(values: str, sets: tuple[s
     assert _egress_ports(op) == {("UDP", 53), ("TCP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", 8001)}
     internal = next(r for r in op["spec"]["egress"] if r["ports"][0]["port"] == 8001)
     assert [t["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for t in internal["to"]] == ["server"]
-    # The operator's Jobs (rendered by its own code) fall under the Jobs' policy: no egress at all.
-    job = jobs.job_manifest("j", "acme", "u", "uid", "u", "gemma-3-270m", ["a"], Settings())
+    # The operator's Jobs (rendered by its own code) fall under the Jobs' policy: no ingress; egress only to the
+    # serving pods' internal port (their delivery), no DNS.
+    to = jobs.Delivery("http://10.0.0.1:8001/internal/v1/ingest/acme/u", "ns/s-0", "n")
+    job = jobs.job_manifest("j", "acme", "u", "uid", "u", "gemma-3-270m", ["a"], Settings(), to, "isu1.c.m")
     pol = _policy_for(m, job["spec"]["template"]["metadata"]["labels"])
-    assert pol["spec"]["policyTypes"] == ["Ingress", "Egress"] and not pol["spec"].get("egress")
-    assert not pol["spec"].get("ingress")
+    assert pol["spec"]["policyTypes"] == ["Ingress", "Egress"] and not pol["spec"].get("ingress")
+    assert _egress_ports(pol) == {("TCP", 8001)}
+    (rule,) = pol["spec"]["egress"]
+    assert [t["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for t in rule["to"]] == ["server"]
 
 
 def test_tenant_api_can_be_restricted() -> None:
@@ -146,18 +152,17 @@ def test_chart_readme_does_not_ask_tenants_for_privileged() -> None:
     assert "restricted" in readme
 
 
-# The two root steps that keep the release namespace from Pod Security `restricted` (issue 24 finding 1, open): they
-# hand hostPath directories kubelet creates as root to the fleet user. Nothing else may fall short of `restricted`.
-ROOT_STEPS = {"kv-permissions", "kv-owner"}
+# Pod Security `restricted` volume kinds (issue 24 #1: no hostPath anywhere, so the namespaces can enforce it).
+RESTRICTED_VOLUMES = {"configMap", "secret", "emptyDir", "projected", "persistentVolumeClaim", "ephemeral",
+                      "downwardAPI", "csi"}
 
 
 def _restricted_problems(spec: dict[str, Any]) -> list[str]:
-    """What of Pod Security `restricted` (besides hostPath volumes) a pod spec violates, per container."""
+    """What of Pod Security `restricted` a pod spec violates: its volumes, and per container."""
     pod_sc = spec.get("securityContext") or {}
-    out = []
+    out = [f"volume {v['name']}: {sorted(set(v) - {'name'})}" for v in spec.get("volumes") or []
+           if set(v) - {"name"} - RESTRICTED_VOLUMES]
     for c in [*spec.get("initContainers", []), *spec.get("containers", [])]:
-        if c["name"] in ROOT_STEPS:
-            continue
         sc = c.get("securityContext") or {}
         if not (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True):
             out.append(f"{c['name']}: runAsNonRoot")
@@ -172,17 +177,17 @@ def _restricted_problems(spec: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.parametrize("values,sets", VARIANTS)
-def test_every_container_but_the_root_steps_meets_pod_security_restricted(values: str, sets: tuple[str, ...]) -> None:
+def test_every_pod_meets_pod_security_restricted(values: str, sets: tuple[str, ...]) -> None:
     from inferscale.operator import jobs
     from inferscale.operator.settings import Settings
 
     m = rendered(values, sets)
     specs = {f"{o['kind']}/{o['metadata']['name']}": pod_spec(o) or o.get("spec") for o in m
              if pod_spec(o) is not None or o["kind"] == "Pod"}
-    cfg = Settings()
-    specs["encode Job"] = jobs.job_manifest("j", "acme", "u", "uid", "u", "gemma-3-270m", ["a"], cfg)["spec"][
-        "template"]["spec"]
-    specs["cleanup Job"] = jobs.cleanup_job_manifest("j", "acme", "u", "uid", "n", "u", cfg)["spec"]["template"]["spec"]
+    to = jobs.Delivery("http://10.0.0.1:8001/internal/v1/ingest/acme/u", "ns/s-0", "n")
+    for name, cfg in (("encode Job", Settings(kek_secret="k")), ("encode Job, own Secret", Settings(kek_file="/k"))):
+        specs[name] = jobs.job_manifest("j", "acme", "u", "uid", "u", "gemma-3-270m", ["a"], cfg, to, "isu1.c.m")[
+            "spec"]["template"]["spec"]
     assert len(specs) >= 5
     problems = {name: p for name, spec in specs.items() if (p := _restricted_problems(spec))}
     assert not problems, problems

@@ -248,3 +248,16 @@ controller-revision-hash label: 52). Call with (dict "ctx" $ "suffix" "server").
   resources: ["configmaps"]
   verbs: ["create", "get", "list", "watch", "patch", "delete"]
 {{- end }}
+
+{{/* A NetworkPolicy peer: the operator's encode Job pods, in the Jobs' namespace. */}}
+{{- define "inferscale.encodeJobPeer" -}}
+podSelector:
+  matchLabels:
+    app.kubernetes.io/managed-by: inferscale-operator
+    inferscale.io/role: encode
+{{- if include "inferscale.jobsSeparate" . }}
+namespaceSelector:
+  matchLabels:
+    kubernetes.io/metadata.name: {{ include "inferscale.jobNamespace" . }}
+{{- end }}
+{{- end }}
