@@ -15,6 +15,7 @@ from typing import IO
 import httpx
 
 from inferscale.errors import ConfigError, TransferError
+from inferscale.fleettls import FleetTls
 from inferscale.secretfile import read_secret
 from inferscale.store.ingest import write_archive
 
@@ -28,18 +29,24 @@ def _chunks(f: IO[bytes]) -> Iterator[bytes]:
         yield chunk
 
 
-def deliver(url: str, credential_file: str, directory: Path, names: list[str], timeout_s: float = 300.0) -> int:
-    """Upload `names` (blob files of `directory`) to `url`; the pod's answer's block count (the user's total)."""
+def deliver(url: str, credential_file: str, directory: Path, names: list[str], tls: FleetTls | None = None,
+            timeout_s: float = 300.0) -> int:
+    """Upload `names` (blob files of `directory`) to `url`; the pod's answer's block count (the user's total).
+    With `tls` the URL must be https and the pod's certificate is checked against the fleet CA for its name."""
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"--deliver {url!r}: expected an http(s) URL of a serving pod's ingest route")
+    if tls is not None and not url.startswith("https://"):
+        raise ConfigError(f"--deliver {url!r}: TLS is configured (--tls-ca-file), so the URL must be https")
+    verify = True if tls is None else tls.client_context()
+    extensions = {} if tls is None else {"sni_hostname": tls.server_name}
     token = read_secret(credential_file, "--upload-credential-file")
-    with tempfile.TemporaryFile() as archive:
+    with tempfile.TemporaryFile() as archive, httpx.Client(timeout=timeout_s, verify=verify) as client:
         write_archive(directory, names, archive)
         for attempt in range(ATTEMPTS):
             try:
-                r = httpx.post(url, content=_chunks(archive), timeout=timeout_s,
-                               headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-tar",
-                                        "Content-Length": str(archive.seek(0, 2))})
+                r = client.post(url, content=_chunks(archive), extensions=extensions,
+                                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-tar",
+                                         "Content-Length": str(archive.seek(0, 2))})
             except httpx.HTTPError as e:
                 why = f"{type(e).__name__}: {e}"
             else:

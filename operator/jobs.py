@@ -38,6 +38,10 @@ KEK_KEY = "kek"
 CREDENTIAL_MOUNT = "/var/run/inferscale/upload"
 CREDENTIAL_KEY = "upload-credential"
 ANNOTATION_CREDENTIAL = "inferscale.io/upload-credential"
+# The fleet CA's certificate (public), for a delivery over TLS: the pod's annotation, a file through the downward API.
+FLEET_CA_MOUNT = "/var/run/inferscale/fleet-ca"
+FLEET_CA_KEY = "ca.crt"
+ANNOTATION_FLEET_CA = "inferscale.io/fleet-ca"
 # Where the Job delivers (the pod the operator chose, and its node): read back when the Job has succeeded.
 ANNOTATION_DELIVER_POD = "inferscale.io/deliver-pod"
 ANNOTATION_DELIVER_NODE = "inferscale.io/deliver-node"
@@ -55,10 +59,13 @@ Role = Literal["encode", "items", "key", "user-record"]
 
 @dataclasses.dataclass(frozen=True)
 class Delivery:
-    """Where an encode Job delivers its blobs: a serving pod's ingest URL, that pod and its node."""
+    """Where an encode Job delivers its blobs: a serving pod's ingest URL, that pod and its node, and (an https URL)
+    the fleet CA's certificate and the server name the pod proves (inferscale/fleettls.py)."""
     url: str
     pod: str  # namespace/name
     node: str
+    ca_pem: str = ""  # public: handed to the Job as its pod's annotation
+    server_name: str = ""
 
 
 def _digest(*parts: Any) -> str:
@@ -179,6 +186,13 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
                                     {"name": "out", "mountPath": OUT_MOUNT},
                                     {"name": "tmp", "mountPath": "/tmp"},
                                     {"name": "upload", "mountPath": CREDENTIAL_MOUNT, "readOnly": True}]
+    pod_annotations = {} if settings.kek_file else {ANNOTATION_CREDENTIAL: credential}
+    if delivery.ca_pem:  # an https delivery: the Job checks the pod's certificate as the operator does
+        command += ["--tls-ca-file", f"{FLEET_CA_MOUNT}/{FLEET_CA_KEY}", "--tls-server-name", delivery.server_name]
+        pod_annotations[ANNOTATION_FLEET_CA] = delivery.ca_pem
+        volumes.append({"name": "fleet-ca", "downwardAPI": {"defaultMode": 0o444, "items": [
+            {"path": FLEET_CA_KEY, "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_FLEET_CA}']"}}]}})
+        mounts.append({"name": "fleet-ca", "mountPath": FLEET_CA_MOUNT, "readOnly": True})
     key_secret = name if settings.kek_file else settings.kek_secret
     if key_secret:
         # Blobs are sealed with a data key wrapped for this tenant and bound to it and the user; with kek_file the
@@ -216,8 +230,7 @@ def job_manifest(name: str, tenant: str, cr_name: str, cr_uid: str, user_id: str
         "tolerations": [dict(t) for t in settings.encoder_tolerations],
         "containers": [container],
         "volumes": volumes,
-    }, {ANNOTATION_ITEMS: str(len(ids)), **where},
-        None if settings.kek_file else {ANNOTATION_CREDENTIAL: credential})
+    }, {ANNOTATION_ITEMS: str(len(ids)), **where}, pod_annotations or None)
 
 
 def delivered_to(job: Mapping[str, Any]) -> tuple[str, str]:

@@ -166,7 +166,9 @@ async def _delivery(cfg: Settings, kube: Kube, tenant: str, user: str, node_sele
     if not chosen:
         return None
     pod = chosen[0]
-    return jobs.Delivery(f"{pod.endpoint}/internal/v1/ingest/{tenant}/{user}", placement.pod_key(pod), pod.node)
+    tls = cfg.tls
+    return jobs.Delivery(f"{pod.endpoint}/internal/v1/ingest/{tenant}/{user}", placement.pod_key(pod), pod.node,
+                         *(("", "") if tls is None else (tls.ca_file.read_text(), tls.server_name)))
 
 
 def _fail(patch: kopf.Patch, body: Body, conds: list[dict[str, Any]], gen: int | None, cond: str, reason: str,

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="then upload the blobs to this serving pod's /internal/v1/ingest/<tenant>/<user> URL")
     p.add_argument("--upload-credential-file", default=None,
                    help="the Job's upload credential (inferscale/uploadtoken.py), the bearer of --deliver")
+    p.add_argument("--tls-ca-file", default=None,
+                   help="an https --deliver: the fleet CA the serving pod's certificate must chain to")
+    p.add_argument("--tls-server-name", default=None,
+                   help="an https --deliver: the name that certificate must carry (sent as SNI; the URL holds an IP)")
 
 
 def _keyring(args: argparse.Namespace):
@@ -67,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
     keyring = _keyring(args)  # before any model work: a bad flag costs nothing
     if bool(args.deliver) != bool(args.upload_credential_file):
         raise ConfigError("--deliver and --upload-credential-file go together")
+    from inferscale.fleettls import FleetTls
+
+    tls = FleetTls.from_files(args.tls_ca_file, args.tls_server_name, server=False)  # both or neither
     items = read_jsonl(args.input)
     only = None
     if args.only:
@@ -94,6 +101,6 @@ def run(args: argparse.Namespace) -> int:
     if args.deliver and written:
         from inferscale.delivery import deliver
 
-        total = deliver(args.deliver, args.upload_credential_file, out, written)
+        total = deliver(args.deliver, args.upload_credential_file, out, written, tls)
         print(f"delivered {len(written)} blobs to {args.deliver} (the user now has {total} there)")
     return 0

@@ -62,9 +62,10 @@ def job_manifests(rendered: list[dict]) -> list[dict]:
     from inferscale.operator.settings import Settings
 
     env = {k: str(v) for k, v in chart.effective_env(rendered, chart.workload(rendered, "operator")).items()
-           if isinstance(v, str) and not k.endswith("_FILE")}
-    cfg = Settings.from_env(env)
-    to = jobs.Delivery("http://10.0.0.1:8001/internal/v1/ingest/acme/u", "ns/server-0", "node-1")
+           if isinstance(v, str) and not k.endswith("_FILE") and not k.startswith("INFERSCALE_TLS_")}
+    cfg = Settings.from_env(env)  # the files are not here; the Job's TLS comes with its Delivery as the operator makes it
+    to = jobs.Delivery("https://10.0.0.1:8001/internal/v1/ingest/acme/u", "ns/server-0", "node-1",
+                       "-----BEGIN CERTIFICATE-----", "inferscale-headless.ns.svc")
     return [jobs.job_manifest("acme-u-enc-0123456789", "acme", "u", "uid-1", "u", cfg.models[0], ["m1"], cfg, to,
                               "isu1.claims.mac")]
 

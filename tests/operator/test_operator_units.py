@@ -186,6 +186,35 @@ def test_an_encode_job_mounts_no_host_path_and_delivers_with_its_credential() ->
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
+def test_an_encode_job_delivering_over_tls_checks_the_pod_against_the_fleet_ca() -> None:
+    """With the fleet's TLS on, the delivery URL is https and the Job gets the CA certificate (public, its pod's
+    annotation as a file) and the server name, so it verifies the pod as the operator does."""
+    import dataclasses
+
+    to = dataclasses.replace(DELIVERY, url=DELIVERY.url.replace("http://", "https://"), ca_pem="-----BEGIN CERT",
+                             server_name="fleet.ns.svc")
+    for cfg in (Settings(kek_secret="kek"), Settings(kek_file="/k")):
+        job = jobs.job_manifest("j", "t", "cr", "uid-1", "u", "m", ["a"], cfg, to, "isu1.x.y")
+        spec = job["spec"]["template"]["spec"]
+        cmd = spec["containers"][0]["command"]
+        assert cmd[cmd.index("--tls-ca-file") + 1] == f"{jobs.FLEET_CA_MOUNT}/{jobs.FLEET_CA_KEY}"
+        assert cmd[cmd.index("--tls-server-name") + 1] == "fleet.ns.svc"
+        assert job["spec"]["template"]["metadata"]["annotations"][jobs.ANNOTATION_FLEET_CA] == "-----BEGIN CERT"
+        ca = next(v for v in spec["volumes"] if v["name"] == "fleet-ca")
+        assert "downwardAPI" in ca
+    plain = jobs.job_manifest("j", "t", "cr", "uid-1", "u", "m", ["a"], Settings(kek_file="/k"), DELIVERY, "c")
+    assert "--tls-ca-file" not in plain["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def test_a_delivery_with_tls_refuses_a_plain_http_url(tmp_path) -> None:
+    from inferscale.delivery import deliver
+    from inferscale.fleettls import FleetTls
+
+    tls = FleetTls(tmp_path / "ca.crt", "fleet.ns.svc")
+    with pytest.raises(ConfigError, match="must be https"):
+        deliver("http://10.0.0.1:8001/internal/v1/ingest/t/u", str(tmp_path / "cred"), tmp_path, ["a"], tls)
+
+
 def test_an_items_hash_covers_the_items_encoded_before_it():
     """Editing, inserting or removing an item changes the hashes of the items behind it (they are encoded behind
     it, so they must be encoded again) and of no item before it."""
