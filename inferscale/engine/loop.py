@@ -32,6 +32,8 @@ from inferscale.engine.cache import injected_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
+from inferscale.engine.threads import tuned_choices
+from inferscale.engine.threadtuner import ThreadTuner
 from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongError
 from inferscale.kvformat import KVBlock
 
@@ -116,6 +118,7 @@ class ServingLoop:
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
         self.steps = 0
+        self.threads = ThreadTuner(tuned_choices(), torch.set_num_threads)  # a no-op after an explicit count
 
     # ---- any thread -------------------------------------------------------------------------------------------
     def add(self, req: GenRequest) -> None:
@@ -180,8 +183,11 @@ class ServingLoop:
         cost.observe_prefill(tokens, t1 - t0)
         decode = [r for r in decode if r.slot >= 0]
         if decode:
+            self.threads.before_decode(len(decode))
             self._decode(decode)
-            cost.observe_decode(time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            self.threads.after_decode(len(decode), t2 - t1)
+            cost.observe_decode(t2 - t1)
         self.steps += 1
 
     def run_until_done(self) -> None:
