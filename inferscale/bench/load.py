@@ -223,7 +223,9 @@ def _floor(server: LiveServer, reps: int = 5) -> dict:
     big = max(params, key=lambda p: p.numel()).detach().flatten()
     # Its bytes summed as float32 (a bf16 sum converts every element and runs below memory speed on a CPU).
     words = big.view(torch.float32) if big.numel() * big.element_size() % 4 == 0 else big
-    engine_threads = torch.get_num_threads()
+    engine_threads = torch.get_num_threads()  # this thread's count, set back after measuring
+    loop = getattr(server.app.state.worker, "loop", None)  # the PyTorch backend's serving loop
+    tuner = getattr(loop, "threads", None)
     best = {}
     try:
         with torch.inference_mode():
@@ -240,7 +242,8 @@ def _floor(server: LiveServer, reps: int = 5) -> dict:
         torch.set_num_threads(engine_threads)
     threads, bandwidth = max(best.items(), key=lambda kv: kv[1])
     return {"weight_bytes": weight_bytes, "read_gb_per_s": bandwidth / 1e9, "floor_ms": weight_bytes / bandwidth * 1e3,
-            "floor_threads": threads, "torch_threads": engine_threads}
+            "floor_threads": threads,
+            "torch_threads": tuner.current if tuner is not None and tuner.active else engine_threads}
 
 
 def _load_memories(server: LiveServer, k: int) -> None:
@@ -333,7 +336,7 @@ def _print(result: dict, rep: dict) -> None:
     fl = rep["floor"]
     print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}; decode floor "
           f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
-          f"{fl['floor_threads']} threads; the engine ran {fl['torch_threads']})")
+          f"{fl['floor_threads']} threads; the engine decodes on {fl['torch_threads']} now)")
     print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} {'p95':>8} "
           f"{'arrival TTFT':>13} {'idle TTFT':>10}  (ms)")
     for r in rep["rows"]:
