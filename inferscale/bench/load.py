@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of aggregate tokens/s vs N")
     p.add_argument("--device", default=None)
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="the server's torch threads (INFERSCALE_TORCH_THREADS): 0 tunes between 1 and all cores")
     p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
                    help="the server's engine backend (inferscale serve --engine): pytorch or trtllm")
 
@@ -74,7 +76,7 @@ class LiveServer:
     """The production app on a free loopback port, in a thread of this process."""
 
     def __init__(self, model: str | None, device: str | None, max_tokens: int, engine: str = DEFAULT_ENGINE,
-                 **scheduler) -> None:
+                 torch_threads: int = 0, **scheduler) -> None:
         from inferscale.bench.live import LoopbackServer
         from inferscale.server.app import create_app
         from inferscale.server.auth import hash_key
@@ -87,7 +89,7 @@ class LiveServer:
         overrides = {"model": model} if model else {}
         queueing = scheduler or {"max_active": 128, "max_queued_per_tenant": 128, "queue_timeout_s": 600}
         settings = Settings(data_dir=self.data, tenants_file=tenants, device=device, max_tokens=max_tokens,
-                            max_in_flight=128, engine=engine, **queueing, **overrides)
+                            max_in_flight=128, engine=engine, torch_threads=torch_threads, **queueing, **overrides)
         self.app = create_app(settings)
         self.live = LoopbackServer(self.app)
         self.url = self.live.url
@@ -297,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 2 or args.k < 0 or args.repeats < 1:
         raise ConfigError("--tokens must be 2 or more, -k 0 or more and --repeats 1 or more")
     repeats = []
-    server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine)
+    server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine,
+                        torch_threads=args.torch_threads)
     try:
         _load_memories(server, args.k)
         for _ in range(args.repeats):
@@ -307,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.close()
     if args.flood:  # the production queue settings: a request that would outwait them is refused
-        server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine, max_active=64,
+        server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine,
+                            torch_threads=args.torch_threads, max_active=64,
                             max_queued_per_tenant=64, queue_timeout_s=30)
         try:
             _load_memories(server, max(args.flood_k, B_K))
