@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of aggregate tokens/s vs N")
     p.add_argument("--device", default=None)
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="the server's torch threads (INFERSCALE_TORCH_THREADS): 0 tunes between 1 and all cores")
     p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
                    help="the server's engine backend (inferscale serve --engine): pytorch or trtllm")
 
@@ -74,7 +76,7 @@ class LiveServer:
     """The production app on a free loopback port, in a thread of this process."""
 
     def __init__(self, model: str | None, device: str | None, max_tokens: int, engine: str = DEFAULT_ENGINE,
-                 **scheduler) -> None:
+                 torch_threads: int = 0, **scheduler) -> None:
         from inferscale.bench.live import LoopbackServer
         from inferscale.server.app import create_app
         from inferscale.server.auth import hash_key
@@ -87,7 +89,7 @@ class LiveServer:
         overrides = {"model": model} if model else {}
         queueing = scheduler or {"max_active": 128, "max_queued_per_tenant": 128, "queue_timeout_s": 600}
         settings = Settings(data_dir=self.data, tenants_file=tenants, device=device, max_tokens=max_tokens,
-                            max_in_flight=128, engine=engine, **queueing, **overrides)
+                            max_in_flight=128, engine=engine, torch_threads=torch_threads, **queueing, **overrides)
         self.app = create_app(settings)
         self.live = LoopbackServer(self.app)
         self.url = self.live.url
@@ -211,26 +213,39 @@ async def _flood(server: LiveServer, model: str, k: int, tokens: int, requests: 
 
 
 def _floor(server: LiveServer, reps: int = 5) -> dict:
-    """The decode step's floor, in this process with the engine's thread settings: every weight byte read once,
-    at the bandwidth of a reduction over the largest weight (the embedding, which the LM head reads too)."""
+    """The decode step's floor, in this process: every weight byte read once, at the best read bandwidth of a
+    reduction over the largest weight (the embedding, which the LM head reads too) with one thread or every core
+    (the counts the engine's thread tuner picks between), whichever reads faster now."""
     import torch
+
+    from inferscale.engine.threads import usable_cores
 
     params = {p.data_ptr(): p for p in server.app.state.engine.loaded.model.parameters()}.values()  # tied: once
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     big = max(params, key=lambda p: p.numel()).detach().flatten()
     # Its bytes summed as float32 (a bf16 sum converts every element and runs below memory speed on a CPU).
     words = big.view(torch.float32) if big.numel() * big.element_size() % 4 == 0 else big
-    with torch.inference_mode():
-        words.sum()  # warm-up
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            float(words.sum())
-            times.append(time.perf_counter() - t0)
-    bandwidth = big.numel() * big.element_size() / statistics.median(times)
+    engine_threads = torch.get_num_threads()  # this thread's count, set back after measuring
+    loop = getattr(server.app.state.worker, "loop", None)  # the PyTorch backend's serving loop
+    tuner = getattr(loop, "threads", None)
+    best = {}
+    try:
+        with torch.inference_mode():
+            for threads in sorted({1, usable_cores()}):
+                torch.set_num_threads(threads)
+                words.sum()  # warm-up
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    float(words.sum())
+                    times.append(time.perf_counter() - t0)
+                best[threads] = big.numel() * big.element_size() / statistics.median(times)
+    finally:
+        torch.set_num_threads(engine_threads)
+    threads, bandwidth = max(best.items(), key=lambda kv: kv[1])
     return {"weight_bytes": weight_bytes, "read_gb_per_s": bandwidth / 1e9, "floor_ms": weight_bytes / bandwidth * 1e3,
-            "torch_threads": torch.get_num_threads()}
-
+            "floor_threads": threads,
+            "torch_threads": tuner.current if tuner is not None and tuner.active else engine_threads}
 
 
 def _load_memories(server: LiveServer, k: int) -> None:
@@ -284,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 2 or args.k < 0 or args.repeats < 1:
         raise ConfigError("--tokens must be 2 or more, -k 0 or more and --repeats 1 or more")
     repeats = []
-    server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine)
+    server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine,
+                        torch_threads=args.torch_threads)
     try:
         _load_memories(server, args.k)
         for _ in range(args.repeats):
@@ -294,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.close()
     if args.flood:  # the production queue settings: a request that would outwait them is refused
-        server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine, max_active=64,
+        server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine,
+                            torch_threads=args.torch_threads, max_active=64,
                             max_queued_per_tenant=64, queue_timeout_s=30)
         try:
             _load_memories(server, max(args.flood_k, B_K))
@@ -323,7 +340,7 @@ def _print(result: dict, rep: dict) -> None:
     fl = rep["floor"]
     print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}; decode floor "
           f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
-          f"{fl['torch_threads']} torch threads)")
+          f"{fl['floor_threads']} threads; the engine decodes on {fl['torch_threads']} now)")
     print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} {'p95':>8} "
           f"{'arrival TTFT':>13} {'idle TTFT':>10}  (ms)")
     for r in rep["rows"]:
@@ -342,6 +359,15 @@ def _print_summary(summary: dict) -> None:
     print("summary (median [min, max] over repeats):")
     for key, v in summary.items():
         print(f"  {key:<28} {v['median']:10.2f}  [{v['min']:.2f}, {v['max']:.2f}]")
+    # Issue 22's bar, read off the lines above: the single-stream step against the floor, N streams against one.
+    for key, v in summary.items():
+        if key.endswith("_step_over_floor"):
+            print(f"bar: {key.removesuffix('_step_over_floor')} single-stream step / floor = {v['median']:.2f}x "
+                  f"(bar <= 1.5x)")
+        elif "_decode_tokens_per_s_" in key:
+            mode, ratio = key.split("_decode_tokens_per_s_")
+            print(f"bar: {mode} aggregate decode tokens/s, {ratio.replace('_over_', ' streams / ')} stream = "
+                  f"{v['median']:.2f}x (bar >= 8x)")
 
 
 def _plot(result: dict, modes: list[str], path: str) -> None:

@@ -32,6 +32,8 @@ from inferscale.engine.cache import injected_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
+from inferscale.engine.threads import tuned_choices
+from inferscale.engine.threadtuner import ThreadTuner
 from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongError
 from inferscale.kvformat import KVBlock
 
@@ -124,6 +126,7 @@ class ServingLoop:
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
         self.steps = 0
+        self.threads = ThreadTuner(tuned_choices(), torch.set_num_threads)  # a no-op after an explicit count
 
     # ---- any thread -------------------------------------------------------------------------------------------
     def add(self, req: GenRequest) -> None:
@@ -190,8 +193,11 @@ class ServingLoop:
         cost.observe_prefill(tokens, t1 - t0)
         decode = [r for r in decode if r.slot >= 0]
         if decode:
+            self.threads.before_decode(len(decode))
             self._decode(decode)
-            cost.observe_decode(time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            self.threads.after_decode(len(decode), t2 - t1)
+            cost.observe_decode(t2 - t1)
         self.steps += 1
 
     def run_until_done(self) -> None:
@@ -277,8 +283,10 @@ class ServingLoop:
                 if r.slot >= 0:
                     self._guarded(r, self._decode_alone)
             return
-        # One argmax over the batch's logits serves every greedy row (no per-row fp32 copy of the vocabulary).
-        greedy = logits.argmax(dim=-1).tolist()
+        # One argmax over the batch's logits serves every greedy row (no per-row fp32 copy of the vocabulary). As
+        # max(dim).indices: the same index (the first maximum, documented for both) at 2.5x the speed of bf16
+        # argmax on the CPU (8 vs 20 ms for 16 x 262k logits).
+        greedy = logits.max(dim=-1).indices.tolist()
         for r in reqs:
             r.length += 1
         for r, lg, g in zip(reqs, logits, greedy):

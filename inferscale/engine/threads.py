@@ -1,12 +1,17 @@
 """How many CPU threads torch's kernels use: one rule for the server, the benchmarks and ``inferscale ask``.
 
-A decode step is ~130 small matmuls (18 layers x 7 projections) and one large one (the LM head). torch's OpenMP
-pool joins its threads at the end of every kernel; when the pool holds every core, any other runnable thread (the
-HTTP event loop streaming tokens, the tokenizer, another process) preempts a pool thread and every small kernel
-waits for it. Measured on the 2-core machine (issue 22): a 640x2048 bf16 matmul took 6-16 ms with 2 threads under
-load and 0.4 ms with 1, and a whole decode step 1.1-1.4 s vs 0.17 s. So by default the engine leaves one core to
-the rest of the process: ``cores - 1`` threads (at least 1). One inter-op thread (the engine never runs ops in
-parallel) and no Rust tokenizer pool (tokenization runs on its own thread already).
+No fixed count is right on a small CPU (issue 22, the 2-core AMX machine): a decode step is ~130 small matmuls and
+one large one, and torch's OpenMP pool joins its threads at the end of every kernel. On a quiet machine two
+threads read the weights faster (one decode step 88 ms vs 140 ms with one thread; ``Engine.ask`` 66 vs 115 ms a
+token); when anything else is runnable (the HTTP event loop streaming tokens, another process) it preempts a pool
+thread, every small kernel waits for it, and two threads lose badly (a step 1.06 s vs 0.25 s with one, the 126
+layer projections 2.4 s vs 0.1 s, at load average 8).
+
+So the default measures instead of guessing: torch starts with every usable core, and the serving loop's
+``ThreadTuner`` times its decode passes and now and then runs one pass with the other count (1 or all cores),
+keeping whichever is faster at the same batch size. An explicit count (``threads=N``, ``INFERSCALE_TORCH_THREADS``)
+is used as given, never tuned. One inter-op thread (the engine never runs ops in parallel) and no Rust tokenizer
+pool (tokenization runs on its own thread already).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from __future__ import annotations
 import os
 
 from inferscale.errors import ConfigError
+
+_tuned: tuple[int, ...] = ()  # the counts the tuner may pick between; () when an explicit count was set
+
 
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask, which containers' cpusets narrow)."""
@@ -24,16 +32,24 @@ def usable_cores() -> int:
 
 
 def default_threads() -> int:
-    return max(1, usable_cores() - 1)
+    return usable_cores()
+
+
+def tuned_choices() -> tuple[int, ...]:
+    """The thread counts a ``ThreadTuner`` picks between: (1, all cores) after an automatic configure, else ()."""
+    return _tuned
 
 
 def configure_threads(threads: int | None = None) -> int:
-    """Set torch's intra-op threads (``threads``, or 0/None for ``default_threads()``); returns the number set."""
+    """Set torch's intra-op threads (``threads``, or 0/None for ``default_threads()``, tuned as the loop runs);
+    returns the number set."""
     import torch
 
+    global _tuned
     if threads is not None and threads < 0:
         raise ConfigError(f"torch threads={threads}: expected 0 (automatic) or more")
     n = threads or default_threads()
+    _tuned = (1, n) if not threads and n > 1 else ()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(n)
     try:

@@ -93,7 +93,7 @@ def test_locomo_f1_normalisation():
     assert [m[0] for m in parse_modes("kv,kv-recompute@0.05", 0.15)] == ["text", "kv", "kv-recompute@0.05"]
 
 
-def test_bench_load_json(model_dir, tmp_path):
+def test_bench_load_json(model_dir, tmp_path, capsys):
     """The load benchmark's smallest run: real server, official client, kv and text side by side, the flood."""
     out = tmp_path / "load.json"
     assert main(["bench", "load", "--model", str(model_dir), "--n", "1,2", "--tokens", "3", "-k", "2", "--flood",
@@ -109,6 +109,11 @@ def test_bench_load_json(model_dir, tmp_path):
     summary = result["summary"]
     for key in ("floor_ms", "kv_step_over_floor", "kv_decode_tokens_per_s_2_over_1", "flood_ratio"):
         assert summary[key]["min"] <= summary[key]["median"] <= summary[key]["max"]
+    printed = capsys.readouterr().out
+    assert f"bar: kv single-stream step / floor = {summary['kv_step_over_floor']['median']:.2f}x" in printed
+    assert ("bar: kv aggregate decode tokens/s, 2 streams / 1 stream = "
+            f"{summary['kv_decode_tokens_per_s_2_over_1']['median']:.2f}x") in printed
+    assert result["floor"]["floor_threads"] >= 1 and result["floor"]["torch_threads"] >= 1
 
 
 def test_bench_fleet_json(model_dir, tmp_path):
