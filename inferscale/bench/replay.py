@@ -98,6 +98,10 @@ class ReplayServer:
                             default_max_tokens=8, queue_timeout_s=600)
         self.app = create_app(settings, engine=engine, embedder=embedder)
         self.store = self.app.state.store
+        # Every retrieved block fetched: the replay measures the tiers' residency against the simulator's; whether a
+        # block is recomputed instead is the planner's call, measured by its own test (tests/server/
+        # test_fetch_planner.py). A tiny engine's prefill would otherwise recompute the blocks a disk read brings.
+        self.app.state.memories.fetcher.planning = False
         self.live = LoopbackServer(self.app, port=port)
         self.model = self.app.state.model_ids[0]
 

@@ -291,8 +291,7 @@ class KVStore:
         self.dram.set_share(tenant, dram_bytes)
 
     def users(self, tenant: str) -> list[str]:
-        check_name("tenant", tenant)
-        users = self.catalogue.users(tenant)
+        users = self.catalogue.users(check_name("tenant", tenant))
         if not users:
             raise NotFoundError(f"tenant {tenant!r} has no memories on this node")
         return users
@@ -316,9 +315,8 @@ class KVStore:
 
     def import_dir(self, tenant: str, user: str, directory: str | os.PathLike, items: list[str] | None = None,
                    *, load: bool = True) -> PullResult:
-        """Adopt an encoding Job's output (``DIR/<id><SUFFIX>``): open (authenticate) each blob, store it in the
-        disk tier and, with ``load``, in DRAM. Every blob is checked before any is stored; nothing is read through a
-        symlink (inferscale/store/jobdir.py)."""
+        """Adopt an encoding Job's output (``DIR/<id><SUFFIX>``), every blob authenticated before any is stored, none
+        read through a symlink (store/jobdir.py): disk, and DRAM with ``load``."""
         t0 = time.perf_counter()
         return self.import_images(tenant, user, read_job_dir(tenant, user, directory, items, self.keyring), t0,
                                   load=load)
@@ -336,10 +334,8 @@ class KVStore:
 
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
                        fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
-        """Copy a user's blocks from a peer node (NIXL UCX READ of a lease, one request) into this node's DRAM
-        and disk, verifying every checksum (inferscale/store/pulling.py). TransferError when the peer is
-        unreachable or too slow. ``source_dir``: an encoding Job's output directory on the peer's node
-        (``<its kv host path>/<tenant>/<user>``); the peer imports missing items from it before serving them."""
+        """Copy a user's blocks from a peer (a lease the owner writes, store/pulling.py) into DRAM and disk, every
+        checksum verified; TransferError when the peer is unreachable or slow. ``source_dir``: a Job dir there."""
         from inferscale.store.pulling import pull_from_peer
 
         return pull_from_peer(self, tenant, user, peer, item_ids, fingerprint, source_dir)
@@ -406,8 +402,7 @@ class KVStore:
         return [w[0] for w in writes]
 
     def _row(self, tenant: str, user: str, image: memoryview, info: BlobInfo) -> tuple[ItemInfo, Fields]:
-        """The catalogue row of a new version (its generation still to fill) and its plain fields (embedding,
-        memory record)."""
+        """A new version's catalogue row (its generation still to fill) and plain fields (embedding, memory record)."""
         key = (tenant, user, info.fingerprint, info.item_id)
         return item_info(tenant, user, info, item_path(self.root, *key), time.time()), row_fields(info, image)
 
