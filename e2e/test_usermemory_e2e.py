@@ -37,8 +37,8 @@ def target(request, tmp_path_factory):
     if request.param == "real":
         from real_target import RealTarget
 
-        # The Jobs in a namespace of their own (the recommended set-up: per-Job Secrets of derived tenant keys);
-        # the fleet scenario keeps the chart's default (Jobs in the release namespace).
+        # The Jobs in a namespace named by encoder.namespace; the fleet scenario keeps the chart's default
+        # (<release namespace>-jobs). Either way each Job gets a Secret of its tenant's derived keys.
         t = RealTarget(tmp_path_factory.mktemp("e2e-real"), jobs_namespace="inferscale-jobs")
     elif request.param == "cluster":
         if not os.environ.get("KUBECONFIG"):
