@@ -113,17 +113,22 @@ def kv_fetch_of_chat(spans: list[dict[str, Any]], tenant: str, user: str) -> dic
     return None
 
 
-def internal_get(target: Any, url: str, **kw: Any) -> Any:
-    """GET on a serving pod's internal API as the operator calls it: with the target's TLS (``target.tls``, a
-    FleetTls: the fleet CA, the certificate's name sent as SNI, the URL holding the pod's address), else plain."""
+def internal_request(target: Any, method: str, url: str, **kw: Any) -> Any:
+    """A call to a serving pod's internal API as the operator (or a delivering Job) makes it: with the target's TLS
+    (``target.tls``, a FleetTls: the fleet CA, the certificate's name sent as SNI, the URL holding the pod's
+    address), else plain."""
     import httpx
 
     tls = getattr(target, "tls", None)
     if tls is not None:
         kw.setdefault("extensions", {"sni_hostname": tls.server_name})
         with httpx.Client(verify=tls.client_context(), timeout=kw.pop("timeout", 30)) as client:
-            return client.get(url, **kw)
-    return httpx.get(url, **kw)
+            return client.request(method, url, **kw)
+    return httpx.request(method, url, **kw)
+
+
+def internal_get(target: Any, url: str, **kw: Any) -> Any:
+    return internal_request(target, "GET", url, **kw)
 
 
 def chart_tls(secret_data: dict[str, str], server_name: str, directory: Path) -> Any:

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e_common import ROOT, internal_get, kv_fetch_of_chat, wait_for
+from e2e_common import ROOT, internal_get, internal_request, kv_fetch_of_chat, wait_for
 
 EXAMPLE = ROOT / "crds" / "examples" / "usermemory-inline.yaml"
 # Tenant B's user has the same id as tenant A's, and other memories.
@@ -179,8 +179,9 @@ def _credential_checks(target, internal_url: str, user: str) -> None:
     mine = uploadtoken.mint(key, target.tenant, user, "enc-x", 60)
 
     def post(tenant: str, who: str, token: str) -> httpx.Response:
-        return httpx.post(f"{internal_url}/internal/v1/ingest/{tenant}/{who}", content=b"not a tar",
-                          headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        # over the fleet's TLS where the target has it (the internal API is HTTPS there)
+        return internal_request(target, "POST", f"{internal_url}/internal/v1/ingest/{tenant}/{who}",
+                                content=b"not a tar", headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
     assert post(target.tenant, "someone-else", mine).status_code == 403
     assert post(target.tenant_b, user, mine).status_code == 403
