@@ -5,7 +5,8 @@ Knobs (environment): INFERSCALE_E2E_RELEASE / INFERSCALE_E2E_NAMESPACE (release 
 inferscale-e2e), INFERSCALE_E2E_HELM_ARGS (extra helm args, e.g. `--set image.repository=... --set image.tag=...`),
 INFERSCALE_E2E_KEEP=1 (leave the release and tenant namespace installed), INFERSCALE_E2E_READY_TIMEOUT (s, 900).
 The tenants are two fresh namespaces `e2e-<random>` and `e2e-<random>-b` (the chart's `tenants` allow-list); their API
-keys go into the release's tenants file. Encode Jobs run in the release namespace. Spans are read
+keys go into the release's tenants file. Encode Jobs run in `<namespace>-jobs` (the chart's default encoder.namespace,
+which it renders and keeps on uninstall; close() deletes it). Spans are read
 from the serving pod's log: the servers get INFERSCALE_CONSOLE_TRACES=true and OTEL_SDK_DISABLED=false (env wins
 over the chart's envFrom ConfigMap).
 """
@@ -34,6 +35,7 @@ class ClusterTarget:
         self.workdir = Path(workdir)
         self.release = os.environ.get("INFERSCALE_E2E_RELEASE", "inferscale-e2e")
         self.namespace = os.environ.get("INFERSCALE_E2E_NAMESPACE", "inferscale-e2e")
+        self.jobs_namespace = f"{self.namespace}-jobs"
         self.tenant = "e2e-" + secrets.token_hex(3)
         self.tenant_b = self.tenant + "-b"
         self.api_key = "isk-e2e-" + secrets.token_urlsafe(16)
@@ -98,6 +100,8 @@ class ClusterTarget:
         if self._installed:
             self._run([self.helm_bin, "uninstall", self.release, "-n", self.namespace, "--wait", "--timeout", "5m"],
                       check=False, timeout=400)
+            self._run([self.kubectl_bin, "delete", "namespace", self.jobs_namespace, "--wait=false",
+                       "--ignore-not-found"], check=False)
 
     # -- what the test uses -----------------------------------------------------------------------------------
     def _run(self, argv: list[str], check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -124,8 +128,8 @@ class ClusterTarget:
         return list((self._json("get", "events", "-n", tenant or self.tenant) or {}).get("items") or [])
 
     def jobs(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        """Jobs in a namespace; by default the release namespace, where the operator runs them."""
-        return list((self._json("get", "jobs", "-n", namespace or self.namespace) or {}).get("items") or [])
+        """Jobs in a namespace; by default the Jobs' namespace, where the operator runs them."""
+        return list((self._json("get", "jobs", "-n", namespace or self.jobs_namespace) or {}).get("items") or [])
 
     def job_host_paths(self, job: dict[str, Any]) -> list[str]:
         """The node paths kubelet mounts into the Job's pod: its hostPath volumes (init containers included)."""
@@ -175,7 +179,7 @@ class ClusterTarget:
     def diag(self) -> str:
         parts = []
         for args in (["get", "usermemories.inferscale.io", "-n", self.tenant, "-o", "wide"],
-                     ["get", "jobs,pods", "-n", self.namespace, "-o", "wide"],
+                     ["get", "jobs,pods", "-n", self.jobs_namespace, "-o", "wide"],
                      ["get", "events", "-n", self.tenant, "--sort-by=.lastTimestamp"],
                      ["get", "pods", "-n", self.namespace, "-o", "wide"],
                      ["logs", "-n", self.namespace, "-l", "app.kubernetes.io/component=operator", "--tail=60"]):

@@ -114,7 +114,7 @@ def kv_fetch_of_chat(spans: list[dict[str, Any]], tenant: str, user: str) -> dic
 
 
 def internal_request(target: Any, method: str, url: str, **kw: Any) -> Any:
-    """A call on a serving pod's internal API as the operator (or a delivering Job) makes it: with the target's TLS
+    """A call to a serving pod's internal API as the operator (or a delivering Job) makes it: with the target's TLS
     (``target.tls``, a FleetTls: the fleet CA, the certificate's name sent as SNI, the URL holding the pod's
     address), else plain."""
     import httpx

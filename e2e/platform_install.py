@@ -14,6 +14,7 @@ from controlplane import ControlPlane
 from e2e_common import ROOT, tool, wait_for
 
 RELEASE, NAMESPACE = "inferscale", "inferscale-system"
+JOBS_NAMESPACE = f"{NAMESPACE}-jobs"  # the chart's default encoder.namespace (it renders that Namespace)
 OPERATOR_SA = "inferscale-operator"  # the chart's <fullname>-operator
 TENANTS = ("tenant-a", "tenant-b")
 # What a tenant may do in its own namespace: its UserMemory objects and what their memoriesFrom names.

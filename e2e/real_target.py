@@ -11,9 +11,9 @@ kube-scheduler (controlplane.py), with charts/inferscale installed by `helm inst
 - tenants act with identities of their own (platform_install.py): tenant-a a user, tenant-b a ServiceAccount,
   each bound only in its namespace; every `kubectl` of the test runs as the tenant of the namespace it names;
 - the model is the tiny random-weight gemma3 (`tiny-e2e`) in the directory that plays the image;
-- Jobs: in the release namespace (the chart's default: they mount the KEK Secret, and the operator has no right on
-  that namespace's Secrets), or with `jobs_namespace` in a namespace of their own (encoder.namespace: the operator
-  holds the KEK and gives each Job a Secret of its tenant's derived keys).
+- Jobs: in a namespace of their own, the chart's default `<release namespace>-jobs` (or `jobs_namespace`, given as
+  encoder.namespace): no platform Secret there; the operator holds the KEK and gives each Job a Secret of its
+  tenant's derived keys, and in the release namespace it may only read pods.
 Ports (chart values) are in the 181xx range, away from the defaults other test runs on this machine may use.
 """
 
@@ -31,7 +31,7 @@ from inferscale.kvformat import SUFFIX
 
 from controlplane import start_for_tests
 from e2e_common import chart_tls, parse_console_spans, tail
-from platform_install import NAMESPACE, TENANTS, Platform
+from platform_install import JOBS_NAMESPACE, NAMESPACE, TENANTS, Platform
 
 NODES = {"e2e-node-0": "127.0.0.2", "e2e-node-1": "127.0.0.3"}  # the names FleetTarget uses
 ENCODER_LABEL = {"inferscale.io/e2e-encoder": "true"}
@@ -47,7 +47,7 @@ class RealTarget:
 
     def __init__(self, workdir: Path, nodes: int = 1, jobs_namespace: str | None = None) -> None:
         self.workdir = Path(workdir)
-        self.jobs_namespace = jobs_namespace or NAMESPACE
+        self.jobs_namespace = jobs_namespace or JOBS_NAMESPACE
         self.image_dir = self.workdir / "image"
         self.node_names = list(NODES)[:nodes]
         self.api_key = "isk-e2e-" + secrets.token_urlsafe(16)
@@ -72,8 +72,7 @@ class RealTarget:
                 self.cp, node, ip=NODES[node], image_dir=self.image_dir, work_dir=self.workdir / node,
                 host_root=self.workdir / f"{node}-disk", gpus=0, labels=ENCODER_LABEL if i == 0 else {}).start()
         self.platform = Platform(self.cp)
-        jobs_args = [] if self.jobs_namespace == NAMESPACE else [
-            "--set", f"encoder.namespace={self.jobs_namespace}", "--set", "encoder.createNamespace=true"]
+        jobs_args = [] if self.jobs_namespace == JOBS_NAMESPACE else ["--set", f"encoder.namespace={self.jobs_namespace}"]
         extra_env = [{"name": "OTEL_SDK_DISABLED", "value": "false"},
                      {"name": "INFERSCALE_CONSOLE_TRACES", "value": "true"}]
         self.platform.install(

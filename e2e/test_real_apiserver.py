@@ -27,7 +27,7 @@ import pytest
 
 from controlplane import start_for_tests
 from e2e_common import ROOT, wait_for
-from platform_install import NAMESPACE, TENANTS, Platform
+from platform_install import JOBS_NAMESPACE, NAMESPACE, TENANTS, Platform
 
 A, B = TENANTS
 UM_PATH = "/apis/inferscale.io/v1alpha1/namespaces/{ns}/usermemories"
@@ -136,12 +136,17 @@ RESTRICTED = {"runAsNonRoot": True, "runAsUser": 10001, "seccompProfile": {"type
 CONTAINER_RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
-def test_the_release_namespace_enforces_restricted(platform: Platform) -> None:
+@pytest.mark.parametrize("namespace", [NAMESPACE, JOBS_NAMESPACE], ids=["release", "jobs"])
+def test_the_release_and_jobs_namespaces_enforce_restricted(platform: Platform, namespace: str) -> None:
     """Issue 24 #1: the namespace holding the KEK, the internal token, the peer secret and the API key hashes
-    carries the enforce label (the chart's Namespace)."""
+    carries the enforce label (the installer's), and so does the Jobs' own namespace, which the chart creates by
+    default (encoder.namespace) and which holds no platform Secret."""
     with platform.cp.client() as c:
-        labels = c.get(f"/api/v1/namespaces/{NAMESPACE}").json()["metadata"]["labels"]
-    assert labels.get("pod-security.kubernetes.io/enforce") == "restricted", labels
+        ns = c.get(f"/api/v1/namespaces/{namespace}").json()
+        secrets = c.get(f"/api/v1/namespaces/{namespace}/secrets").json()["items"]
+    assert ns["metadata"]["labels"].get("pod-security.kubernetes.io/enforce") == "restricted", ns["metadata"]
+    if namespace == JOBS_NAMESPACE:
+        assert [s["metadata"]["name"] for s in secrets if s.get("type") != "kubernetes.io/service-account-token"] == []
 
 
 def test_a_host_path_pod_in_the_release_namespace_is_refused(platform: Platform) -> None:
@@ -158,26 +163,31 @@ def test_a_host_path_pod_in_the_release_namespace_is_refused(platform: Platform)
 
 def test_the_charts_pods_and_an_encode_job_are_admitted(platform: Platform) -> None:
     """Every workload of the chart got its pods past Pod Security `restricted` (no FailedCreate), and so does an
-    encode Job exactly as the operator makes it (operator/jobs.py, its credential from the pod's annotation)."""
+    encode Job exactly as the operator makes it in the chart's layout (operator/jobs.py: in the Jobs' namespace,
+    its tenant's keys and credential from a Secret of its own, which the operator holds the KEK to derive)."""
     from inferscale.operator import jobs
     from inferscale.operator.settings import Settings
 
-    cfg = Settings(job_namespace=NAMESPACE, encoder_gpus=0, kek_secret="inferscale-kek", encoder_image="inferscale")
+    cfg = Settings(job_namespace=JOBS_NAMESPACE, encoder_gpus=0, kek_file="/var/run/inferscale/kek/kek",
+                   encoder_image="inferscale")
     to = jobs.Delivery("http://10.0.0.1:8001/internal/v1/ingest/tenant-a/caroline", f"{NAMESPACE}/s-0", "n")
     job = jobs.job_manifest("tenant-a-caroline-enc-0123456789", A, "caroline", "uid-1", "caroline", "tiny-e2e",
                             ["m1"], cfg, to, "isu1.claims.mac")
     job["spec"]["template"]["spec"]["tolerations"] = [{**ONLY_THIS_TEST, "operator": "Equal"}]  # run by no node
+    secrets = [v["secret"]["secretName"] for v in job["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert set(secrets) == {"tenant-a-caroline-enc-0123456789"}, "its own key Secret, never the KEK's"
     with platform.cp.client() as c:
-        assert c.post(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=job).status_code == 201
-        for component in ("server", "operator", "encode"):
+        assert c.post(f"/apis/batch/v1/namespaces/{JOBS_NAMESPACE}/jobs", json=job).status_code == 201
+        for component, ns in (("server", NAMESPACE), ("operator", NAMESPACE), ("encode", JOBS_NAMESPACE)):
             sel = (f"app.kubernetes.io/component={component}" if component != "encode"
                    else "job-name=tenant-a-caroline-enc-0123456789")
-            wait_for(lambda: c.get(f"/api/v1/namespaces/{NAMESPACE}/pods", params={"labelSelector": sel})
+            wait_for(lambda: c.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": sel})
                      .json()["items"], 90, f"a {component} pod admitted", platform.cp.diag)
-        events = c.get(f"/api/v1/namespaces/{NAMESPACE}/events").json()["items"]
+        events = [e for ns in (NAMESPACE, JOBS_NAMESPACE) for e in c.get(f"/api/v1/namespaces/{ns}/events")
+                  .json()["items"]]
         refused = [e["message"] for e in events if e.get("reason") == "FailedCreate"]
         assert not refused, refused
-        c.request("DELETE", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/tenant-a-caroline-enc-0123456789",
+        c.request("DELETE", f"/apis/batch/v1/namespaces/{JOBS_NAMESPACE}/jobs/tenant-a-caroline-enc-0123456789",
                   json={"propagationPolicy": "Background"})
 
 
@@ -188,11 +198,15 @@ def test_the_charts_pods_and_an_encode_job_are_admitted(platform: Platform) -> N
     f"/api/v1/namespaces/{NAMESPACE}/secrets/inferscale-kek",
     f"/api/v1/namespaces/{NAMESPACE}/secrets/inferscale-tls-ca",
     f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs",
-    f"/api/v1/namespaces/{NAMESPACE}/configmaps",  # the per-user records and the Jobs' items files
+    f"/api/v1/namespaces/{NAMESPACE}/configmaps",
     f"/api/v1/namespaces/{NAMESPACE}/pods",
+    f"/apis/batch/v1/namespaces/{JOBS_NAMESPACE}/jobs",
+    f"/api/v1/namespaces/{JOBS_NAMESPACE}/configmaps",  # the per-user records and the Jobs' items files
+    f"/api/v1/namespaces/{JOBS_NAMESPACE}/secrets",  # the Jobs' key Secrets (each its tenant's derived keys)
     "/api/v1/secrets",
     UM_PATH.format(ns=B),  # the other tenant
-], ids=["secrets", "internal-token", "kek", "tls-ca", "jobs", "records", "pods", "all-secrets", "other-tenant"])
+], ids=["secrets", "internal-token", "kek", "tls-ca", "jobs", "configmaps", "pods", "jobs-ns-jobs", "records",
+        "key-secrets", "all-secrets", "other-tenant"])
 @pytest.mark.parametrize("tenant", TENANTS)
 def test_a_tenant_cannot_read_the_platform(platform: Platform, tenant: str, path: str) -> None:
     if tenant == B:
@@ -218,15 +232,26 @@ def test_the_operator_reads_no_secret_the_chart_does_not_grant(platform: Platfor
 
 
 def test_the_operator_can_do_its_job_and_no_more(platform: Platform) -> None:
+    """Issue 24 #1, the chart's default layout: the operator runs its Jobs and keeps its ConfigMaps and key Secrets
+    in the Jobs' namespace; where the platform's Secrets are it reads the serving pods and creates nothing."""
+    dry = {"dryRun": "All"}
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "dry-run"}, "data": {}}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "dry-run"}, "data": {}}
     with platform.cp.client(platform.operator_kubeconfig) as c:
         assert c.get(UM_PATH.format(ns=A)).status_code == 200
-        assert c.get(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs").status_code == 200
+        assert c.get(f"/apis/batch/v1/namespaces/{JOBS_NAMESPACE}/jobs").status_code == 200
+        assert c.get(f"/api/v1/namespaces/{NAMESPACE}/pods").status_code == 200
         job = _job("dry-run")
-        assert c.post(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", params={"dryRun": "All"},
-                      json=job).status_code == 201
-        # ... but it cannot run a Job in a tenant namespace, nor create UserMemory objects for a tenant
-        _refused(c.post(f"/apis/batch/v1/namespaces/{A}/jobs", params={"dryRun": "All"}, json=job), 403)
-        _refused(c.post(UM_PATH.format(ns=A), params={"dryRun": "All"}, json=_um()), 403)
+        for kind, obj in (("batch/v1/namespaces/{ns}/jobs", job), ("v1/namespaces/{ns}/configmaps", cm),
+                          ("v1/namespaces/{ns}/secrets", secret)):
+            root = "/apis" if kind.startswith("batch") else "/api"
+            assert c.post(f"{root}/{kind.format(ns=JOBS_NAMESPACE)}", params=dry, json=obj).status_code == 201
+            # ... but not where the platform's Secrets are (a Job there could mount any of them)
+            _refused(c.post(f"{root}/{kind.format(ns=NAMESPACE)}", params=dry, json=obj), 403)
+        _refused(c.get(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs"), 403)
+        # ... nor run a Job in a tenant namespace, nor create UserMemory objects for a tenant
+        _refused(c.post(f"/apis/batch/v1/namespaces/{A}/jobs", params=dry, json=job), 403)
+        _refused(c.post(UM_PATH.format(ns=A), params=dry, json=_um()), 403)
 
 
 # -- the garbage collector --------------------------------------------------------------------------------------------
@@ -261,18 +286,18 @@ def test_deleting_a_job_collects_its_items_configmap(platform: Platform) -> None
     from inferscale.operator.spec import Item
 
     with platform.cp.client() as c:
-        settings = Settings(job_namespace=NAMESPACE)
+        settings = Settings(job_namespace=JOBS_NAMESPACE)
         cm = configmap_manifest("enc-gc-items", settings, A, "caroline", "uid-1", [Item(id="m1", text="t")])
-        assert c.post(f"/api/v1/namespaces/{NAMESPACE}/configmaps", json=cm).status_code == 201
-        job = c.post(f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", json=_job("enc-gc")).json()
-        resp = c.patch(f"/api/v1/namespaces/{NAMESPACE}/configmaps/enc-gc-items", json=owner_reference(job),
+        assert c.post(f"/api/v1/namespaces/{JOBS_NAMESPACE}/configmaps", json=cm).status_code == 201
+        job = c.post(f"/apis/batch/v1/namespaces/{JOBS_NAMESPACE}/jobs", json=_job("enc-gc")).json()
+        resp = c.patch(f"/api/v1/namespaces/{JOBS_NAMESPACE}/configmaps/enc-gc-items", json=owner_reference(job),
                        headers={"Content-Type": "application/merge-patch+json"})
         assert resp.status_code == 200, resp.text
-        resp = c.request("DELETE", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/enc-gc",
+        resp = c.request("DELETE", f"/apis/batch/v1/namespaces/{JOBS_NAMESPACE}/jobs/enc-gc",
                          json={"propagationPolicy": "Background"})
         assert resp.status_code == 200, resp.text
         started = time.monotonic()
-        wait_for(lambda: _gone(c, f"/api/v1/namespaces/{NAMESPACE}/configmaps/enc-gc-items"), 90,
+        wait_for(lambda: _gone(c, f"/api/v1/namespaces/{JOBS_NAMESPACE}/configmaps/enc-gc-items"), 90,
                  "the garbage collector to remove the Job's items ConfigMap", platform.cp.diag)
         assert time.monotonic() - started < 90
 

@@ -37,8 +37,8 @@ def target(request, tmp_path_factory):
     if request.param == "real":
         from real_target import RealTarget
 
-        # The Jobs in a namespace of their own (the recommended set-up: per-Job Secrets of derived tenant keys);
-        # the fleet scenario keeps the chart's default (Jobs in the release namespace).
+        # The Jobs in a namespace named by encoder.namespace; the fleet scenario keeps the chart's default
+        # (<release namespace>-jobs). Either way each Job gets a Secret of its tenant's derived keys.
         t = RealTarget(tmp_path_factory.mktemp("e2e-real"), jobs_namespace="inferscale-jobs")
     elif request.param == "cluster":
         if not os.environ.get("KUBECONFIG"):
@@ -179,6 +179,7 @@ def _credential_checks(target, internal_url: str, user: str) -> None:
     mine = uploadtoken.mint(key, target.tenant, user, "enc-x", 60)
 
     def post(tenant: str, who: str, token: str) -> httpx.Response:
+        # over the fleet's TLS where the target has it (the internal API is HTTPS there)
         return internal_request(target, "POST", f"{internal_url}/internal/v1/ingest/{tenant}/{who}",
                                 content=b"not a tar", headers={"Authorization": f"Bearer {token}"}, timeout=30)
 

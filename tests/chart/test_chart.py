@@ -300,7 +300,7 @@ def test_env_contract_from_interfaces_md(values):
     assert srv_env["INFERSCALE_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert srv_env["INFERSCALE_PORT"] == "8000"
     assert srv_env["INFERSCALE_INTERNAL_PORT"] == op_env["INFERSCALE_INTERNAL_PORT"] == "8001"
-    assert op_env["INFERSCALE_JOB_NAMESPACE"] == "inferscale"  # Jobs run in the release namespace
+    assert op_env["INFERSCALE_JOB_NAMESPACE"] == "inferscale-jobs"  # Jobs run in a namespace of their own
     assert op_env["INFERSCALE_SERVER_NAMESPACE"] == "inferscale"
     assert op_env["INFERSCALE_MODELS"] == srv_env["INFERSCALE_MODEL"] == "gemma-3-270m"
     assert op_env["INFERSCALE_KV_DTYPE"] == srv_env["INFERSCALE_KV_DTYPE"] == "bf16"
@@ -403,8 +403,7 @@ def test_probes_security_and_resources(values):
 
 def test_servers_mount_no_node_directory_and_the_namespaces_enforce_restricted():
     """Issue 24 finding 1: no hostPath (Pod Security `restricted` forbids it) and the labels that enforce it."""
-    m = docs("values.yaml", sets=("encoder.namespace=inferscale-jobs", "encoder.createNamespace=true",
-                                  "podSecurity.manageReleaseNamespace=true"))
+    m = docs("values.yaml", sets=("podSecurity.manageReleaseNamespace=true",))
     s = workload(m, "server")
     vols = {v["name"]: v for v in s["spec"]["template"]["spec"]["volumes"]}
     mounts = {v["name"]: v for v in container(s)["volumeMounts"]}
@@ -413,9 +412,11 @@ def test_servers_mount_no_node_directory_and_the_namespaces_enforce_restricted()
     assert set(namespaces) == {"inferscale", "inferscale-jobs"}
     assert all(lab["pod-security.kubernetes.io/enforce"] == "restricted" for lab in namespaces.values())
     off = docs("values.yaml")
-    assert not [x for x in off if x["kind"] == "Namespace"], "by default the namespace is the installer's"
+    assert [x["metadata"]["name"] for x in off if x["kind"] == "Namespace"] == ["inferscale-jobs"], \
+        "by default the release namespace is the installer's; the Jobs' namespace is the chart's"
     unlabelled = docs("values.yaml", sets=("podSecurity.enforce=", "podSecurity.manageReleaseNamespace=true"))
-    assert "pod-security.kubernetes.io/enforce" not in one(unlabelled, "Namespace")["metadata"]["labels"]
+    assert not [x for x in unlabelled if x["kind"] == "Namespace"
+                and "pod-security.kubernetes.io/enforce" in x["metadata"]["labels"]]
     data_dir = effective_env(m, s)["INFERSCALE_DATA_DIR"]
     assert mounts["data"]["mountPath"] == data_dir and "emptyDir" in vols["data"]
 
@@ -458,11 +459,13 @@ def test_rbac_is_least_privilege():
                                     "namespace": "tenantops"}]
     roles = {(r["metadata"]["namespace"]): r for r in m if r["kind"] == "Role"}
     bindings = {(b["metadata"]["namespace"]): b for b in m if b["kind"] == "RoleBinding"}
-    assert set(roles) == set(bindings) == {"tenantops", "acme", "globex"}
-    platform = rules_of(roles["tenantops"])
-    assert {("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")} <= platform
-    assert {("", "configmaps", v) for v in ("create", "get", "patch", "delete")} <= platform
-    assert not any(r == "secrets" for _, r, _ in platform)
+    assert set(roles) == set(bindings) == {"tenantops", "tenantops-jobs", "acme", "globex"}
+    # Where the platform's Secrets are: read the serving pods, nothing else.
+    assert rules_of(roles["tenantops"]) == {("", "pods", v) for v in ("get", "list", "watch")}
+    jobs_ns = rules_of(roles["tenantops-jobs"])
+    assert {("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")} <= jobs_ns
+    assert {("", "configmaps", v) for v in ("create", "get", "patch", "delete")} <= jobs_ns
+    assert {v for _, r, v in jobs_ns if r == "secrets"} == {"create", "list", "patch", "delete"}  # no get: Jobs' keys
     for tenant in ("acme", "globex"):
         t = rules_of(roles[tenant])
         need = {("inferscale.io", "usermemories", v) for v in ("get", "list", "watch", "patch")} | {
@@ -494,10 +497,11 @@ def test_no_hard_coded_namespace():
         if x["kind"] in cluster_scoped:
             assert "namespace" not in x["metadata"]
         elif x["kind"] not in ("Role", "RoleBinding"):  # those also go to the tenant namespaces (none here)
-            assert x["metadata"]["namespace"] == "ns-under-test", x["kind"]
+            # the Jobs' policy goes to the Jobs' namespace, derived from the release's
+            assert x["metadata"]["namespace"] in ("ns-under-test", "ns-under-test-jobs"), x["kind"]
     text = helm(*template_args("values-gpu.yaml", namespace="ns-under-test", release="rel")).stdout
     # (`namespace: {type: string}` in the CRD schema is a field, not a namespace)
-    assert not re.search(r"namespace: (?!ns-under-test|\{)", text)
+    assert not re.search(r"namespace: (?!ns-under-test(-jobs)?\n|\{)", text)
 
 
 def _internal_files(m, component):
@@ -558,7 +562,11 @@ def test_kek_secret_is_mounted_on_servers_and_named_to_the_operator():
     assert mount == {"name": "kek", "mountPath": "/var/run/inferscale/kek", "readOnly": True}
     vol = next(v for v in s["spec"]["template"]["spec"]["volumes"] if v["name"] == "kek")
     assert vol["secret"]["secretName"] == kek["metadata"]["name"]
-    assert effective_env(m, workload(m, "operator"))["INFERSCALE_KEK_SECRET"] == kek["metadata"]["name"]
+    op = workload(m, "operator")  # the operator mounts the KEK (its Jobs get derived keys, never the KEK Secret)
+    assert effective_env(m, op)["INFERSCALE_KEK_FILE"] == "/var/run/inferscale/kek/kek"
+    assert "INFERSCALE_KEK_SECRET" not in effective_env(m, op)
+    vol = next(v for v in op["spec"]["template"]["spec"]["volumes"] if v["name"] == "kek")
+    assert vol["secret"]["secretName"] == kek["metadata"]["name"]
 
 
 def test_api_keys_secret_is_mounted_as_the_tenants_file(tmp_path):

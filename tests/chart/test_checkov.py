@@ -34,8 +34,8 @@ RENDERINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] 
     **{v.removesuffix(".yaml"): ((v,), PINNED, ()) for v in chart.VALUES_FILES},
     "daemonset-secrets": (("values.yaml",), (*PINNED, "server.kind=DaemonSet", "operator.readTenantSecrets=true"),
                           ()),
-    "jobs-namespace": (("values.yaml",), (*PINNED, "encoder.namespace=inferscale-jobs", "encoder.createNamespace=true"),
-                       ()),
+    "jobs-namespace-named": (("values.yaml",), (*PINNED, "encoder.namespace=batch", "encoder.createNamespace=false"),
+                             ()),
     "otel-monitor": (("values.yaml",), (*PINNED, "serviceMonitor.enabled=true", "otel.enabled=true",
                                         "otel.endpoint=http://otel:4318", "otel.headersSecret.name=otlp-auth",
                                         "internalToken.existingSecret=tok", "apiKeys.existingSecret=keys"),
@@ -57,7 +57,7 @@ def checkov_bin() -> str:
 
 def job_manifests(rendered: list[dict]) -> list[dict]:
     """The operator's encode Jobs, made by its own code from the settings the chart gives it (its credential from
-    its own Secret, and, Jobs beside the platform's Secrets, from its pod's annotation)."""
+    its own Secret, with its tenant's derived keys)."""
     from inferscale.operator import jobs
     from inferscale.operator.settings import Settings
 

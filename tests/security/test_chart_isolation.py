@@ -128,9 +128,9 @@ def test_pdb_and_namespaced_rbac_and_no_cluster_rule_on_secrets(values: str, set
     for cr in (o for o in m if o["kind"] == "ClusterRole"):
         assert not any("secrets" in r["resources"] or "*" in r["resources"] for r in cr["rules"])
     roles = {o["metadata"]["namespace"] for o in m if o["kind"] == "Role"}
-    assert roles == {RELEASE_NS, *TENANTS}
+    assert roles == {RELEASE_NS, f"{RELEASE_NS}-jobs", *TENANTS}
     op_env = chart.effective_env(m, chart.workload(m, "operator"))
-    assert op_env["INFERSCALE_TENANTS"] == "acme,globex" and op_env["INFERSCALE_JOB_NAMESPACE"] == RELEASE_NS
+    assert op_env["INFERSCALE_TENANTS"] == "acme,globex" and op_env["INFERSCALE_JOB_NAMESPACE"] == f"{RELEASE_NS}-jobs"
     args = chart.container(chart.workload(m, "operator"))["args"]
     assert [a for a in args if a.startswith("--namespace")] == ["--namespace=acme", "--namespace=globex"]
 
@@ -193,31 +193,55 @@ def test_every_pod_meets_pod_security_restricted(values: str, sets: tuple[str, .
     assert not problems, problems
 
 
-def test_jobs_can_have_a_namespace_of_their_own_with_no_platform_secret() -> None:
-    """Issue 24 #1/#2: with encoder.namespace the operator cannot create Jobs where the platform Secrets are, and the
-    Jobs' namespace holds none (each Job gets its tenant's derived keys from the operator, which mounts the KEK)."""
-    jobs_ns = "inferscale-jobs"
-    m = rendered("values.yaml", ("tenants={acme,globex}", f"encoder.namespace={jobs_ns}", "encoder.createNamespace=true"))
-    assert chart.one(m, "Namespace", jobs_ns)
+@pytest.mark.parametrize("values,sets", VARIANTS)
+def test_default_jobs_namespace_holds_no_platform_secret_and_release_role_only_reads(
+        values: str, sets: tuple[str, ...]) -> None:
+    """Issue 24 #1/#2, on a DEFAULT rendering: the Jobs run in <release namespace>-jobs (rendered by the chart), the
+    operator may only read pods where the platform Secrets are (no Jobs, ConfigMaps or Secrets to create, update or
+    delete), and no Job it builds from the chart's settings mounts the KEK Secret: each gets its tenant's derived keys
+    (the operator mounts the KEK itself)."""
+    from inferscale.operator import jobs
+    from inferscale.operator.settings import Settings
+
+    jobs_ns = f"{RELEASE_NS}-jobs"
+    m = rendered(values, sets)
+    assert chart.one(m, "Namespace", jobs_ns)["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     roles = {o["metadata"]["namespace"]: o for o in m if o["kind"] == "Role"}
     assert set(roles) == {RELEASE_NS, jobs_ns, *TENANTS}
     release_rules = {(g, r): set(rule["verbs"]) for rule in roles[RELEASE_NS]["rules"]
                      for g in rule["apiGroups"] for r in rule["resources"]}
     assert release_rules == {("", "pods"): {"get", "list", "watch"}}, "no Jobs, ConfigMaps or Secrets where the KEK is"
+    writes = {"create", "update", "patch", "delete", "deletecollection", "*"}
+    assert not [r for r in roles[RELEASE_NS]["rules"] if set(r["verbs"]) & writes]
     job_rules = {r for rule in roles[jobs_ns]["rules"] for r in rule["resources"]}
     assert {"jobs", "pods", "configmaps", "secrets"} <= job_rules
     assert not [o for o in m if o["kind"] == "Secret" and o["metadata"]["namespace"] == jobs_ns]
     op = chart.workload(m, "operator")
     env = chart.effective_env(m, op)
     assert env["INFERSCALE_JOB_NAMESPACE"] == jobs_ns and env["INFERSCALE_KEK_FILE"] == "/var/run/inferscale/kek/kek"
-    assert "INFERSCALE_KEK_SECRET" not in env, "Jobs no longer mount the KEK Secret"
+    assert "INFERSCALE_KEK_SECRET" not in env, "Jobs never mount the KEK Secret"
+    kek_secret = chart.one(m, "Secret", "-kek")["metadata"]["name"]
     (kek,) = [v for v in op["spec"]["template"]["spec"]["volumes"] if v["name"] == "kek"]
-    assert kek["secret"]["secretName"] == chart.one(m, "Secret", "-kek")["metadata"]["name"]
+    assert kek["secret"]["secretName"] == kek_secret
+    # The operator's settings for its Jobs, as the chart configures them (from_env would also read the mounted files).
+    settings = Settings(kek_file=env["INFERSCALE_KEK_FILE"], kek_secret=env.get("INFERSCALE_KEK_SECRET", ""),
+                        job_namespace=env["INFERSCALE_JOB_NAMESPACE"])
+    to = jobs.Delivery("http://10.0.0.1:8001/internal/v1/ingest/acme/u", "ns/s-0", "n")
+    job = jobs.job_manifest("j", "acme", "u", "uid", "u", "gemma-3-270m", ["a"], settings, to, "isu1.c.m")
+    secrets = [v["secret"]["secretName"] for v in job["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert secrets and kek_secret not in secrets, f"the Job mounts {secrets}"
     (jobs_policy,) = [p for p in m if p["kind"] == "NetworkPolicy" and p["metadata"]["name"].endswith("-jobs")]
     assert jobs_policy["metadata"]["namespace"] == jobs_ns
-    bad = chart.helm(*chart.template_args("values.yaml", sets=(f"tenants={{{jobs_ns}}}", f"encoder.namespace={jobs_ns}")),
-                     check=False)
-    assert bad.returncode != 0 and "Jobs' namespace" in bad.stderr
-    # Default: the release namespace, as before (the Jobs mount the KEK Secret).
-    default = rendered("values.yaml", ("tenants={acme,globex}",))
-    assert "INFERSCALE_KEK_SECRET" in chart.effective_env(default, chart.workload(default, "operator"))
+
+
+def test_jobs_namespace_can_be_named_and_never_be_the_release_or_a_tenant_namespace() -> None:
+    """encoder.namespace names the Jobs' namespace; it can be neither a tenant's nor the release namespace (the
+    shared layout, where Jobs mounted the KEK Secret, is gone from the chart)."""
+    m = rendered("values.yaml", ("tenants={acme,globex}", "encoder.namespace=batch", "encoder.createNamespace=false"))
+    assert chart.effective_env(m, chart.workload(m, "operator"))["INFERSCALE_JOB_NAMESPACE"] == "batch"
+    assert not [o for o in m if o["kind"] == "Namespace"], "createNamespace=false: the namespace is yours"
+    assert {o["metadata"]["namespace"] for o in m if o["kind"] == "Role"} == {RELEASE_NS, "batch", *TENANTS}
+    for sets, says in ((("tenants={batch}", "encoder.namespace=batch"), "Jobs' namespace"),
+                       ((f"encoder.namespace={RELEASE_NS}",), "encoder.namespace")):
+        bad = chart.helm(*chart.template_args("values.yaml", sets=sets, namespace=RELEASE_NS), check=False)
+        assert bad.returncode != 0 and says in bad.stderr, bad.stderr

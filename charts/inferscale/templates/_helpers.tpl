@@ -226,14 +226,18 @@ controller-revision-hash label: 52). Call with (dict "ctx" $ "suffix" "server").
     {{- toYaml .Values.networkPolicy.dns | nindent 4 }}
 {{- end }}
 
-{{/* The namespace of the encode/cleanup Jobs and the operator's records (encoder.namespace, else the release's). */}}
+{{/* The namespace of the encode/cleanup Jobs and the operator's records: encoder.namespace, else
+"<release namespace>-jobs". Never the release namespace, which holds the platform's Secrets: a Job there could
+mount any of them, and the operator would need rights to create pods there. */}}
 {{- define "inferscale.jobNamespace" -}}
-{{- .Values.encoder.namespace | default .Release.Namespace }}
+{{- $ns := .Values.encoder.namespace | default (printf "%s-jobs" .Release.Namespace) }}
+{{- if eq $ns .Release.Namespace }}
+{{- fail (printf "encoder.namespace must not be the release namespace %q: it holds the platform's Secrets; the Jobs need a namespace of their own" $ns) }}
 {{- end }}
-
-{{/* "true" when the Jobs have a namespace of their own (no platform Secret there; Jobs get derived keys). */}}
-{{- define "inferscale.jobsSeparate" -}}
-{{- if ne (include "inferscale.jobNamespace" .) .Release.Namespace }}true{{ end }}
+{{- if gt (len $ns) 63 }}
+{{- fail (printf "the Jobs' namespace %q is longer than 63 characters: set encoder.namespace" $ns) }}
+{{- end }}
+{{- $ns }}
 {{- end }}
 
 {{/* The operator's rules where its Jobs live: run them, read their pods, keep items ConfigMaps and records. */}}
@@ -255,9 +259,7 @@ podSelector:
   matchLabels:
     app.kubernetes.io/managed-by: inferscale-operator
     inferscale.io/role: encode
-{{- if include "inferscale.jobsSeparate" . }}
 namespaceSelector:
   matchLabels:
     kubernetes.io/metadata.name: {{ include "inferscale.jobNamespace" . }}
-{{- end }}
 {{- end }}
