@@ -135,7 +135,7 @@ class Settings(BaseModel):
     max_queued_per_tenant: int = Field(64, ge=1)
     queue_timeout_s: float = Field(30.0, gt=0)
     step_time_s: float = Field(0.25, gt=0)  # a step's target wall time (scheduler.py: what an arrival waits for)
-    torch_threads: int = Field(0, ge=0)  # torch's CPU threads; 0: 1 or all cores, tuned by decode time (engine/threads.py)
+    torch_threads: int = Field(0, ge=-1)  # torch's CPU threads; 0: every core; -1: 1 or all, tuned (engine/threads.py)
     console_traces: bool = False
     max_body_bytes: int = Field(16 << 20, ge=1024)
     # The largest delivery an encode Job may upload (server/ingest.py): spooled to the pod's /tmp while verified.

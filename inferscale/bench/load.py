@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of aggregate tokens/s vs N")
     p.add_argument("--device", default=None)
     p.add_argument("--torch-threads", type=int, default=0,
-                   help="the server's torch threads (INFERSCALE_TORCH_THREADS): 0 tunes between 1 and all cores")
+                   help="the server's torch threads (INFERSCALE_TORCH_THREADS): 0 every core, -1 tuned between 1 and all")
     p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
                    help="the server's engine backend (inferscale serve --engine): pytorch or trtllm")
 

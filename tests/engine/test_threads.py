@@ -1,4 +1,4 @@
-"""The engine's torch thread rule (issue 22): every usable core, tuned between 1 and all by the decode passes'
+"""The engine's torch thread rule (issue 22): every usable core; -1 tunes between 1 and all by the decode passes'
 own times; an explicit count wins and is never tuned."""
 
 from __future__ import annotations
@@ -18,8 +18,13 @@ def restore_threads():
     configure_threads(before)
 
 
-def test_automatic_starts_with_every_core_and_tunes_between_one_and_all(restore_threads):
+def test_the_default_is_every_core_untuned(restore_threads):
     assert configure_threads(0) == torch.get_num_threads() == usable_cores() == default_threads()
+    assert tuned_choices() == ()
+
+
+def test_minus_one_starts_with_every_core_and_tunes_between_one_and_all(restore_threads):
+    assert configure_threads(-1) == torch.get_num_threads() == usable_cores()
     assert tuned_choices() == ((1, usable_cores()) if usable_cores() > 1 else ())
 
 
@@ -30,8 +35,8 @@ def test_an_explicit_count_is_set_and_not_tuned(restore_threads):
 
 
 def test_a_negative_count_is_a_config_error():
-    with pytest.raises(ConfigError, match="threads=-1"):
-        configure_threads(-1)
+    with pytest.raises(ConfigError, match="threads=-2"):
+        configure_threads(-2)
 
 
 def run(tuner: ThreadTuner, seconds: dict[int, float], passes: int, batch: int = 4) -> list[int]:
