@@ -29,7 +29,9 @@ r = httpx.put('http://127.0.0.1:' + sys.argv[3] + '/v1/memories/maya', headers={
 r.raise_for_status()" "$TOKENIZER" "$K" "$PORT"
 for MODE in ${MODES:-kv text}; do
   echo "== aiperf, mode $MODE, k=$K"
-  "$AIPERF" profile --model gemma-3-270m --url "http://127.0.0.1:$PORT" --endpoint-type chat --streaming \
+  # aiperf itself runs without HF_HUB_OFFLINE: in offline mode its record processor resolves the tokenizer through the
+  # hub cache (snapshot_download), which refuses a local directory; online, a local directory loads as it is.
+  env -u HF_HUB_OFFLINE "$AIPERF" profile --model gemma-3-270m --url "http://127.0.0.1:$PORT" --endpoint-type chat --streaming \
     --api-key isk-aiperf --tokenizer "$TOKENIZER" --concurrency 1 --request-count "$REQUESTS" \
     --warmup-request-count 2 --prompt-input-tokens-mean 24 --prompt-input-tokens-stddev 0 \
     --prompt-output-tokens-mean 16 --prompt-output-tokens-stddev 0 \
