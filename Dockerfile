@@ -1,17 +1,17 @@
 # Two images from one file (README: "Build the images"):
 #
-#   docker build --target server -t inferscale/inferscale:<version> .                          # serving pods, encode and
-#   docker build --target server --build-arg DEVICE=cpu -t inferscale/inferscale:<version> .   # cleanup Jobs (CUDA/CPU torch)
+#   docker build --target server -t inferscale/inferscale:<version> .                          # serving pods and
+#   docker build --target server --build-arg DEVICE=cpu -t inferscale/inferscale:<version> .   # encode Jobs (CUDA/CPU torch)
 #   docker build --target operator -t inferscale/inferscale-operator:<version> .               # the operator: no torch
 #   docker build --target server-trtllm --build-arg TRTLLM_BASE=<TensorRT-LLM release image> \
 #       -t inferscale/inferscale-trtllm:<version> .                                          # engine=trtllm pods
 #
 # The tag is the version in inferscale/__init__.py (`inferscale --version`), the chart's appVersion.
 # Each target installs its dependencies (from pyproject.toml, pinned by constraints.txt) before it copies the
-# sources, so a code change rebuilds only the last layers. Both run as uid/gid 10001: the chart's pods run as that
-# user (server/operator podSecurityContext), its init container hands the node's KV hostPath to 10001:10001, and
-# the encoding Jobs run as that user too (the operator sets their securityContext), so the servers can read their
-# (0600) blobs.
+# sources, so a code change rebuilds only the last layers. Both run as uid/gid 10001, non-root, as Pod Security
+# `restricted` requires: the chart's pods run as that user (server/operator podSecurityContext) and so do the
+# encode Jobs (the operator sets their securityContext); a Job writes its blobs to its own emptyDir and delivers
+# them to a serving pod over the internal API, so no image needs a node directory or a root step.
 # The TensorRT-LLM release image the server-trtllm target builds on (it brings CUDA, torch and tensorrt_llm); only
 # that target uses it. Pass the release the connector is pinned to (tests/trtllm/test_connector_contract.py).
 ARG TRTLLM_BASE=tensorrt-llm-release-image
@@ -88,7 +88,7 @@ ENTRYPOINT ["inferscale"]
 CMD ["serve", "--engine", "trtllm"]
 
 
-# The serving pods and the operator's encoding (and node-cleanup) Jobs.
+# The serving pods and the operator's encode Jobs.
 FROM base AS server
 
 ARG DEVICE=cuda
