@@ -1,7 +1,7 @@
 """``inferscale bench load``: the real server under concurrent streaming clients, ``kv`` and ``text`` side by side.
 
 The server runs in this process on loopback (uvicorn, the production app); clients are the official ``openai``
-async client. Every request is forced to the same output length with vLLM's ``ignore_eos``. Per N concurrent
+async client, in a process of their own (loadclients.py). Every request is forced to the same output length with vLLM's ``ignore_eos``. Per N concurrent
 streams and mode it reports: aggregate decode tokens/s (all completion tokens / wall time of the N streams), TTFT
 p50/p95, time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode
 against the same request on the idle server. TTFT ends at the first chunk with visible content, as aiperf and
@@ -19,23 +19,17 @@ servers and reports medians with min and max.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from inferscale.bench.loadclients import B_K, KEYS, concurrent, flood
 from inferscale.contract import DEFAULT_ENGINE, ENGINES
 from inferscale.errors import ConfigError
-
-QUESTION = "What did Maya do last summer, and with whom?"
-KEYS = {"bench-a": "isk-bench-a", "bench-b": "isk-bench-b"}
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name or path (default: embedded gemma-3-270m)")
@@ -54,22 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the server's torch threads (INFERSCALE_TORCH_THREADS): 0 every core, -1 tuned between 1 and all")
     p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
                    help="the server's engine backend (inferscale serve --engine): pytorch or trtllm")
-
-
-@dataclass
-class Stream:
-    ttft_s: float
-    tpot_s: float | None  # (last token - first token) / (tokens - 1)
-    tokens: int
-    first_t: float | None = None  # perf_counter of the first and the last visible content
-    last_t: float | None = None
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 class LiveServer:
@@ -99,117 +77,10 @@ class LiveServer:
         self.live.close()
 
 
-async def _stream(client, model: str, mode: str, k: int, tokens: int, question: str = QUESTION,
-                  user: str = "maya", first: asyncio.Event | None = None) -> Stream:
-    t0 = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model=model, user=user, stream=True, max_tokens=tokens, messages=[{"role": "user", "content": question}],
-        stream_options={"include_usage": True}, extra_body={"inferscale": {"k": k, "mode": mode}, "ignore_eos": True})
-    times, used = [], 0
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:  # visible content: what TTFT ends at
-            times.append(time.perf_counter())
-            if first is not None and len(times) == 1:
-                first.set()
-        if chunk.usage is not None:
-            used = chunk.usage.completion_tokens
-    if first is not None:
-        first.set()
-    ttft = (times[0] if times else time.perf_counter()) - t0
-    tpot = (times[-1] - times[0]) / (used - 1) if len(times) >= 2 and used > 1 else None
-    return Stream(ttft, tpot, used, times[0] if times else None, times[-1] if times else None)
-
-
-async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
-    idle = await _stream(client, model, mode, k, tokens)
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(_stream(client, model, mode, k, tokens) for _ in range(n)))
-    wall = time.perf_counter() - t0
-    # One more request arriving while n-1 streams decode (longer ones, so they are still decoding when it lands).
-    arrival = None
-    if n > 1:
-        firsts = [asyncio.Event() for _ in range(n - 1)]
-        background = [asyncio.create_task(_stream(client, model, mode, k, tokens * 4, first=f)) for f in firsts]
-        for f in firsts:  # every one of them is decoding
-            await f.wait()
-        arrival = (await _stream(client, model, mode, k, tokens)).ttft_s
-        await asyncio.gather(*background)
-    await client.close()
-    ttfts, tpots = [r.ttft_s for r in results], [r.tpot_s for r in results if r.tpot_s is not None]
-    return {"mode": mode, "n": n, "tokens_per_s": sum(r.tokens for r in results) / wall,
-            "decode_tokens_per_s": _decode_rate(results),
-            "ttft_p50_ms": _pct(ttfts, 0.5) * 1e3, "ttft_p95_ms": _pct(ttfts, 0.95) * 1e3,
-            "tpot_p50_ms": _pct(tpots, 0.5) * 1e3, "tpot_p95_ms": _pct(tpots, 0.95) * 1e3,
-            "idle_ttft_ms": idle.ttft_s * 1e3, "arrival_ttft_ms": arrival * 1e3 if arrival is not None else None}
-
-
 def _in_engine(server: LiveServer) -> int:
     """Requests running or queued in the engine. Read in process: no endpoint shows load to a tenant."""
     worker = server.app.state.worker
     return worker.active + worker.queued
-
-
-def _decode_rate(streams: list[Stream]) -> float:
-    """Tokens after each stream's first, over the time from the first stream's first token to the last one's last:
-    the aggregate decode rate, without the prompts' queueing and prefill."""
-    done = [s for s in streams if s.first_t is not None and s.tokens > 1]
-    if not done:
-        return float("nan")
-    span = max(s.last_t for s in done) - min(s.first_t for s in done)
-    return sum(s.tokens - 1 for s in done) / span if span > 0 else float("nan")
-
-
-async def _wait_for(ready: Callable[[], bool], timeout_s: float = 3600) -> None:
-    """Wait until ``ready()``: the background load is in place."""
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline and not ready():
-        await asyncio.sleep(0.01)
-
-
-PROBES = 3  # tenant B's requests, idle and during the flood (medians)
-B_K = 3  # tenant B's memories per request: a short kv prompt
-
-
-async def _refusable(client, model: str, k: int, tokens: int, refused: list[float]) -> None:
-    """One of tenant A's flood requests; a refusal (429/503) is recorded as its seconds from sending."""
-    from openai import APIStatusError
-
-    t0 = time.perf_counter()
-    try:
-        await _stream(client, model, "text", k, tokens)
-    except APIStatusError as e:
-        if e.status_code not in (429, 503):
-            raise
-        refused.append(time.perf_counter() - t0)
-
-
-async def _flood(server: LiveServer, model: str, k: int, tokens: int, requests: int) -> dict:
-    """Tenant A sends ``requests`` long text prompts at once; then tenant B sends short kv requests, one token."""
-    from openai import AsyncOpenAI
-
-    url = server.url
-
-    a = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
-    b = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-b"], max_retries=0, timeout=3600)
-    idle = [(await _stream(b, model, "kv", B_K, 1, user="maya")).ttft_s for _ in range(PROBES)]
-    refused: list[float] = []
-    flood = [asyncio.create_task(_refusable(a, model, k, tokens, refused)) for _ in range(requests)]
-    # Every one of A's requests is in the engine (running or queued) or refused before B asks.
-    await _wait_for(lambda: _in_engine(server) + len(refused) >= requests)
-    during = [(await _stream(b, model, "kv", B_K, 1, user="maya")).ttft_s for _ in range(PROBES)]
-    in_engine_after = _in_engine(server)
-    await asyncio.gather(*flood)
-    await a.close()
-    await b.close()
-    b_idle, b_flood = statistics.median(idle), statistics.median(during)
-    return {"flood_requests": requests, "flood_k": k, "probes": PROBES, "b_idle_ttft_ms": b_idle * 1e3,
-            "b_flood_ttft_ms": b_flood * 1e3, "b_flood_ttft_max_ms": max(during) * 1e3,
-            "a_in_engine_after_probes": in_engine_after, "ratio": b_flood / b_idle,
-            "a_refused": len(refused), "a_refused_p50_ms": _pct(refused, 0.5) * 1e3 if refused else None,
-            "a_refused_max_ms": max(refused) * 1e3 if refused else None}
 
 
 def _floor(server: LiveServer, reps: int = 5) -> dict:
@@ -305,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         _load_memories(server, args.k)
         for _ in range(args.repeats):
             repeats.append({"floor": _floor(server),
-                            "rows": [asyncio.run(_concurrent(server.url, server.model, mode, n, args.k, args.tokens))
+                            "rows": [concurrent(server.url, server.model, mode, n, args.k, args.tokens)
                                      for n in ns for mode in modes]})
     finally:
         server.close()
@@ -316,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             _load_memories(server, max(args.flood_k, B_K))
             for rep in repeats:
-                rep["flood"] = asyncio.run(_flood(server, server.model, args.flood_k, args.tokens,
-                                                  args.flood_requests))
+                rep["flood"] = flood(server.url, server.model, args.flood_k, args.tokens, args.flood_requests,
+                                     lambda: _in_engine(server))
         finally:
             server.close()
     summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]

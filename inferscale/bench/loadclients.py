@@ -1,0 +1,201 @@
+"""``bench load``'s clients: the official ``openai`` async client, in a process of their own, as users' are.
+
+The server runs in the bench's process (its engine is read there: the floor, the requests in the engine); the
+clients do not. In one process the SDK's parsing of every streamed chunk would hold the server's GIL between the
+engine thread's operations and count against the server (issue 22): aiperf and real users parse in processes of
+their own. Each measurement spawns one client process (``multiprocessing``'s spawn start: no fork of a process
+holding torch's threads) and gets its result back through a queue; what the flood needs to know of the engine while
+it runs crosses as two events and a counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypedDict
+
+from inferscale.errors import ConfigError
+
+QUESTION = "What did Maya do last summer, and with whom?"
+KEYS = {"bench-a": "isk-bench-a", "bench-b": "isk-bench-b"}
+PROBES = 3  # tenant B's requests, idle and during the flood (medians)
+B_K = 3  # tenant B's memories per request: a short kv prompt
+RESULT_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class Stream:
+    ttft_s: float
+    tpot_s: float | None  # (last token - first token) / (tokens - 1)
+    tokens: int
+    first_t: float | None = None  # perf_counter of the first and the last visible content
+    last_t: float | None = None
+
+
+class FloodSignals(TypedDict):
+    """Shared between the bench and the flood's client process."""
+
+    refused: multiprocessing.sharedctypes.Synchronized  # A's requests refused so far
+    go: multiprocessing.synchronize.Event  # set by the bench: all of A's requests are in the engine or refused
+    probed: multiprocessing.synchronize.Event  # set by the client: B's probes during the flood are done
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:
+    """N concurrent streams (and one arriving while N-1 decode), measured in a client process."""
+    return _spawned(_concurrent, url, model, mode, n, k, tokens)
+
+
+def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: Callable[[], int]) -> dict:
+    """Tenant A's flood and tenant B's probes, in a client process; ``in_engine()`` counts A's requests in the
+    engine (read in the bench's process: no endpoint shows load to a tenant)."""
+    ctx = multiprocessing.get_context("spawn")
+    signals = FloodSignals(refused=ctx.Value("i", 0), go=ctx.Event(), probed=ctx.Event())
+    seen: dict[str, int] = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        while not signals["go"].is_set() and time.monotonic() < deadline:
+            if in_engine() + signals["refused"].value >= requests:
+                signals["go"].set()
+            time.sleep(0.005)
+        if signals["probed"].wait(RESULT_TIMEOUT_S):
+            seen["after"] = in_engine()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = _spawned(_flood, url, model, k, tokens, requests, signals, ctx=ctx)
+    watcher.join(5)
+    result["a_in_engine_after_probes"] = seen.get("after")
+    return result
+
+
+def _spawned(target, *args, ctx=None) -> dict:
+    ctx = ctx or multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(target, args, results), daemon=True)
+    proc.start()
+    try:
+        ok, value = results.get(timeout=RESULT_TIMEOUT_S)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    if not ok:
+        raise ConfigError(f"bench load: the client process failed: {value}")
+    return value
+
+
+def _child(target, args: tuple, results) -> None:
+    try:
+        results.put((True, asyncio.run(target(*args))))
+    except Exception as e:  # noqa: BLE001 - reported to the bench, which raises it
+        results.put((False, f"{type(e).__name__}: {e}"))
+
+
+async def _stream(client, model: str, mode: str, k: int, tokens: int, question: str = QUESTION,
+                  user: str = "maya", first: asyncio.Event | None = None) -> Stream:
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model, user=user, stream=True, max_tokens=tokens, messages=[{"role": "user", "content": question}],
+        stream_options={"include_usage": True}, extra_body={"inferscale": {"k": k, "mode": mode}, "ignore_eos": True})
+    times, used = [], 0
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:  # visible content: what TTFT ends at
+            times.append(time.perf_counter())
+            if first is not None and len(times) == 1:
+                first.set()
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+    if first is not None:
+        first.set()
+    ttft = (times[0] if times else time.perf_counter()) - t0
+    tpot = (times[-1] - times[0]) / (used - 1) if len(times) >= 2 and used > 1 else None
+    return Stream(ttft, tpot, used, times[0] if times else None, times[-1] if times else None)
+
+
+async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
+    idle = await _stream(client, model, mode, k, tokens)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(_stream(client, model, mode, k, tokens) for _ in range(n)))
+    wall = time.perf_counter() - t0
+    # One more request arriving while n-1 streams decode (longer ones, so they are still decoding when it lands).
+    arrival = None
+    if n > 1:
+        firsts = [asyncio.Event() for _ in range(n - 1)]
+        background = [asyncio.create_task(_stream(client, model, mode, k, tokens * 4, first=f)) for f in firsts]
+        for f in firsts:  # every one of them is decoding
+            await f.wait()
+        arrival = (await _stream(client, model, mode, k, tokens)).ttft_s
+        await asyncio.gather(*background)
+    await client.close()
+    ttfts, tpots = [r.ttft_s for r in results], [r.tpot_s for r in results if r.tpot_s is not None]
+    return {"mode": mode, "n": n, "tokens_per_s": sum(r.tokens for r in results) / wall,
+            "decode_tokens_per_s": _decode_rate(results),
+            "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p95_ms": pct(ttfts, 0.95) * 1e3,
+            "tpot_p50_ms": pct(tpots, 0.5) * 1e3, "tpot_p95_ms": pct(tpots, 0.95) * 1e3,
+            "idle_ttft_ms": idle.ttft_s * 1e3, "arrival_ttft_ms": arrival * 1e3 if arrival is not None else None}
+
+
+def _decode_rate(streams: list[Stream]) -> float:
+    """Tokens after each stream's first, over the time from the first stream's first token to the last one's last:
+    the aggregate decode rate, without the prompts' queueing and prefill."""
+    done = [s for s in streams if s.first_t is not None and s.tokens > 1]
+    if not done:
+        return float("nan")
+    span = max(s.last_t for s in done) - min(s.first_t for s in done)
+    return sum(s.tokens - 1 for s in done) / span if span > 0 else float("nan")
+
+
+async def _refusable(client, model: str, k: int, tokens: int, refused: list[float], signals: FloodSignals) -> None:
+    """One of tenant A's flood requests; a refusal (429/503) is recorded as its seconds from sending."""
+    from openai import APIStatusError
+
+    t0 = time.perf_counter()
+    try:
+        await _stream(client, model, "text", k, tokens)
+    except APIStatusError as e:
+        if e.status_code not in (429, 503):
+            raise
+        refused.append(time.perf_counter() - t0)
+        with signals["refused"].get_lock():
+            signals["refused"].value += 1
+
+
+async def _flood(url: str, model: str, k: int, tokens: int, requests: int, signals: FloodSignals) -> dict:
+    """Tenant A sends ``requests`` long text prompts at once; then tenant B sends short kv requests, one token."""
+    from openai import AsyncOpenAI
+
+    a = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
+    b = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-b"], max_retries=0, timeout=3600)
+    idle = [(await _stream(b, model, "kv", B_K, 1)).ttft_s for _ in range(PROBES)]
+    refused: list[float] = []
+    flood_tasks = [asyncio.create_task(_refusable(a, model, k, tokens, refused, signals)) for _ in range(requests)]
+    # Every one of A's requests is in the engine (running or queued) or refused before B asks.
+    while not signals["go"].is_set():
+        await asyncio.sleep(0.005)
+    during = [(await _stream(b, model, "kv", B_K, 1)).ttft_s for _ in range(PROBES)]
+    signals["probed"].set()
+    await asyncio.gather(*flood_tasks)
+    await a.close()
+    await b.close()
+    b_idle, b_flood = statistics.median(idle), statistics.median(during)
+    return {"flood_requests": requests, "flood_k": k, "probes": PROBES, "b_idle_ttft_ms": b_idle * 1e3,
+            "b_flood_ttft_ms": b_flood * 1e3, "b_flood_ttft_max_ms": max(during) * 1e3,
+            "ratio": b_flood / b_idle, "a_refused": len(refused),
+            "a_refused_p50_ms": pct(refused, 0.5) * 1e3 if refused else None,
+            "a_refused_max_ms": max(refused) * 1e3 if refused else None}
