@@ -13,6 +13,8 @@ AIPERF=${AIPERF:-aiperf}
 K=${K:-20}
 export PYTHONSAFEPATH=1 HF_HUB_OFFLINE=1
 DATA=$(mktemp -d "${TMPDIR:-/tmp}/inferscale-aiperf.XXXX")
+# The server's own view of the same requests (its TTFT and TPOT histograms), read from /metrics around each run.
+export INFERSCALE_METRICS_TOKEN=aiperf-metrics-$RANDOM$RANDOM
 TOKENIZER=$(.venv/bin/python -c "from inferscale.models.loader import load_model; print(load_model().tokenizer.name_or_path)")
 .venv/bin/python -c "
 import json, sys; from inferscale.server.auth import hash_key
@@ -27,8 +29,31 @@ items = synthetic_memories(int(sys.argv[2]), AutoTokenizer.from_pretrained(sys.a
 r = httpx.put('http://127.0.0.1:' + sys.argv[3] + '/v1/memories/maya', headers={'Authorization': 'Bearer isk-aiperf'},
               json={'items': [{'id': it.id, 'text': it.text} for it in items]}, timeout=600)
 r.raise_for_status()" "$TOKENIZER" "$K" "$PORT"
+server_view() {  # server_view MODE BEFORE.json AFTER.json: the histograms' averages over the requests between
+  .venv/bin/python - "$@" <<'PY'
+import json, sys
+mode, before, after = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
+avg = lambda name: ((after[name + "_sum"] - before.get(name + "_sum", 0))
+                    / max(after[name + "_count"] - before.get(name + "_count", 0), 1) * 1e3)
+ttft, tpot = avg("gen_ai_server_time_to_first_token_seconds"), avg("gen_ai_server_time_per_output_token_seconds")
+print(f"server, mode {mode} (the same requests, warm-ups included): TTFT avg {ttft:.1f} ms, TPOT avg {tpot:.1f} ms; "
+      f"prefill + one decode step = {ttft + tpot:.1f} ms")
+PY
+}
+scrape() {  # scrape MODE OUT.json: the TTFT/TPOT histograms' sums and counts for MODE
+  curl -sf -H "Authorization: Bearer $INFERSCALE_METRICS_TOKEN" "http://127.0.0.1:$PORT/metrics" | .venv/bin/python -c "
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+out = {}
+for fam in text_string_to_metric_families(sys.stdin.read()):
+    for s in fam.samples:
+        if s.labels.get('inferscale_mode') == sys.argv[1] and s.name.endswith(('_sum', '_count')):
+            out[s.name] = out.get(s.name, 0) + s.value
+json.dump(out, open(sys.argv[2], 'w'))" "$1" "$2"
+}
 for MODE in ${MODES:-kv text}; do
   echo "== aiperf, mode $MODE, k=$K"
+  scrape "$MODE" "$DATA/metrics-$MODE-before.json"
   # aiperf itself runs without HF_HUB_OFFLINE: in offline mode its record processor resolves the tokenizer through the
   # hub cache (snapshot_download), which refuses a local directory; online, a local directory loads as it is.
   env -u HF_HUB_OFFLINE "$AIPERF" profile --model gemma-3-270m --url "http://127.0.0.1:$PORT" --endpoint-type chat --streaming \
@@ -38,5 +63,7 @@ for MODE in ${MODES:-kv text}; do
     --extra-inputs "{\"user\": \"maya\", \"inferscale\": {\"k\": $K, \"mode\": \"$MODE\"}, \"ignore_eos\": true}" \
     --ui-type simple --no-server-metrics --output-artifact-dir "$DATA/aiperf-$MODE" 2>&1 \
     | grep -v -E "^[0-9:.]+ +(INFO|WARNING|DEBUG|NOTICE)"
+  scrape "$MODE" "$DATA/metrics-$MODE-after.json"
+  server_view "$MODE" "$DATA/metrics-$MODE-before.json" "$DATA/metrics-$MODE-after.json"
 done
 echo "artifacts and server log: $DATA"
