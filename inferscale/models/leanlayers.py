@@ -1,0 +1,252 @@
+"""Gemma-3 decoder layers with fewer operations per token, bit for bit the Hugging Face layer's outputs (issue 22).
+
+A decode step of Gemma-3-270M runs 18 layers of ~90 small tensor operations each besides its seven weight reads;
+on a 2-core CPU those operations cost about as much as reading the layers' weights. ``LeanGemma3DecoderLayer``
+computes the same numbers with fewer of them:
+
+- q, k and v come out of ONE weight read (their weights concatenated: ``W_qkv @ x``), gate and up out of another,
+  for the few rows of a decode step or a short prompt chunk (``weightmajor.MAX_ROWS``); each output row is the same
+  dot product accumulated in the same order as the separate projection's, so the values are identical (checked);
+- q and k are normalized and rotated together, as one tensor of H + H_kv heads (each head's norm weight broadcast
+  over it): every operation there is elementwise or a reduction over one head's own values, so each value is what
+  the separate q and k operations give;
+- each RMSNorm's ``1 + weight`` in float32 is kept instead of being converted on every call.
+
+Prompts of more rows and everything else (attention via PyTorch's SDPA as Hugging Face's ``sdpa`` integration calls
+it, the residuals, the MLP's activation) run the same operations as ``Gemma3DecoderLayer``. ``install_lean_layers``
+swaps a loaded model's layers only after checking on them that the two give identical outputs (``CHECKS``: one and
+several rows, prefill and decode shapes, a mask); any difference, another model family or another transformers
+layer class keeps the Hugging Face layers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from inferscale.models.weightmajor import MAX_ROWS
+
+log = logging.getLogger(__name__)
+CHECKS = ((1, 1, 5), (3, 1, 9), (2, 7, 7), (1, 40, 40))  # (batch, new tokens, cache length) checked equal
+
+
+class _FusedWeights:
+    """A layer's q/k/v weights in one tensor and its gate/up weights in another (decode reads each once). The
+    parameters become row slices of them (the same values, contiguous, no second copy in memory): the modules,
+    state dict and long prompts use them as before."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = _joined([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.gate_up = _joined([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.q_rows, self.k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+        self.inter = mlp.gate_proj.weight.shape[0]
+
+
+def _joined(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Concatenate ``params`` along their rows and make each a view of its rows of the result."""
+    joined = torch.cat([p.detach() for p in params]).contiguous()
+    start = 0
+    for p in params:
+        p.data = joined[start: start + p.shape[0]]
+        start += p.shape[0]
+    return joined
+
+
+def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+    return 1.0 + norm.weight.float()
+
+
+def _rms(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma3RMSNorm's arithmetic with its ``1 + weight`` precomputed."""
+    out = x.float()
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight1).type_as(x)
+
+
+def _weight_major(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``flat @ weight.T`` as weightmajor computes it (few rows): ``W @ x``."""
+    if flat.shape[0] == 1:
+        return torch.mv(weight, flat[0])[None]
+    return torch.mm(weight, flat.t()).t()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanGemma3DecoderLayer(torch.nn.Module):
+    """Installed by class swap onto a ``Gemma3DecoderLayer`` (its modules and parameters stay as they are); only
+    ``forward`` differs. ``inferscale_lean`` holds the fused weights and the norms' precomputed weights."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, position_ids=None,
+                cache=None, **kwargs) -> torch.Tensor:
+        lean: _LeanState = self.inferscale_lean
+        residual = hidden_states
+        h = _rms(hidden_states, lean.input_norm, lean.eps)
+        h = self._attention(h, position_embeddings, attention_mask, cache)
+        h = _rms(h, lean.post_attention_norm, lean.eps)
+        hidden_states = residual + h
+        residual = hidden_states
+        h = _rms(hidden_states, lean.pre_feedforward_norm, lean.eps)
+        h = self._mlp(h)
+        h = _rms(h, lean.post_feedforward_norm, lean.eps)
+        return residual + h
+
+    def _attention(self, h: torch.Tensor, position_embeddings, attention_mask, cache) -> torch.Tensor:
+        attn, lean = self.self_attn, self.inferscale_lean
+        fused = lean.fused
+        batch, q_len = h.shape[:2]
+        flat = h.reshape(-1, h.shape[-1])
+        d = attn.head_dim
+        if lean.weight_major and flat.shape[0] <= MAX_ROWS:
+            qkv = _weight_major(fused.qkv, flat).reshape(batch, q_len, -1)
+            qk = qkv[..., : fused.q_rows + fused.k_rows]
+            v = qkv[..., fused.q_rows + fused.k_rows:]
+        else:
+            qk = torch.cat([attn.q_proj(h), attn.k_proj(h)], dim=-1)
+            v = attn.v_proj(h)
+        qk = qk.reshape(batch, q_len, -1, d).transpose(1, 2)  # [B, H + H_kv, q, D]
+        v = v.reshape(batch, q_len, -1, d).transpose(1, 2)
+        qk = _rms(qk, lean.qk_norm, lean.eps)
+        cos, sin = position_embeddings
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        qk = (qk * cos) + (_rotate_half(qk) * sin)
+        heads = attn.config.num_attention_heads
+        # contiguous as the separate q and k are: SDPA takes another kernel path for strided inputs (other bits)
+        query, key = qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
+        if cache is not None:
+            key, v = cache.update(key, v, attn.layer_idx)
+        out = self._sdpa(query, key, v, attention_mask)
+        return attn.o_proj(out.reshape(batch, q_len, -1).contiguous())
+
+    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> torch.Tensor:
+        """transformers' ``sdpa_attention_forward`` for this case (a mask, or causal without one; no softcap)."""
+        attn = self.self_attn
+        groups = attn.num_key_value_groups
+        q_len = query.shape[2]
+        if groups > 1:
+            if q_len == 1:  # one query token: attend on the key/value heads (transformers' pack_gqa)
+                b, h, _, d = query.shape
+                query = query.reshape(b, h // groups, groups, d)
+            else:
+                key = key[:, :, None].expand(-1, -1, groups, -1, -1).reshape(key.shape[0], -1, *key.shape[2:])
+                value = value[:, :, None].expand(-1, -1, groups, -1, -1).reshape(value.shape[0], -1,
+                                                                                 *value.shape[2:])
+        is_causal = q_len > 1 and mask is None and attn.is_causal
+        if is_causal and key.shape[2] > q_len:
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0, scale=attn.scaling,
+                                             is_causal=is_causal)
+        out = out.reshape(out.shape[0], -1, q_len, value.shape[-1])
+        return out.transpose(1, 2).contiguous()
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        mlp, lean = self.mlp, self.inferscale_lean
+        fused = lean.fused
+        flat = h.reshape(-1, h.shape[-1])
+        if lean.weight_major and flat.shape[0] <= MAX_ROWS:
+            gate_up = _weight_major(fused.gate_up, flat).reshape(*h.shape[:-1], -1)
+            gate, up = gate_up[..., : fused.inter], gate_up[..., fused.inter:]
+        else:
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+class _LeanState:
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attn = layer.self_attn
+        # The fused reads replace weightmajor's per-projection ``W @ x`` (same numbers); where the projections are
+        # plain nn.Linear (no weightmajor here), each keeps its own.
+        self.weight_major = all(type(m).__name__ == "WeightMajorLinear" for m in (
+            attn.q_proj, attn.k_proj, attn.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj))
+        self.fused = _FusedWeights(layer) if self.weight_major else None
+        self.eps = layer.input_layernorm.eps
+        self.input_norm = _norm_weight(layer.input_layernorm)
+        self.post_attention_norm = _norm_weight(layer.post_attention_layernorm)
+        self.pre_feedforward_norm = _norm_weight(layer.pre_feedforward_layernorm)
+        self.post_feedforward_norm = _norm_weight(layer.post_feedforward_layernorm)
+        d = attn.head_dim
+        heads, kv_heads = attn.q_proj.weight.shape[0] // d, attn.k_proj.weight.shape[0] // d
+        # one [1, D] row per head: q's norm weight for the query heads, k's for the key heads
+        self.qk_norm = torch.cat([_norm_weight(attn.q_norm).expand(heads, 1, d),
+                                  _norm_weight(attn.k_norm).expand(kv_heads, 1, d)])
+
+
+def _supported(layer: torch.nn.Module) -> bool:
+    attn = getattr(layer, "self_attn", None)
+    return (type(layer).__name__ == "Gemma3DecoderLayer" and attn is not None
+            and getattr(attn, "attn_logit_softcapping", None) is None
+            and all(getattr(n, "eps", None) == layer.input_layernorm.eps for n in (
+                layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm,
+                attn.q_norm, attn.k_norm))
+            and attn.config._attn_implementation == "sdpa" and not attn.training)
+
+
+def install_lean_layers(model: torch.nn.Module) -> int:
+    """Swap every Gemma-3 decoder layer of ``model`` for a ``LeanGemma3DecoderLayer`` once the two are checked to
+    give identical outputs on it; returns how many were swapped (0: the model is unchanged)."""
+    base = getattr(model, "model", None)
+    layers = list(getattr(base, "layers", []) or [])
+    if not layers or not all(_supported(layer) for layer in layers):
+        return 0
+    states = {layer: _LeanState(layer) for layer in layers}
+    # one layer of each attention type (sliding and full see other masks and rotary tables)
+    checked = {layer.self_attn.layer_type: layer for layer in layers}.values()
+    if not all(_same_outputs(layer, base, states[layer]) for layer in checked):
+        log.info("lean Gemma-3 layers differ from transformers' here; keeping them")
+        return 0
+    for layer in layers:
+        _make_lean(layer, states[layer])
+    return len(layers)
+
+
+LEAN_CLASSES: dict[type, type] = {}
+
+
+def _make_lean(layer: torch.nn.Module, state: _LeanState) -> None:
+    layer.inferscale_lean = state
+    layer.inferscale_hf_class = hf = type(layer)
+    if hf not in LEAN_CLASSES:  # the Hugging Face class with this forward first in line
+        LEAN_CLASSES[hf] = type("LeanGemma3DecoderLayer", (LeanGemma3DecoderLayer, hf), {})
+    layer.__class__ = LEAN_CLASSES[hf]
+
+
+def _same_outputs(layer: torch.nn.Module, base: torch.nn.Module, state: _LeanState) -> bool:
+    """The layer's outputs (and the K/V it caches) before and after the swap, on random inputs of CHECKS' shapes."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(0)
+    weight = layer.input_layernorm.weight
+    layer_type = layer.self_attn.layer_type or "full_attention"
+    results = []
+    for lean in (False, True):
+        if lean:
+            _make_lean(layer, state)
+        outs = []
+        gen.manual_seed(0)
+        with torch.inference_mode():
+            for batch, q_len, kv_len in CHECKS:
+                h = torch.randn(batch, q_len, weight.shape[0], generator=gen).to(weight.dtype)
+                pos = torch.arange(kv_len - q_len, kv_len)[None].expand(batch, -1)
+                cos, sin = base.rotary_emb(h, pos, layer_type)
+                past = kv_len - q_len
+                cache = DynamicCache()
+                if past:
+                    shape = (batch, layer.self_attn.config.num_key_value_heads, past, layer.self_attn.head_dim)
+                    cache.update(torch.randn(shape, generator=gen).to(weight.dtype),
+                                 torch.randn(shape, generator=gen).to(weight.dtype), layer.self_attn.layer_idx)
+                mask = torch.zeros(batch, 1, q_len, kv_len, dtype=weight.dtype)
+                mask.masked_fill_(torch.ones(q_len, kv_len, dtype=torch.bool).triu(past + 1),
+                                  torch.finfo(weight.dtype).min)
+                out = layer(h, position_embeddings=(cos, sin), attention_mask=mask, cache=cache)
+                k, v = cache.layers[layer.self_attn.layer_idx].keys, cache.layers[layer.self_attn.layer_idx].values
+                outs.append((out, k, v))
+        results.append(outs)
+        if lean:
+            layer.__class__ = layer.inferscale_hf_class
+            del layer.inferscale_lean, layer.inferscale_hf_class
+    return all(torch.equal(a, b) for x, y in zip(*results) for a, b in zip(x, y))
