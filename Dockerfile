@@ -16,6 +16,15 @@
 # that target uses it. Pass the release the connector is pinned to (tests/trtllm/test_connector_contract.py).
 ARG TRTLLM_BASE=tensorrt-llm-release-image
 
+# The package's sources, once: each target copies them in one layer, after installing its dependencies.
+FROM scratch AS sources
+COPY README.md LICENSE /src/
+COPY inferscale/ /src/inferscale/
+COPY kernels/ /src/kernels/
+COPY server/ /src/server/
+COPY operator/ /src/operator/
+
+
 FROM python:3.11-slim AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -36,11 +45,7 @@ FROM base AS operator
 RUN python requirements.py --no-core operator > /tmp/requirements.txt \
  && pip install -c constraints.txt -r /tmp/requirements.txt
 
-COPY README.md LICENSE ./
-COPY inferscale/ inferscale/
-COPY kernels/ kernels/
-COPY server/ server/
-COPY operator/ operator/
+COPY --from=sources /src/ ./
 RUN pip install --no-deps . \
  && cd / && rm -rf /src /tmp/requirements.txt
 
@@ -70,11 +75,7 @@ RUN grep -v '^torch==\|^triton==' constraints.txt > /tmp/constraints.txt \
  && python requirements.py server > /tmp/requirements.txt \
  && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt
 
-COPY README.md LICENSE ./
-COPY inferscale/ inferscale/
-COPY kernels/ kernels/
-COPY server/ server/
-COPY operator/ operator/
+COPY --from=sources /src/ ./
 RUN pip install --no-deps . \
  && cd / && rm -rf /src /tmp/requirements.txt /tmp/constraints.txt \
  && mkdir -p "$INFERSCALE_CACHE_DIR" \
@@ -110,11 +111,7 @@ RUN if [ "$DEVICE" = "cpu" ]; then \
 RUN python requirements.py server operator > /tmp/requirements.txt \
  && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt
 
-COPY README.md LICENSE ./
-COPY inferscale/ inferscale/
-COPY kernels/ kernels/
-COPY server/ server/
-COPY operator/ operator/
+COPY --from=sources /src/ ./
 RUN pip install --no-deps . \
  && cd / && rm -rf /src /tmp/requirements.txt /tmp/constraints.txt
 

@@ -151,7 +151,9 @@ def _chain(stages: dict[str, list[dict]], name: str) -> list[dict]:
 
 
 def _copies_sources(ins: dict) -> bool:
-    return ins["instruction"] == "COPY" and any(d in ins["value"].split() for d in SOURCE_DIRS)
+    """A COPY of the package's sources: from the build context, or from the ``sources`` stage that holds them."""
+    words = ins["value"].split()
+    return ins["instruction"] == "COPY" and ("--from=sources" in words or any(d in words for d in SOURCE_DIRS))
 
 
 @pytest.mark.parametrize("target", ["operator", "server"])
@@ -209,7 +211,7 @@ def test_nothing_the_dockerfile_copies_is_dockerignored():
     assert _docker_ignored("tests/test_x.py", patterns) and _docker_ignored("scripts/setup.sh", patterns)  # control
     copied = []
     for ins in DockerfileParser(path=str(ROOT / "Dockerfile")).structure:
-        if ins["instruction"] == "COPY":
+        if ins["instruction"] == "COPY" and not ins["value"].startswith("--from="):  # not another stage's files
             copied += ins["value"].split()[:-1]
     assert "scripts/requirements.py" in copied and "constraints.txt" in copied
     for src in copied:
