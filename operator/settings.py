@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -174,7 +175,7 @@ class Settings:
             raise ConfigError(f"INFERSCALE_KV_DTYPE {self.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
         return self
 
-    @property
+    @functools.cached_property  # built (and its files checked) once; FleetTls re-reads the CA when it changes
     def tls(self) -> FleetTls | None:
         """How the servers' internal API is verified; None: plain HTTP (development without the chart's TLS)."""
         return FleetTls.from_files(self.tls_ca_file, self.tls_server_name, server=False)
