@@ -30,7 +30,7 @@ from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError,
 )
 from inferscale.fleettls import FleetTls
-from inferscale.kvformat import KVBlock, block_from_image, encode_blob
+from inferscale.kvformat import KVBlock, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import BlobInfo, parse_header, remove_orphan_temps
 from inferscale.store.catalogue import Catalogue, ItemInfo
@@ -204,7 +204,7 @@ class KVStore:
         from_disk = {e.key for e in loaded}
         for r in rest:
             e = entries[r.key]
-            b = block_from_image(self.dram.lease_view(e), e.info)
+            b = self.dram.lease_block(e)
             if copy:
                 b.kv = b.kv.clone()
                 b.kv_scale = None if b.kv_scale is None else b.kv_scale.clone()
@@ -426,8 +426,7 @@ class KVStore:
         one batch. Returns (entries, entries loaded from disk, keys evicted)."""
         entries: dict[Key, DramEntry] = {}
         misses = []
-        for r in rows:
-            e = self.dram.acquire(r.key, r.size)
+        for r, e in zip(rows, self.dram.acquire_many([r.key for r in rows], [r.size for r in rows])):
             if e is None:
                 misses.append(r)
             else:
