@@ -151,6 +151,19 @@ class DramTier:
                 out.append(e)
         return out
 
+    def acquire_all(self, keys: list[Key]) -> list[DramEntry] | None:
+        """Every key's resident entry (one reference each, each lookup counted), or None, with nothing taken or
+        counted, when any of them is not resident: an all-DRAM request's one locked pass."""
+        with self.lock:
+            self._drain()
+            got = [self._entries.get(k) for k in keys]
+            if None in got:
+                return None
+            for e in got:
+                self.cache.lookup(e.key, e.size)
+                self._ref(e)
+            return got
+
     def lease_block(self, e: DramEntry) -> KVBlock:
         """The entry's block, its kv (and scales) zero-copy views that own the caller's reference: the slot
         cannot be reused while any tensor viewing it is alive."""
