@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from inferscale import kvquant
@@ -22,6 +24,9 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
 }
 MAX_HEADER = 64 << 20  # a header larger than this is garbage, not a KV blob
+# numpy dtypes of each tensor dtype's width: a slot is shaped in numpy (cheaper per call than torch's view ops),
+# then handed to torch and reinterpreted where numpy has no such dtype (bf16, fp8).
+_NP_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 @dataclass(frozen=True)
@@ -69,11 +74,24 @@ class BlobInfo:
     def context(self) -> tuple[str, ...]:
         """Ids of the items this block was encoded behind (the encoder's ``extra["context"]``, comma-joined)."""
         try:
-            extra = json.loads(self.meta.get("extra") or "{}")
+            extra = self.extra
         except ValueError:
             return ()
         context = extra.get("context", "") if isinstance(extra, dict) else ""
         return tuple(i for i in str(context).split(",") if i)
+
+    # Parsed once per image: a DRAM entry keeps its BlobInfo, so a hit re-reads none of its JSON metadata.
+    @cached_property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(json.loads(self.meta.get("token_ids", "[]")))
+
+    @cached_property
+    def extra(self) -> dict[str, str]:
+        return json.loads(self.meta.get("extra") or "{}")
+
+    @cached_property
+    def start_pos(self) -> int:
+        return int(self.meta.get("start_pos", "0"))
 
 
 def parse_header(head: bytes | memoryview, *, source: str, total: int | None = None) -> BlobInfo:
@@ -128,8 +146,22 @@ def tensor_digest(image: memoryview, info: BlobInfo) -> str:
 def view_tensor(image: torch.Tensor, byte_range: tuple[int, int], dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over ``image[a:b]``: zero-copy when aligned, else a copy."""
     raw = image[byte_range[0] : byte_range[1]]
-    if raw.data_ptr() % torch.empty((), dtype=dtype).element_size() == 0:
+    if raw.data_ptr() % dtype.itemsize == 0:
         return raw.view(dtype).view(shape)
     return raw.clone().view(dtype).view(shape)
 
 
+def shaped_array(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """The uint8 array ``raw`` as ``shape`` elements of ``dtype``'s width: zero-copy when aligned, else a copy.
+    Shaped in numpy: cheaper per call than torch's view ops, on a path that runs once per block served."""
+    arr = raw.view(_NP_WIDTH[dtype.itemsize])
+    if not arr.flags.aligned:  # numpy allows unaligned arrays; torch views need aligned ones
+        arr = raw.copy().view(arr.dtype)  # numpy allocations are aligned
+    return arr.reshape(shape)
+
+
+def array_tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A ``dtype`` tensor over ``arr`` (from ``shaped_array``) that holds ``arr`` itself, so a finalizer on
+    ``arr`` runs only once the tensor and every view of it are gone (numpy views would collapse to the root)."""
+    t = torch.from_numpy(arr)
+    return t if t.dtype == dtype else t.view(dtype)

@@ -170,12 +170,19 @@ def block_from_image(image: torch.Tensor, info: BlobInfo, *, kv: torch.Tensor | 
     if info.emb_range is not None:
         a, b = info.emb_range
         emb = image[a:b].clone().view(torch.float32).view(info.emb_shape)  # small; an owned copy
+    return block_from_views(info, kv, scale, emb)
+
+
+def block_from_views(info: BlobInfo, kv: torch.Tensor, scale: torch.Tensor | None,
+                     embedding: torch.Tensor | None) -> KVBlock:
+    """The KVBlock of an image whose tensors are already viewed: its metadata from ``info``, parsed once per
+    BlobInfo (a DRAM hit parses nothing). ``token_ids`` and ``extra`` are the block's own copies."""
     m = info.meta
     return KVBlock(
-        item_id=m["item_id"], text=m.get("text", ""), token_ids=json.loads(m.get("token_ids", "[]")),
-        start_pos=int(m.get("start_pos", "0")), kv=kv, model_fingerprint=m["model_fingerprint"],
-        prefix_sha256=m.get("prefix_sha256", ""), timestamp=m.get("timestamp") or None, embedding=emb,
-        extra=json.loads(m.get("extra") or "{}"), kv_dtype=info.format, kv_scale=scale,
+        item_id=m["item_id"], text=m.get("text", ""), token_ids=list(info.token_ids), start_pos=info.start_pos,
+        kv=kv, model_fingerprint=m["model_fingerprint"], prefix_sha256=m.get("prefix_sha256", ""),
+        timestamp=m.get("timestamp") or None, embedding=embedding, extra=dict(info.extra), kv_dtype=info.format,
+        kv_scale=scale,
     )
 
 

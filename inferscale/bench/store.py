@@ -46,7 +46,7 @@ GEMMA3_270M_HEAD_DIM = 256
 KV_DTYPE = torch.bfloat16
 TENANT, USER = "bench", "locomo-user"
 FINGERPRINT = "bench-" + "0" * 58
-BARS = {"disk": 0.5, "dram": 0.5, "peer": 1.5}  # NIXL path bandwidth / baseline bandwidth must reach this
+BARS = {"disk": 0.5, "dram": 0.8, "peer": 1.5}  # NIXL path bandwidth / baseline bandwidth must reach this (issue 23)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -92,7 +92,3 @@ class Arena:
 
     def view(self, offset: int, n: int) -> memoryview:
         return memoryview(self.np[offset : offset + n])
-
-    def np_slice(self, offset: int, n: int) -> np.ndarray:
-        """A new ndarray over the range: its lifetime can carry a lease (see DramTier.lease_view)."""
-        return self.np[offset : offset + n]

@@ -36,6 +36,12 @@ def check_fingerprint(value: object) -> str:
     return value
 
 
+def request_keys(tenant: str, user: str, fingerprint: str, item_ids: list[str]) -> list[tuple[str, str, str, str]]:
+    """The store keys of a read of ``item_ids``, every name checked: unique, in request order."""
+    check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
+    return list(dict.fromkeys((tenant, user, fingerprint, check_name("item", i)) for i in item_ids))
+
+
 def item_path(root: Path, tenant: str, user: str, fingerprint: str, item: str) -> Path:
     """Where the store keeps an item's blob: its model's directory of the user, named by ``kvformat.blob_path``."""
     return blob_path(Path(root) / tenant / user / fingerprint[:FP_DIR_LEN], item)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only
+    from inferscale.kvformat import KVBlock
+    from inferscale.store.tier import Key, TransferMeter
 
 
 @dataclass
@@ -36,3 +41,19 @@ class PullResult:
     total_blocks: int = 0  # the user's totals on this node after the call (what /internal/v1/pull reports)
     total_bytes: int = 0
     total_tokens: int = 0
+
+
+def meter_fetch(stats: FetchStats, out: dict[Key, KVBlock], meters: dict[str, TransferMeter], gpu_s: float,
+                rest_s: float, disk_s: float) -> None:
+    """Per-tier bytes and seconds of one get_many, into its FetchStats and the tiers' ``meters``. Disk: the
+    batched disk-to-DRAM load (metered where it happens, for every caller); DRAM: the rest of bringing up the
+    non-device blocks (views, copies)."""
+    kv_bytes = {tier: 0 for tier in stats.tiers}
+    for k, b in out.items():
+        kv_bytes[stats.served[k[3]]] += b.nbytes
+    kv_bytes["disk"] = stats.bytes_read
+    seconds = {"gpu": gpu_s, "disk": disk_s, "dram": max(0.0, rest_s - disk_s)}
+    for tier, n in stats.tiers.items():
+        stats.tier_bytes[tier], stats.tier_seconds[tier] = kv_bytes[tier], seconds[tier] if n else 0.0
+        if tier != "disk" and tier in meters:
+            meters[tier].record(n, kv_bytes[tier], stats.tier_seconds[tier])

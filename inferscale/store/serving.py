@@ -20,6 +20,7 @@ from inferscale.store.peer import PeerServer, Session
 if TYPE_CHECKING:
     from inferscale.fleettls import FleetTls
     from inferscale.store.node import StoreNode
+    from inferscale.store.tiers import DramEntry
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,23 @@ class PeerService:
             check_fingerprint(fp)
         if src:
             self._import_for_peer(tenant, user, str(src), items)
+        held = self._resident(tenant, user, fp, items)
+        if held is None:
+            held = self._loaded(tenant, user, fp, items)
+        lease = self.leases.open(session.id, session.peer, tenant, held)  # the references pass to the lease
+        return {"lease": lease.id, "node": self.store.node,
+                "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "size": e.size, "sha256": e.info.sha256}
+                           for e in held]}
+
+    def _resident(self, tenant: str, user: str, fp: str | None, items: list[str] | None) -> list[DramEntry] | None:
+        """The named blocks' DRAM entries (a reference each) when all are resident: a serving node's usual case,
+        answered without the catalogue (a resident entry is its key's current, verified version: KVStore.get_many)."""
+        if fp is None or not items:
+            return None
+        return self.store.dram.acquire_all(list(dict.fromkeys((tenant, user, fp, i) for i in items)))
+
+    def _loaded(self, tenant: str, user: str, fp: str | None, items: list[str] | None) -> list[DramEntry]:
+        """The blocks' DRAM entries (a reference each), by the catalogue, loading those not resident from disk."""
         rows = self.store.catalogue.items(tenant, user, fp, items)
         if not rows:
             raise NotFoundError(f"no memories for tenant {tenant!r} user {user!r} on node {self.store.node}")
@@ -82,11 +100,7 @@ class PeerService:
                                 f"{self.store.node}")
         rows = [r for r in rows if not r.corrupt]
         entries, _, _ = self.store.ensure_dram(tenant, rows, {r.key for r in rows})
-        held = [entries[r.key] for r in rows]
-        lease = self.leases.open(session.id, session.peer, tenant, held)  # the references pass to the lease
-        return {"lease": lease.id, "node": self.store.node,
-                "blocks": [{"item": e.key[3], "fingerprint": e.key[2], "size": e.size, "sha256": e.info.sha256}
-                           for e in held]}
+        return [entries[r.key] for r in rows]
 
     def _write(self, msg: dict[str, Any], session: Session) -> dict[str, Any]:
         """WRITE the lease's blocks into the puller's exposed slots ``dsts`` [[address, size], ...] (one per block,

@@ -30,16 +30,16 @@ from inferscale.errors import (
     BlobCorruptError, ConfigError, FingerprintMismatchError, NotFoundError,
 )
 from inferscale.fleettls import FleetTls
-from inferscale.kvformat import KVBlock, block_from_image, encode_blob
+from inferscale.kvformat import KVBlock, encode_blob
 from inferscale.store.arena import Arena
 from inferscale.store.blob import BlobInfo, parse_header, remove_orphan_temps
 from inferscale.store.catalogue import Catalogue, ItemInfo
 from inferscale.store.diskload import load_from_disk
 from inferscale.store.jobdir import read_job_dir
 from inferscale.store.disktier import DiskTier, Fields, item_info, row_fields
-from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path
+from inferscale.store.layout import CATALOGUE_NAME, check_fingerprint, check_name, item_path, request_keys
 from inferscale.store.memrecord import MemoryRecord
-from inferscale.store.results import FetchStats, PullResult
+from inferscale.store.results import FetchStats, PullResult, meter_fetch
 from inferscale.store.blockcache import BlockCache
 from inferscale.store.devicetier import DeviceTier
 from inferscale.store.peer_pool import PeerSessions
@@ -93,7 +93,7 @@ class KVStore:
         self.catalogue = Catalogue(self.root / CATALOGUE_NAME)
         self.disk = DiskTier(self.root, self.catalogue, keyring, self._write_lock)
         if self.catalogue.fresh:
-            self.rebuild()
+            self.disk.rebuild()
         # A budget that cannot hold one block would make every request fail: refuse it at start.
         floor = max(min_block_bytes, self.catalogue.max_size())
         for name, v in (("DRAM budget", dram_budget_bytes), ("GPU budget", gpu_budget_bytes or None),
@@ -160,7 +160,11 @@ class KVStore:
         self.close()
 
     def rebuild(self) -> int:
-        """Re-catalogue every blob in the disk tier (after the catalogue was lost); see DiskTier.rebuild."""
+        """Re-catalogue every blob in the disk tier (after the catalogue was lost); see DiskTier.rebuild. Cached
+        copies go first: what is current is the rebuilt catalogue's to say (a DRAM hit does not ask it)."""
+        with self._write_lock:
+            for t in self.tiers:
+                t.drop(lambda k: True)
         return self.disk.rebuild()
 
     def rotate_keys(self) -> int:
@@ -186,33 +190,40 @@ class KVStore:
         kv tensors served from DRAM are zero-copy, read-only views of the arena, valid for as long as the caller
         holds them (the slot is not reused meanwhile); ``copy=True`` returns owned tensors instead."""
         t0 = time.perf_counter()
-        rows = list({r.key: r for r in self._rows(tenant, user, fingerprint, list(item_ids))}.values())
-        keys = [r.key for r in rows]  # unique; duplicates in item_ids share a block
-        protect = set(keys)
+        keys = request_keys(tenant, user, fingerprint, item_ids)  # unique; duplicates share a block
         stats = FetchStats()
         out: dict[Key, KVBlock] = {}
-        if self.gpu is not None:
-            for r in rows:
-                b = self.gpu.get(r.key, r.size)
-                if b is not None:
-                    out[r.key] = b
-                    stats.served[r.item_id] = "gpu"
-        rest = [r for r in rows if r.key not in out]
-        t_gpu = time.perf_counter()
-        entries, loaded, _ = self.ensure_dram(tenant, rest, protect)
+        # All DRAM-resident (the hot path): the catalogue has nothing to add. An entry is resident only while its
+        # key's current, verified version is: every put, delete, corrupt mark and rebuild drops it first.
+        held = self.dram.acquire_all(keys) if self.gpu is None else None
+        if held is not None:
+            entries, loaded, rest, t_gpu = dict(zip(keys, held)), [], keys, time.perf_counter()
+        else:
+            rows = list({r.key: r for r in self._rows(tenant, user, fingerprint, list(item_ids))}.values())
+            protect = set(keys)
+            if self.gpu is not None:
+                for r in rows:
+                    b = self.gpu.get(r.key, r.size)
+                    if b is not None:
+                        out[r.key] = b
+                        stats.served[r.item_id] = "gpu"
+            rest_rows = [r for r in rows if r.key not in out]
+            t_gpu = time.perf_counter()
+            entries, loaded, _ = self.ensure_dram(tenant, rest_rows, protect)
+            rest = [r.key for r in rest_rows]
         disk_s = time.perf_counter() - t_gpu if loaded else 0.0  # the batched load (and the hits' lookups)
         from_disk = {e.key for e in loaded}
-        for r in rest:
-            e = entries[r.key]
-            b = block_from_image(self.dram.lease_view(e), e.info)
+        for k in rest:
+            e = entries[k]
+            b = self.dram.lease_block(e)
             if copy:
                 b.kv = b.kv.clone()
                 b.kv_scale = None if b.kv_scale is None else b.kv_scale.clone()
             if self.gpu is not None:
-                b, _ = self.gpu.put(r.key, b, protect, cache=not e.dead)
-            out[r.key] = b
-            stats.served[r.item_id] = "disk" if r.key in from_disk else "dram"
-            if r.key in from_disk:
+                b, _ = self.gpu.put(k, b, set(keys), cache=not e.dead)
+            out[k] = b
+            stats.served[k[3]] = "disk" if k in from_disk else "dram"
+            if k in from_disk:
                 stats.bytes_read += e.size
         by_item = {k[3]: out[k] for k in keys}
         blocks = [by_item[i] for i in item_ids]
@@ -223,22 +234,8 @@ class KVStore:
         self.counters["dram_hits"] += stats.tiers["dram"]
         self.counters["disk_reads"] += stats.tiers["disk"]
         stats.seconds = time.perf_counter() - t0
-        self._meter(stats, out, t_gpu - t0, stats.seconds - (t_gpu - t0), disk_s)
+        meter_fetch(stats, out, self.transfers, t_gpu - t0, stats.seconds - (t_gpu - t0), disk_s)
         return blocks, stats
-
-    def _meter(self, stats: FetchStats, out: dict[Key, KVBlock], gpu_s: float, rest_s: float, disk_s: float
-               ) -> None:
-        """Per-tier bytes and seconds of one get_many, into its FetchStats and the tiers' meters. Disk: the
-        batched disk-to-DRAM load; DRAM: the rest of bringing up the non-device blocks (views, copies)."""
-        kv_bytes = {tier: 0 for tier in stats.tiers}
-        for k, b in out.items():
-            kv_bytes[stats.served[k[3]]] += b.nbytes
-        kv_bytes["disk"] = stats.bytes_read
-        seconds = {"gpu": gpu_s, "disk": disk_s, "dram": max(0.0, rest_s - disk_s)}
-        for tier, n in stats.tiers.items():
-            stats.tier_bytes[tier], stats.tier_seconds[tier] = kv_bytes[tier], seconds[tier] if n else 0.0
-            if tier != "disk" and tier in self.transfers:  # disk: metered by ensure_dram, for every caller
-                self.transfers[tier].record(n, kv_bytes[tier], stats.tier_seconds[tier])
 
     def delete(self, tenant: str, user: str, item_id: str | None = None, *, fingerprint: str | None = None) -> int:
         """Remove an item (every fingerprint of it) or all of a user's items from every tier. Returns blocks
@@ -414,7 +411,10 @@ class KVStore:
     def raise_corrupt(self, tenant: str, user: str, items: list[str], *, mark: bool) -> None:
         if mark:
             rows = self.catalogue.items(tenant, user, None, items)
-            self.catalogue.set_flag([r.key for r in rows], "corrupt", 1)
+            with self._write_lock:  # a corrupt item is never served from a cached copy either
+                self.catalogue.set_flag([r.key for r in rows], "corrupt", 1)
+                for r in rows:
+                    self._invalidate(r.key)
             self.counters["corrupt"] += len(items)
         err = BlobCorruptError(f"items {sorted(set(items))} of {tenant}/{user} are corrupt; re-encode them")
         err.item_ids = sorted(set(items))  # type: ignore[attr-defined]
@@ -426,8 +426,7 @@ class KVStore:
         one batch. Returns (entries, entries loaded from disk, keys evicted)."""
         entries: dict[Key, DramEntry] = {}
         misses = []
-        for r in rows:
-            e = self.dram.acquire(r.key, r.size)
+        for r, e in zip(rows, self.dram.acquire_many([r.key for r in rows], [r.size for r in rows])):
             if e is None:
                 misses.append(r)
             else:

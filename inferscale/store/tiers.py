@@ -18,7 +18,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from inferscale import kvquant
+from inferscale.blobimage import array_tensor, shaped_array
 from inferscale.errors import QuotaExceededError
+from inferscale.kvformat import KVBlock, block_from_views
 from inferscale.store.arena import Arena, align_up
 from inferscale.store.blob import BlobInfo
 from inferscale.store.blockcache import BlockCache
@@ -39,6 +42,9 @@ class DramEntry:
     info: BlobInfo
     refs: int = 0  # readers (leased views, peer transfers); an entry with refs is never reused
     dead: bool = False  # evicted, replaced or never admitted; its bytes are freed when refs reach 0
+    # The embedding, copied out of the slot on the first read and shared by every later reader (they only read
+    # it: retrieval stacks it), so a hit copies nothing.
+    embedding: torch.Tensor | None = None
 
 
 class DramTier:
@@ -114,7 +120,7 @@ class DramTier:
 
     # -- reads ----------------------------------------------------------------------------------------------
     def acquire(self, key: Key, size: int = 0) -> DramEntry | None:
-        """The resident entry for ``key`` with one reference taken (release it, or hand it to lease_view); a
+        """The resident entry for ``key`` with one reference taken (release it, or hand it to lease_block); a
         read either way, counted in the cache's frequency sketch (``size``: the block's bytes, for a miss)."""
         with self.lock:
             self._drain()
@@ -132,12 +138,58 @@ class DramTier:
             finally:
                 self.lock.release()
 
-    def lease_view(self, e: DramEntry) -> torch.Tensor:
-        """A uint8 tensor over the entry's bytes that owns the caller's reference: the slot cannot be reused
-        while any tensor viewing it (kv views included) is alive. Zero-copy."""
-        arr = self._private[e.offset][: e.size] if e.offset < 0 else self.arena.np_slice(e.offset, e.size)
-        weakref.finalize(arr, self.release, e)
-        return torch.from_numpy(arr)
+    def acquire_many(self, keys: list[Key], sizes: list[int]) -> list[DramEntry | None]:
+        """``acquire`` of each key under one lock: the resident entries (one reference each), None for misses."""
+        out: list[DramEntry | None] = []
+        with self.lock:
+            self._drain()
+            for key, size in zip(keys, sizes):
+                e = self._entries.get(key)
+                self.cache.lookup(key, e.size if e is not None else size)
+                if e is not None:
+                    self._ref(e)
+                out.append(e)
+        return out
+
+    def acquire_all(self, keys: list[Key]) -> list[DramEntry] | None:
+        """Every key's resident entry (one reference each, each lookup counted), or None, with nothing taken or
+        counted, when any of them is not resident: an all-DRAM request's one locked pass."""
+        with self.lock:
+            self._drain()
+            got = [self._entries.get(k) for k in keys]
+            if None in got:
+                return None
+            for e in got:
+                self.cache.lookup(e.key, e.size)
+                self._ref(e)
+            return got
+
+    def lease_block(self, e: DramEntry) -> KVBlock:
+        """The entry's block, its kv (and scales) zero-copy views that own the caller's reference: the slot
+        cannot be reused while any tensor viewing it is alive."""
+        info = e.info
+        kv = self._lease(e, info.kv_range, info.kv_dtype, info.kv_shape)
+        scale = None
+        if info.scale_range is not None:
+            with self.lock:  # the scales' view holds a reference of its own
+                self._ref(e)
+            scale = self._lease(e, info.scale_range, kvquant.SCALE_DTYPE, info.scale_shape)
+        return block_from_views(info, kv, scale, self._embedding(e))
+
+    def _lease(self, e: DramEntry, byte_range: tuple[int, int], dtype: torch.dtype, shape: tuple[int, ...]
+               ) -> torch.Tensor:
+        base = e.offset if e.offset >= 0 else 0
+        slot = self._private[e.offset] if e.offset < 0 else self.arena.np
+        arr = shaped_array(slot[base + byte_range[0] : base + byte_range[1]], dtype, shape)
+        weakref.finalize(arr, self.release, e)  # the tensor holds ``arr`` itself
+        return array_tensor(arr, dtype)
+
+    def _embedding(self, e: DramEntry) -> torch.Tensor | None:
+        if e.embedding is None and e.info.emb_range is not None:
+            a, b = e.info.emb_range
+            raw = self._private[e.offset][a:b] if e.offset < 0 else self.arena.np[e.offset + a : e.offset + b]
+            e.embedding = torch.from_numpy(raw.copy()).view(torch.float32).view(e.info.emb_shape)
+        return e.embedding
 
     # -- writes ---------------------------------------------------------------------------------------------
     def admit_misses(self, tenant: str, keys: list[Key], sizes: list[int], protect: set[Key] = frozenset(),

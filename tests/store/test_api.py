@@ -157,3 +157,37 @@ def test_zero_copy_views_hold_their_slot(open_store):
         s.get_many("acme", "alice", [f"m{i + 4}", f"m{(i + 1) % 4 + 4}"], FP)
     s.put("acme", "alice", make_block("m9"))
     assert "dram" not in [i for i in s.list("acme", "alice") if i.item_id == "m0"][0].tiers
+
+
+def test_each_view_of_a_hit_holds_its_slot_on_its_own(open_store):
+    """A DRAM hit's kv and scales are separate zero-copy views, each holding the slot: a reader that keeps only
+    the scales, or only a slice of the kv, still reads the bytes it was served while the cache churns."""
+    from inferscale.kvformat import compact
+
+    s = open_store(dram_budget_bytes=600 << 10, min_block_bytes=1)
+    want = compact(make_block("m0", tokens=16), "int8")
+    s.put("acme", "alice", want)
+    for i in range(1, 4):
+        s.put("acme", "alice", compact(make_block(f"m{i}", tokens=16), "int8"))
+    (hit,), stats = s.get_many("acme", "alice", ["m0"], FP)
+    assert stats.served == {"m0": "dram"}
+    scale, kv_part = hit.kv_scale, hit.kv[1]
+    assert scale.data_ptr() != hit.kv_scale.clone().data_ptr()  # a view of the slot, not a copy
+    del hit
+    for i in range(4, 12):  # pressure: every other block is pushed through the cache
+        s.put("acme", "alice", compact(make_block(f"m{i}", tokens=16), "int8"))
+        s.get_many("acme", "alice", [f"m{i}"], FP)
+    assert torch.equal(scale, want.kv_scale) and torch.equal(kv_part, want.kv[1])
+
+
+def test_a_hit_hands_out_its_own_metadata(open_store):
+    """Metadata is parsed once per cached image; each reader still gets its own token list and extra dict."""
+    s = open_store()
+    s.put("acme", "alice", make_block("m0"))
+    (a,), _ = s.get_many("acme", "alice", ["m0"], FP)
+    a.token_ids.append(99)
+    a.extra["x"] = "y"
+    (b,), stats = s.get_many("acme", "alice", ["m0"], FP)
+    assert stats.served == {"m0": "dram"}
+    assert b.token_ids == [0, 1, 2, 3] and b.extra == {}
+    assert torch.equal(b.embedding, make_block("m0").embedding)

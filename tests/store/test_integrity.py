@@ -108,3 +108,19 @@ def test_catalogue_failure_after_the_write_rolls_the_blob_back(open_store, monke
     assert sorted(p.name for p in directory.iterdir()) == [f"m0{SUFFIX}"]  # no new file, no kept link
     got, _ = s.get_many("acme", "alice", ["m0"], FP)
     assert got[0].text == "m0 v1"  # the file the catalogue describes, checksum and all
+
+
+def test_an_item_marked_corrupt_is_not_served_from_dram(open_store):
+    """A DRAM hit does not ask the catalogue, so marking an item corrupt (a peer sent a bad copy of it, a
+    concurrent load failed its check) must drop its cached copy: the next read fails like a disk read would."""
+    s = open_store()
+    s.put("acme", "alice", make_block("m0"))
+    s.put("acme", "alice", make_block("m1"))
+    _, stats = s.get_many("acme", "alice", ["m0", "m1"], FP)
+    assert stats.tiers["dram"] == 2
+    with pytest.raises(BlobCorruptError):
+        s.raise_corrupt("acme", "alice", ["m1"], mark=True)
+    with pytest.raises(BlobCorruptError, match="m1"):
+        s.get_many("acme", "alice", ["m0", "m1"], FP)
+    (b,), stats = s.get_many("acme", "alice", ["m0"], FP)
+    assert stats.served == {"m0": "dram"} and torch.equal(b.kv, make_block("m0").kv)
