@@ -177,9 +177,13 @@ class ServingLoop:
         out = self.scheduler.schedule()
         for s in out.cancelled:
             self._free(s.payload)
+        limit = self.scheduler.config.queue_timeout_s
         for s in out.expired:
+            s.payload.emit(ErrorEvent(EngineBusyError(f"request waited over {limit:g} s for the engine; retry later",
+                                                      retry_after_s=self.scheduler.retry_after_s())))
+        for s in out.shed:
             s.payload.emit(ErrorEvent(EngineBusyError(
-                f"request waited over {self.scheduler.config.queue_timeout_s:g} s for the engine; retry later",
+                f"request would wait over {limit:g} s for the engine at its measured speed; retry later",
                 retry_after_s=self.scheduler.retry_after_s())))
         decode = [s.payload for s in out.decode]
         for s in out.admitted:
@@ -188,9 +192,10 @@ class ServingLoop:
         # one chunk gets its first token before this step's decode pass, not after it.
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
         t0 = time.perf_counter()
-        tokens = self._prefill([(s.payload, n) for s, n in out.prefill if s.payload.slot >= 0 and s.payload.pending])
+        tokens, passes = self._prefill([(s.payload, n) for s, n in out.prefill
+                                        if s.payload.slot >= 0 and s.payload.pending])
         t1 = time.perf_counter()
-        cost.observe_prefill(tokens, t1 - t0)
+        cost.observe_prefill(tokens, t1 - t0, passes)
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self.threads.before_decode(len(decode))
@@ -244,17 +249,18 @@ class ServingLoop:
         self.slots.write(req.slot, kv)
         req.length = kv.shape[3]
 
-    def _prefill(self, chunks: list[tuple[GenRequest, int]]) -> int:
+    def _prefill(self, chunks: list[tuple[GenRequest, int]]) -> tuple[int, int]:
         """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch);
-        returns the prompt tokens computed."""
+        returns the prompt tokens computed and the passes."""
         tokens = 0
-        for group in padded_groups([min(n, len(r.pending)) for r, n in chunks]):
+        groups = padded_groups([min(n, len(r.pending)) for r, n in chunks])
+        for group in groups:
             batch = [chunks[i] for i in group if chunks[i][0].slot >= 0]  # an earlier group's failure freed none
             if len(batch) == 1:
                 tokens += self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
             elif batch:
                 tokens += self._prefill_batch(batch)
-        return tokens
+        return tokens, len(groups)
 
     def _prefill_batch(self, batch: list[tuple[GenRequest, int]]) -> int:
         """One forward pass over several requests' next prompt chunks: each a row, padded to the longest with

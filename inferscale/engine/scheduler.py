@@ -13,7 +13,9 @@ token per running decode, and what is left goes to prompt chunks. Fairness betwe
 Time, not only tokens (issue 22): a step's prompt budget is also bounded by ``step_time_s`` at the measured cost
 of a prompt token and a decode pass (stepcost.py), so a request arriving during a flood waits at most one short
 step before its own prompt runs first; and ``add`` refuses a request whose predicted wait for a slot exceeds the
-queue timeout at once (EngineBusyError: 503 + Retry-After), instead of after waiting it out.
+queue timeout at once (EngineBusyError: 503 + Retry-After), instead of after waiting it out. A tenant's first
+burst is predicted at the request's own prompt size and, before a step was measured, at a cost prior; a queued
+request that the costs measured since would still make outwait the timeout is refused at the next step (``shed``).
 Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish`` from the engine thread.
 """
 
@@ -55,6 +57,8 @@ class SchedulerOutput:
     admitted: list[ScheduledRequest]  # newly given a slot this step (the engine sets up their cache first)
     expired: list[ScheduledRequest]  # waited longer than the queue timeout; never ran
     cancelled: list[ScheduledRequest]  # cancelled by the client; the engine frees what they hold
+    # queued, but at the costs measured since they were accepted they would outwait the queue timeout: refused now
+    shed: list[ScheduledRequest] = field(default_factory=list)
 
 
 # Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
@@ -120,8 +124,10 @@ class Scheduler:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {len(queue)} requests queued (limit "
                                       f"{self.config.max_queued_per_tenant}); retry later",
                                       retry_after_s=self.retry_after_s())
-            self._refuse_a_long_wait(req.tenant)
+            # Its own size first: in a tenant's first burst the requests still arriving count at this one's size,
+            # not at none.
             self._typical_prompt[req.tenant] = ewma(self._typical_prompt.get(req.tenant), req.remaining_prompt)
+            self._refuse_a_long_wait(req.tenant)
             req.arrived = self.clock()
             self._waiting.setdefault(req.tenant, deque()).append(req)
 
@@ -167,6 +173,7 @@ class Scheduler:
         with self._lock:
             cancelled = self._drop_cancelled()
             expired = self._expire()
+            shed = self._shed()
             decode = list(self._decoding)
             budget = self._prompt_budget(len(decode))
             admitted: list[ScheduledRequest] = []
@@ -205,7 +212,7 @@ class Scheduler:
                 del self._waiting[tenant]
                 self._served_at.pop(tenant, None)
             return SchedulerOutput(decode=decode, prefill=prefill, admitted=admitted, expired=expired,
-                                   cancelled=cancelled)
+                                   cancelled=cancelled, shed=shed)
 
     def computed(self, req: ScheduledRequest, tokens: int) -> None:
         """The engine computed ``tokens`` more prompt tokens of ``req``; once all are, it decodes."""
@@ -262,6 +269,23 @@ class Scheduler:
             return 0.0
         share = len({*self._prefilling, *(t for t, q in self._waiting.items() if q), tenant})
         return self.cost.prompt_seconds(ahead, share, self._prompt_budget(len(self._decoding)))
+
+    def _shed(self) -> list[ScheduledRequest]:
+        """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on
+        a guess (its first, before its prompts were measured) is refused within steps, not after the timeout."""
+        now, limit = self.clock(), self.config.queue_timeout_s
+        per_step = self._prompt_budget(len(self._decoding))
+        share = len({*self._prefilling, *(t for t, q in self._waiting.items() if q)})
+        shed = []
+        for tenant, queue in self._waiting.items():
+            ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
+            for req in list(queue):
+                if now - req.arrived + self.cost.prompt_seconds(ahead, share, per_step) > limit:
+                    queue.remove(req)
+                    shed.append(req)
+                else:
+                    ahead += req.remaining_prompt
+        return shed
 
     def _remove(self, req: ScheduledRequest) -> None:
         if req in self._decoding:
