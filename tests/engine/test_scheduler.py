@@ -177,6 +177,25 @@ def test_a_step_computes_only_the_prompt_tokens_that_fit_its_time_beside_the_dec
     assert len(out.decode) == 8 and sum(n for _, n in out.prefill) == 50
 
 
+def test_steps_are_shorter_while_another_tenant_is_on_its_way():
+    """Issue 22: tenant A floods; while B is announced (fetching its memories) A's steps compute half the prompt
+    tokens, so the step B arrives during, which it waits out, is short. Once B's prompt started, they are back."""
+    s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.2, queue_timeout_s=1e6))
+    s.cost.observe_prefill(100, 0.1)  # 1 ms a prompt token
+    for _ in range(4):
+        s.add(ScheduledRequest("a", prompt_tokens=1000))
+    assert sum(n for _, n in s.schedule().prefill) == 128  # A's first prompt started: a full step
+    arrival = s.expect("b")
+    assert sum(n for _, n in s.schedule().prefill) == 100  # 0.1 s of prompt tokens
+    arrival.close()
+    b = ScheduledRequest("b", prompt_tokens=20)
+    s.add(b)
+    out = s.schedule()
+    assert out.prefill[0] == (b, 20)  # the newcomer first
+    run_prefill(s, out)
+    assert sum(n for _, n in s.schedule().prefill) == 127  # a full step again, less B's decode token
+
+
 def test_the_time_bound_never_stops_prompts():
     s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.05))
     s.add(ScheduledRequest("a", 5, 4))
