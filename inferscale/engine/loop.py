@@ -12,8 +12,9 @@ A long ``text`` prompt is prefilled chunk by chunk, so running streams wait at m
 
 The fault boundary: whatever one request's admission, prompt chunk, decode row or sampling raises fails that
 request alone (an ``ErrorEvent`` to its client) and the step goes on for the others. A batched decode pass that
-raises is run again row by row, and a batched prompt pass chunk by chunk, so only the rows that fail alone fail. An exception out of ``step`` itself is a
-bug of the loop, not of a request: the worker treats it as fatal (``inferscale.engine.worker``).
+raises is run again row by row, and a batched prompt pass chunk by chunk, so only the rows that fail alone fail.
+An exception out of ``step`` itself is a bug of the loop, not of a request: the worker treats it as fatal
+(``inferscale.engine.worker``).
 
 Slots: rows [0, decoding) hold decoding sequences, the rows after them sequences still prefilling, so the batched
 decode reads contiguous rows (a view, no gather). Rows move only when a sequence starts decoding or finishes.
@@ -31,8 +32,8 @@ import torch
 
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import injected_groups
-from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.promptbatch import padded_groups
+from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
 from inferscale.engine.threads import tuned_choices
@@ -255,7 +256,7 @@ class ServingLoop:
         tokens = 0
         groups = padded_groups([min(n, len(r.pending)) for r, n in chunks])
         for group in groups:
-            batch = [chunks[i] for i in group if chunks[i][0].slot >= 0]  # an earlier group's failure freed none
+            batch = [chunks[i] for i in group if chunks[i][0].slot >= 0]  # not failed by an earlier group
             if len(batch) == 1:
                 tokens += self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
             elif batch:
