@@ -3,15 +3,18 @@ worker thread are all clients of ``ServingLoop``.
 
 ``step()`` has three beats (nano-vllm's shape):
   schedule     the Scheduler picks the running sequences to decode and the prompt chunks to compute
-  forward      each prompt chunk (at most ``chunk_tokens``) runs over its slot; then one batched pass advances
-               every running sequence by a token (rows of the SlotCache, each with its own prefix and blocks)
+  forward      the prompt chunks (at most ``chunk_tokens`` each) run as rows of padded passes, chunks of like
+               length together (promptbatch.py: a pass reads every weight once, whatever its rows); then one
+               batched pass advances every running sequence by a token (rows of the SlotCache, each with its own
+               prefix and blocks)
   postprocess  sample, detokenize, emit events, stop, free slots
 A long ``text`` prompt is prefilled chunk by chunk, so running streams wait at most one chunk per step.
 
 The fault boundary: whatever one request's admission, prompt chunk, decode row or sampling raises fails that
 request alone (an ``ErrorEvent`` to its client) and the step goes on for the others. A batched decode pass that
-raises is run again row by row, so only the rows that fail alone fail. An exception out of ``step`` itself is a
-bug of the loop, not of a request: the worker treats it as fatal (``inferscale.engine.worker``).
+raises is run again row by row, and a batched prompt pass chunk by chunk, so only the rows that fail alone fail.
+An exception out of ``step`` itself is a bug of the loop, not of a request: the worker treats it as fatal
+(``inferscale.engine.worker``).
 
 Slots: rows [0, decoding) hold decoding sequences, the rows after them sequences still prefilling, so the batched
 decode reads contiguous rows (a view, no gather). Rows move only when a sequence starts decoding or finishes.
@@ -29,6 +32,7 @@ import torch
 
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import injected_groups
+from inferscale.engine.promptbatch import padded_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
@@ -174,9 +178,13 @@ class ServingLoop:
         out = self.scheduler.schedule()
         for s in out.cancelled:
             self._free(s.payload)
+        limit = self.scheduler.config.queue_timeout_s
         for s in out.expired:
+            s.payload.emit(ErrorEvent(EngineBusyError(f"request waited over {limit:g} s for the engine; retry later",
+                                                      retry_after_s=self.scheduler.retry_after_s())))
+        for s in out.shed:
             s.payload.emit(ErrorEvent(EngineBusyError(
-                f"request waited over {self.scheduler.config.queue_timeout_s:g} s for the engine; retry later",
+                f"request would wait over {limit:g} s for the engine at its measured speed; retry later",
                 retry_after_s=self.scheduler.retry_after_s())))
         decode = [s.payload for s in out.decode]
         for s in out.admitted:
@@ -184,13 +192,11 @@ class ServingLoop:
         # Prompt chunks first, in the scheduler's turn order (a newcomer's first): a short question that fits in
         # one chunk gets its first token before this step's decode pass, not after it.
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
-        t0, tokens = time.perf_counter(), 0
-        for s, n in out.prefill:
-            req = s.payload
-            if req.slot >= 0 and req.pending:
-                tokens += self._guarded(req, self._prefill_chunk, n) or 0
+        t0 = time.perf_counter()
+        tokens, passes = self._prefill([(s.payload, n) for s, n in out.prefill
+                                        if s.payload.slot >= 0 and s.payload.pending])
         t1 = time.perf_counter()
-        cost.observe_prefill(tokens, t1 - t0)
+        cost.observe_prefill(tokens, t1 - t0, passes)
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self.threads.before_decode(len(decode))
@@ -244,15 +250,57 @@ class ServingLoop:
         self.slots.write(req.slot, kv)
         req.length = kv.shape[3]
 
+    def _prefill(self, chunks: list[tuple[GenRequest, int]]) -> tuple[int, int]:
+        """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch);
+        returns the prompt tokens computed and the passes."""
+        tokens = 0
+        groups = padded_groups([min(n, len(r.pending)) for r, n in chunks])
+        for group in groups:
+            batch = [chunks[i] for i in group if chunks[i][0].slot >= 0]  # not failed by an earlier group
+            if len(batch) == 1:
+                tokens += self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
+            elif batch:
+                tokens += self._prefill_batch(batch)
+        return tokens, len(groups)
+
+    def _prefill_batch(self, batch: list[tuple[GenRequest, int]]) -> int:
+        """One forward pass over several requests' next prompt chunks: each a row, padded to the longest with
+        copies of its last token. The padding writes K/V past the row's length, where the causal mask hides it
+        from the row's real tokens and its later tokens overwrite it. A pass that raises is run again chunk by
+        chunk, so only the chunks that fail alone fail."""
+        batch = sorted(batch, key=lambda c: c[0].slot)  # contiguous rows where they are: a view, no gather
+        chunks = [r.pending[:n] for r, n in batch]
+        width = max(map(len, chunks))
+        ids = torch.tensor([c + c[-1:] * (width - len(c)) for c in chunks])
+        try:
+            logits = self._forward([r.slot for r, _ in batch], [r.length for r, _ in batch], ids,
+                                   [len(c) - 1 for c in chunks])
+        except Exception:  # noqa: BLE001 - one chunk may have broken the pass: each chunk again, alone
+            log.warning("batched prompt pass of %d chunks failed; retrying each alone", len(batch), exc_info=True)
+            return sum(self._guarded(r, self._prefill_chunk, n) or 0 for r, n in batch if r.slot >= 0)
+        # Every row's length first: a row that fails in _prompt_done is freed, which moves other rows' slots, and
+        # a move copies a row's first ``length`` tokens.
+        for (req, _), chunk in zip(batch, chunks):
+            self._computed(req, chunk)
+        for (req, _), lg in zip(batch, logits):
+            if not req.pending:
+                self._guarded(req, self._prompt_done, lg)
+        return sum(map(len, chunks))
+
     def _prefill_chunk(self, req: GenRequest, n: int) -> int:
-        """Compute the next ``n`` prompt tokens of ``req``; returns how many were computed."""
-        ids, req.pending = req.pending[:n], req.pending[n:]
+        """Compute the next ``n`` prompt tokens of ``req`` alone; returns how many were computed."""
+        ids = req.pending[:n]
         logits = self._forward([req.slot], [req.length], torch.tensor([ids]))[0]
-        req.length += len(ids)
-        self.scheduler.computed(req.sched, len(ids))
+        self._computed(req, ids)
         if not req.pending:
             self._prompt_done(req, logits)
         return len(ids)
+
+    def _computed(self, req: GenRequest, ids: list[int]) -> None:
+        """``ids``, the next prompt tokens of ``req``, are in its slot."""
+        req.pending = req.pending[len(ids):]
+        req.length += len(ids)
+        self.scheduler.computed(req.sched, len(ids))
 
     def _prompt_done(self, req: GenRequest, logits: torch.Tensor) -> None:
         if req.sched.remaining_prompt > 0:  # kv-recompute computed it all at once
@@ -297,16 +345,20 @@ class ServingLoop:
         req.length += 1
         self._postprocess(req, logits)
 
-    def _forward(self, rows: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits of each row's last token [B, vocab], in
-        the model's dtype (converting them is the sampler's business: argmax needs no fp32 copy)."""
+    def _forward(self, rows: list[int], starts: list[int], ids: torch.Tensor,
+                 last: list[int] | None = None) -> torch.Tensor:
+        """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits [B, vocab] of each row's token at index
+        last[b] (default: its last), in the model's dtype (converting them is the sampler's business: argmax needs
+        no fp32 copy). Only those positions reach the LM head (a [B, 1] ``logits_to_keep``: the model's own path,
+        final soft-capping included)."""
         q = ids.shape[1]
         dev = self.engine.device
         cache = self.slots.view(rows, starts, q)
         pos = torch.tensor(starts)[:, None] + torch.arange(q)[None]
+        keep = 1 if last is None else torch.tensor(last, device=dev)[:, None]
         out = self.engine.loaded.model(input_ids=ids.to(dev), position_ids=pos.to(dev),
                                        attention_mask=self.slots.mask(starts, q), cache=cache, use_cache=True,
-                                       logits_to_keep=1)
+                                       logits_to_keep=keep)
         return out.logits[:, -1]
 
     def _postprocess(self, req: GenRequest, logits: torch.Tensor, greedy: int | None = None) -> None:

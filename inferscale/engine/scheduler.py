@@ -12,8 +12,11 @@ token per running decode, and what is left goes to prompt chunks. Fairness betwe
     slots to what one step's budget can hold.
 Time, not only tokens (issue 22): a step's prompt budget is also bounded by ``step_time_s`` at the measured cost
 of a prompt token and a decode pass (stepcost.py), so a request arriving during a flood waits at most one short
-step before its own prompt runs first; and ``add`` refuses a request whose predicted wait for a slot exceeds the
-queue timeout at once (EngineBusyError: 503 + Retry-After), instead of after waiting it out.
+step (half of ``step_time_s`` while it is announced and fetching its memories) before its own prompt runs first;
+and ``add`` refuses a request whose predicted wait for a slot exceeds the
+queue timeout at once (EngineBusyError: 503 + Retry-After), instead of after waiting it out. A tenant's first
+burst is predicted at the request's own prompt size and, before a step was measured, at a cost prior; a queued
+request that the costs measured since would still make outwait the timeout is refused at the next step (``shed``).
 Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish`` from the engine thread.
 """
 
@@ -55,11 +58,18 @@ class SchedulerOutput:
     admitted: list[ScheduledRequest]  # newly given a slot this step (the engine sets up their cache first)
     expired: list[ScheduledRequest]  # waited longer than the queue timeout; never ran
     cancelled: list[ScheduledRequest]  # cancelled by the client; the engine frees what they hold
+    # queued, but at the costs measured since they were accepted they would outwait the queue timeout: refused now
+    shed: list[ScheduledRequest] = field(default_factory=list)
 
 
 # Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
 # rows that the requests ahead add once their prompts are done, so it runs short under a flood.
 SHED_AT = 0.8
+
+
+# While a tenant with no prompt started is on its way, steps are bounded to this share of ``step_time_s``: it
+# arrives during one of them and waits that one out before its own prompt runs first.
+NEWCOMER_STEP_SHARE = 0.5
 
 
 class Arrival:
@@ -120,8 +130,10 @@ class Scheduler:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {len(queue)} requests queued (limit "
                                       f"{self.config.max_queued_per_tenant}); retry later",
                                       retry_after_s=self.retry_after_s())
-            self._refuse_a_long_wait(req.tenant)
+            # Its own size first: in a tenant's first burst the requests still arriving count at this one's size,
+            # not at none.
             self._typical_prompt[req.tenant] = ewma(self._typical_prompt.get(req.tenant), req.remaining_prompt)
+            self._refuse_a_long_wait(req.tenant)
             req.arrived = self.clock()
             self._waiting.setdefault(req.tenant, deque()).append(req)
 
@@ -167,8 +179,9 @@ class Scheduler:
         with self._lock:
             cancelled = self._drop_cancelled()
             expired = self._expire()
+            shed = self._shed()
             decode = list(self._decoding)
-            budget = self._prompt_budget(len(decode))
+            budget = self._prompt_budget(len(decode), self._newcomer_on_its_way())
             admitted: list[ScheduledRequest] = []
             prefill: list[tuple[ScheduledRequest, int]] = []
             # Rounds of turns until the budget is spent: in each round every tenant with prompt work computes one
@@ -205,7 +218,7 @@ class Scheduler:
                 del self._waiting[tenant]
                 self._served_at.pop(tenant, None)
             return SchedulerOutput(decode=decode, prefill=prefill, admitted=admitted, expired=expired,
-                                   cancelled=cancelled)
+                                   cancelled=cancelled, shed=shed)
 
     def computed(self, req: ScheduledRequest, tokens: int) -> None:
         """The engine computed ``tokens`` more prompt tokens of ``req``; once all are, it decodes."""
@@ -234,15 +247,23 @@ class Scheduler:
             return held
 
     # ---- internals (lock held) ------------------------------------------------------------------------------
-    def _prompt_budget(self, decoding: int) -> int:
+    def _prompt_budget(self, decoding: int, newcomer: bool = False) -> int:
         """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at
-        least, so a full decode batch cannot starve prompts), cut to what fits in ``step_time_s``."""
+        least, so a full decode batch cannot starve prompts), cut to what fits in ``step_time_s`` (a share of it
+        while a ``newcomer`` is on its way: the step it arrives during is the first thing it waits for)."""
         cfg = self.config
         budget = max(cfg.step_tokens - decoding, cfg.step_tokens // 4, 1)
-        timed = self.cost.prompt_tokens_within(cfg.step_time_s, decoding > 0)
+        seconds = cfg.step_time_s * (NEWCOMER_STEP_SHARE if newcomer else 1.0)
+        timed = self.cost.prompt_tokens_within(seconds, decoding > 0)
         if timed is not None:
             budget = min(budget, max(timed, cfg.chunk_tokens // 4, 1))
         return budget
+
+    def _newcomer_on_its_way(self) -> bool:
+        """Another tenant's prompts run while a tenant with none started or queued is announced (``expect``:
+        fetching its memories). One already queued needs no shorter step: its chunk runs first in this one."""
+        return bool(self._prefilling) and any(t not in self._prefilling and not self._waiting.get(t)
+                                              for t in self._arriving)
 
     def _refuse_a_long_wait(self, tenant: str) -> None:
         wait, limit = self._predicted_wait(tenant), self.config.queue_timeout_s
@@ -262,6 +283,23 @@ class Scheduler:
             return 0.0
         share = len({*self._prefilling, *(t for t, q in self._waiting.items() if q), tenant})
         return self.cost.prompt_seconds(ahead, share, self._prompt_budget(len(self._decoding)))
+
+    def _shed(self) -> list[ScheduledRequest]:
+        """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on
+        a guess (its first, before its prompts were measured) is refused within steps, not after the timeout."""
+        now, limit = self.clock(), self.config.queue_timeout_s
+        per_step = self._prompt_budget(len(self._decoding))
+        share = len({*self._prefilling, *(t for t, q in self._waiting.items() if q)})
+        shed = []
+        for tenant, queue in self._waiting.items():
+            ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
+            for req in list(queue):
+                if now - req.arrived + self.cost.prompt_seconds(ahead, share, per_step) > limit:
+                    queue.remove(req)
+                    shed.append(req)
+                else:
+                    ahead += req.remaining_prompt
+        return shed
 
     def _remove(self, req: ScheduledRequest) -> None:
         if req in self._decoding:

@@ -14,16 +14,25 @@ from dataclasses import dataclass
 # Weight of the newest observation: a few steps follow a change of load (a flood starting) without one slow step
 # (a page fault, another process) swinging the estimate.
 SMOOTHING = 0.2
+# What a wait is predicted with before anything was measured (a burst at start-up): a prompt token at 2 ms, about
+# what Gemma-3-270M's prompt passes cost on the 2-core CPU, so a cold burst is shed on arrival rather than after
+# the queue timeout. Conservative for shedding; on a faster device the first measured step replaces it.
+PROMPT_TOKEN_S_PRIOR = 0.002
 
 
 @dataclass
 class StepCost:
     prompt_token_s: float | None = None  # seconds per prompt token (chunked prefill, any mode)
     decode_pass_s: float | None = None  # seconds of one batched decode pass at the current batch size
+    # the shortest prompt pass seen: a pass reads every weight, so a decode pass costs about as much (the
+    # prediction's decode cost until a decode pass was measured: a server whose first requests asked one token)
+    shortest_pass_s: float | None = None
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
+    def observe_prefill(self, tokens: int, seconds: float, passes: int = 1) -> None:
         if tokens > 0 and seconds > 0:
             self.prompt_token_s = ewma(self.prompt_token_s, seconds / tokens)
+            per_pass = seconds / max(passes, 1)
+            self.shortest_pass_s = min(self.shortest_pass_s or per_pass, per_pass)
 
     def observe_decode(self, seconds: float) -> None:
         if seconds > 0:
@@ -39,11 +48,14 @@ class StepCost:
 
     def prompt_seconds(self, tokens: int, share: int, per_step: int) -> float:
         """Seconds until ``tokens`` prompt tokens are computed when each step computes ``per_step`` of them, split
-        ``share`` ways, beside a decode pass (0 before a prompt token was measured: never refuse on a guess)."""
-        if self.prompt_token_s is None or tokens <= 0:
+        ``share`` ways, beside a decode pass: at the measured costs, PROMPT_TOKEN_S_PRIOR and the shortest prompt
+        pass standing in for what was not measured yet."""
+        if tokens <= 0:
             return 0.0
+        token_s = self.prompt_token_s if self.prompt_token_s is not None else PROMPT_TOKEN_S_PRIOR
+        decode_s = self.decode_pass_s if self.decode_pass_s is not None else (self.shortest_pass_s or 0.0)
         total = tokens * share
-        return total * self.prompt_token_s + math.ceil(total / max(per_step, 1)) * (self.decode_pass_s or 0.0)
+        return total * token_s + math.ceil(total / max(per_step, 1)) * decode_s
 
 
 def ewma(old: float | None, new: float) -> float:

@@ -121,3 +121,33 @@ def test_batched_logits_equal_one_at_a_time_gemma(mode):
     for (q, b), r in zip(cases, reqs):
         for a, w in zip(got[id(r)], reference_logits(gemma, q, b, mode)):
             assert (a - w).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["kv", "text"])
+def test_ragged_prompt_chunks_in_one_padded_pass_give_each_its_own_logits(engine, mode, monkeypatch):
+    """Every step's chunks in one pass whatever their padding: each row's logits are taken at its own last real
+    token, and the padding's K/V (past the row's length) never reaches a real token."""
+    from inferscale.engine import loop as loop_mod
+    from inferscale.engine.promptbatch import padded_groups
+
+    monkeypatch.setattr(loop_mod, "padded_groups", lambda lengths: padded_groups(lengths, max_padding=1.0))
+    blocks = engine.encode(ITEMS)
+    cases = [(engine.question_ids(QUESTIONS[0]), blocks[:1]), (engine.question_ids(QUESTIONS[1]), blocks[1:4]),
+             (engine.question_ids(QUESTIONS[2]), [blocks[3], blocks[0]])]
+    loop = ServingLoop(engine, SchedulerConfig(chunk_tokens=11, step_tokens=64))
+    passes = []
+    real = loop._forward
+
+    def forward(rows, starts, ids, last=None):
+        if last is not None:
+            passes.append(sorted(last))
+        return real(rows, starts, ids, last)
+
+    loop._forward = forward
+    reqs = [request(engine, q, b, mode) for q, b in cases]
+    got = loop_logits(loop, reqs)
+    assert any(len(set(p)) > 1 for p in passes)  # some pass did hold chunks of different lengths
+    for (q, b), r in zip(cases, reqs):
+        for a, w in zip(got[id(r)], reference_logits(engine, q, b, mode), strict=True):
+            assert (a - w).abs().max() < 1e-4
+    assert loop.rows == [] and loop.decoding == 0

@@ -105,16 +105,34 @@ def test_a_prefill_error_fails_that_request_alone(engine, monkeypatch):
     _assert_only_broken_failed(_run(engine, QUESTIONS[2]), clean, QUESTIONS[2])
 
 
+def test_a_failed_batched_prompt_pass_is_retried_chunk_by_chunk(engine, monkeypatch):
+    clean = _run(engine)
+    real = ServingLoop._forward
+    passes = []
+
+    def forward(self, rows, starts, ids, *last):
+        if ids.shape[1] > 1:  # a prompt pass
+            passes.append(len(rows))
+            if any(self.rows[r].broken for r in rows):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+        return real(self, rows, starts, ids, *last)
+
+    monkeypatch.setattr(ServingLoop, "_forward", forward)
+    _assert_only_broken_failed(_run(engine, QUESTIONS[0]), clean, QUESTIONS[0])
+    n = len(QUESTIONS)
+    assert passes[0] == n and passes[1:n + 1] == [1] * n  # together, then each alone
+
+
 def test_a_failed_batched_decode_is_retried_without_the_row_that_broke_it(engine, monkeypatch):
     clean = _run(engine)
     real = ServingLoop._forward
     batched = []
 
-    def forward(self, rows, starts, ids):
+    def forward(self, rows, starts, ids, *last):
         if any(self.rows[r].broken for r in rows) and ids.shape[1] == 1:  # a decode pass holding the broken row
             batched.append(len(rows))
             raise RuntimeError("device-side assert triggered (simulated)")
-        return real(self, rows, starts, ids)
+        return real(self, rows, starts, ids, *last)
 
     monkeypatch.setattr(ServingLoop, "_forward", forward)
     out = _run(engine, QUESTIONS[1])

@@ -54,7 +54,7 @@ def test_long_prompt_is_chunked_and_running_streams_keep_decoding():
 
 def test_tenants_take_turns_for_prompt_chunks():
     """Tenant A floods 32 long prompts; B's one request gets a chunk at the very next step, and every step after."""
-    s = Scheduler(SchedulerConfig(step_tokens=64, chunk_tokens=64, max_running=64))
+    s = Scheduler(SchedulerConfig(step_tokens=64, chunk_tokens=64, max_running=64, queue_timeout_s=1e6))
     flood = [ScheduledRequest("a", prompt_tokens=2000) for _ in range(32)]
     for r in flood:
         s.add(r)
@@ -177,6 +177,25 @@ def test_a_step_computes_only_the_prompt_tokens_that_fit_its_time_beside_the_dec
     assert len(out.decode) == 8 and sum(n for _, n in out.prefill) == 50
 
 
+def test_steps_are_shorter_while_another_tenant_is_on_its_way():
+    """Issue 22: tenant A floods; while B is announced (fetching its memories) A's steps compute half the prompt
+    tokens, so the step B arrives during, which it waits out, is short. Once B's prompt started, they are back."""
+    s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.2, queue_timeout_s=1e6))
+    s.cost.observe_prefill(100, 0.1)  # 1 ms a prompt token
+    for _ in range(4):
+        s.add(ScheduledRequest("a", prompt_tokens=1000))
+    assert sum(n for _, n in s.schedule().prefill) == 128  # A's first prompt started: a full step
+    arrival = s.expect("b")
+    assert sum(n for _, n in s.schedule().prefill) == 100  # 0.1 s of prompt tokens
+    arrival.close()
+    b = ScheduledRequest("b", prompt_tokens=20)
+    s.add(b)
+    out = s.schedule()
+    assert out.prefill[0] == (b, 20)  # the newcomer first
+    run_prefill(s, out)
+    assert sum(n for _, n in s.schedule().prefill) == 127  # a full step again, less B's decode token
+
+
 def test_the_time_bound_never_stops_prompts():
     s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.05))
     s.add(ScheduledRequest("a", 5, 4))
@@ -193,7 +212,7 @@ def test_a_request_that_would_outwait_the_queue_timeout_is_refused_at_once():
     when it arrives, with a Retry-After; another tenant is still accepted (its own queue is empty)."""
     clock = Clock()
     s = Scheduler(SchedulerConfig(queue_timeout_s=30, step_tokens=1000, chunk_tokens=1000), clock=clock)
-    s.cost.observe_prefill(100, 1.0)
+    s.cost.observe_prefill(100, 1.0, passes=10)  # 10 ms a token, 100 ms a pass
     accepted = 0
     with pytest.raises(EngineBusyError) as refused:
         for _ in range(32):
@@ -203,17 +222,63 @@ def test_a_request_that_would_outwait_the_queue_timeout_is_refused_at_once():
     s.add(ScheduledRequest("b", prompt_tokens=20))
 
 
-def test_nothing_is_refused_on_a_guess_before_a_step_was_measured():
-    s = Scheduler(SchedulerConfig(queue_timeout_s=1))
-    for _ in range(32):
-        s.add(ScheduledRequest("a", prompt_tokens=100_000))
+def test_a_cold_burst_is_shed_on_the_cost_prior():
+    """Before any step was measured the wait is predicted at PROMPT_TOKEN_S_PRIOR a token: at 2 ms, A's 12th
+    1100-token prompt would wait 24.2 s (over 80 % of the timeout)."""
+    clock = Clock()
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30), clock=clock)
+    accepted = 0
+    with pytest.raises(EngineBusyError):
+        for _ in range(32):
+            s.add(ScheduledRequest("a", prompt_tokens=1100))
+            accepted += 1
+    assert accepted == 11 and clock.now == 0
+
+
+def test_a_first_burst_is_refused_early_not_after_the_queue_timeout():
+    """Issue 22: tenant A's first burst of 32 requests (announced, then added one by one) on a server that has
+    measured only tenant B's short question (2.5 ms a token) and no decode pass. The engine is simulated: a step
+    costs 5 ms a prompt token and 100 ms a pass over the weights (the prompt pass, the running rows' decode pass);
+    each request decodes 32 tokens. The wait was predicted short, so more were accepted than can be served in
+    time; once A's steps are measured the excess is refused (``shed``) within seconds: none waits out the
+    timeout."""
+    clock = Clock()
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30), clock=clock)
+    s.cost.observe_prefill(20, 0.05)
+    arrivals = [s.expect("a") for _ in range(32)]  # nothing known of A's prompts yet: none refused
+    accepted = 0
+    for arrival in arrivals:
+        arrival.close()
+        try:
+            s.add(ScheduledRequest("a", prompt_tokens=1100))
+            accepted += 1
+        except EngineBusyError:
+            pass
+    decoded: dict[int, int] = {}
+    shed_after = []
+    while s.has_work():
+        out = s.schedule()
+        assert out.expired == []
+        shed_after += [clock.now - r.arrived for r in out.shed]
+        tokens = sum(n for _, n in out.prefill)
+        run_prefill(s, out)
+        clock.now += 0.005 * tokens + 0.1 * (int(tokens > 0) + int(bool(out.decode)))
+        s.cost.observe_prefill(tokens, 0.005 * tokens + 0.1 * int(tokens > 0))
+        if out.decode:
+            s.cost.observe_decode(0.1)
+        for r in out.decode:
+            decoded[r.id] = decoded.get(r.id, 0) + 1
+            if decoded[r.id] == 32:
+                s.finish(r)
+    assert shed_after and max(shed_after) < 10  # refused within a third of the timeout
+    assert len(decoded) == accepted - len(shed_after) >= 2  # the rest were served
 
 
 def test_a_burst_still_fetching_its_memories_is_refused_on_arrival():
     """Issue 22: 32 requests of A arrive at once; each is announced (``expect``) before its retrieval and KV fetch,
     so all but the first few are refused before any of them reaches ``add``."""
     s = Scheduler(SchedulerConfig(queue_timeout_s=30))
-    s.cost.observe_prefill(100, 1.0)  # 10 ms a prompt token
+    s.cost.observe_prefill(100, 1.0, passes=100)  # 10 ms a prompt token, 10 ms a pass
     s.add(ScheduledRequest("a", prompt_tokens=1000))  # A's typical prompt: 1000 tokens
     arrivals, refused = [], 0
     for _ in range(32):

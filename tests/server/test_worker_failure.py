@@ -138,9 +138,9 @@ def test_graceful_shutdown_completes_within_its_grace_with_a_stream_open(tmp_pat
     loop = serving.worker.loop
     real_forward = loop._forward
 
-    def slow_forward(rows, starts, ids):  # a long answer: about 13 s of decoding
+    def slow_forward(rows, starts, ids, *last):  # a long answer: about 13 s of decoding
         time.sleep(0.2)
-        return real_forward(rows, starts, ids)
+        return real_forward(rows, starts, ids, *last)
 
     loop._forward = slow_forward
     with httpx.stream("POST", serving.url + "/v1/chat/completions", timeout=30,

@@ -1,0 +1,34 @@
+"""Which prompt chunks of a step share one forward pass (issue 22).
+
+A forward pass reads every weight once whatever its rows, so a step's prompt chunks run together: one pass per
+group, each chunk a row padded to the group's longest. Padding is work for nothing, so chunks are grouped by
+length: a group takes the next shorter chunk only while its padded tokens stay within ``MAX_PADDING`` of the
+tokens it computes in all, and a flood tenant's 128-token chunk does not pad a 20-token question to 128.
+No torch: the loop pads and runs the groups.
+"""
+
+from __future__ import annotations
+
+# The most of a group's padded size (rows x its longest chunk) that may be padding.
+MAX_PADDING = 0.25
+
+
+def padded_groups(lengths: list[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """The chunks of ``lengths`` (their tokens, in turn order) as groups of indices, each group's padding within
+    ``max_padding`` of its padded size. Indices keep their order within a group, and groups run in the order of
+    their first index: the chunk that had the first turn (a newcomer's) is in the first pass."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # longest first: a group's first is its width
+        if groups:
+            group = groups[-1]
+            padded = (len(group) + 1) * lengths[group[0]]
+            if padded - (tokens + lengths[i]) <= max_padding * padded:
+                group.append(i)
+                tokens += lengths[i]
+                continue
+        groups.append([i])
+        tokens = lengths[i]
+    for group in groups:
+        group.sort()
+    return sorted(groups, key=lambda g: g[0])

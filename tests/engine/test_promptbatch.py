@@ -1,0 +1,37 @@
+"""Grouping a step's prompt chunks into padded passes (inferscale/engine/promptbatch.py)."""
+
+from __future__ import annotations
+
+from inferscale.engine.promptbatch import MAX_PADDING, padded_groups
+
+
+def _padding(lengths: list[int], group: list[int]) -> float:
+    padded = len(group) * max(lengths[i] for i in group)
+    return (padded - sum(lengths[i] for i in group)) / padded
+
+
+def test_chunks_of_like_length_share_a_pass():
+    assert padded_groups([20, 22, 19, 21]) == [[0, 1, 2, 3]]
+
+
+def test_a_long_chunk_does_not_pad_a_short_question():
+    lengths = [128, 20, 128, 18, 22]
+    groups = padded_groups(lengths)
+    assert sorted(map(sorted, groups)) == [[0, 2], [1, 3, 4]]
+    assert all(_padding(lengths, g) <= MAX_PADDING for g in groups)
+
+
+def test_the_first_turns_chunk_is_in_the_first_pass():
+    # A newcomer's short question has the first turn; the flood's long chunks come after it.
+    assert padded_groups([15, 128, 128])[0] == [0]
+    assert padded_groups([128, 15, 128])[0] == [0, 2]
+
+
+def test_every_chunk_is_in_exactly_one_group_within_the_padding_bound():
+    lengths = [3, 128, 64, 60, 7, 128, 1, 100, 90, 5, 5, 6]
+    groups = padded_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(g == sorted(g) for g in groups)
+    assert all(_padding(lengths, g) <= MAX_PADDING for g in groups)
+    assert padded_groups([]) == []
+    assert padded_groups([9, 1], max_padding=1.0) == [[0, 1]]
