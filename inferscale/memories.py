@@ -222,15 +222,16 @@ class MemoryBook:
     def search(self, tenant: str, user: str, query: str, k: int) -> tuple[list[str], int]:
         """(the ids of the user's k memories most relevant to ``query``, best first; candidates considered)."""
         ids, matrix = self.store.embeddings(tenant, user, self.fingerprint)
-        return self.rank(query, ids, matrix, k), len(ids)
+        return self.rank(tenant, query, ids, matrix, k), len(ids)
 
-    def rank(self, query: str, ids: list[str], matrix: Any, k: int) -> list[str]:
+    def rank(self, tenant: str, query: str, ids: list[str], matrix: Any, k: int) -> list[str]:
         """The ids of the k candidates (``ids`` with their embedding rows ``matrix``) most relevant to ``query``,
-        best first. The candidates come from this pod's store or, on the fleet path, a peer's index."""
+        best first. The candidates come from this pod's store or, on the fleet path, a peer's index. Concurrent
+        queries of one tenant are embedded in one batch (``Embedder.embed_query``)."""
         if not ids or k <= 0:
             return []
-        q = self.embedder.embed([query])
-        return [i for i, _ in top_k(q[0], ids, torch.as_tensor(matrix), k)]
+        q = self.embedder.embed_query(query, tenant)
+        return [i for i, _ in top_k(q, ids, torch.as_tensor(matrix), k)]
 
     def fetch(self, tenant: str, user: str, chosen: list[str]) -> tuple[list[KVBlock], FetchStats]:
         """The blocks of ``chosen`` (ids best first) in injection order (least relevant first)."""

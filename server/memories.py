@@ -126,7 +126,7 @@ class MemoryService:
             fleet = self.fleet
             ids, matrix = await asyncio.to_thread(fleet.embeddings, tenant, user, self.book.fingerprint)
             span.set_attribute("inferscale.candidates", len(ids))
-            chosen = await asyncio.to_thread(self.book.rank, query, ids, matrix, k)
+            chosen = await asyncio.to_thread(self.book.rank, tenant, query, ids, matrix, k)
             span.set_attribute("inferscale.retrieved", len(chosen))
         if not chosen:
             return Planned([], [], None), []

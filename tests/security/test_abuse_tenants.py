@@ -28,6 +28,9 @@ class SlowEmbedder:
         time.sleep(self.delay_s)
         return self.inner.embed(texts)
 
+    def embed_query(self, text, group):
+        return self.inner.embed_query(text, group)
+
 
 @contextlib.contextmanager
 def slow_encoding(live, delay_s: float = 0.6):

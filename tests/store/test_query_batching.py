@@ -1,0 +1,76 @@
+"""Retrieval under concurrency (issue 22): a tenant's concurrent queries are embedded in one batch, never with
+another tenant's, and each gets its own embedding."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from inferscale.retrieval import Embedder
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+class CountingEmbedder(Embedder):
+    """The real embedder, counting its encodes and holding the first one until every caller is queued."""
+
+    def __init__(self, inner: Embedder, callers: int) -> None:  # noqa: D107 - shares the inner model
+        self.model, self.dim = inner.model, inner.dim
+        self._lock, self._queue_lock, self._queued = threading.Lock(), threading.Lock(), {}
+        self.batches: list[list[str]] = []
+        self.all_queued = threading.Event()
+        self.callers = callers
+
+    def _encode(self, texts):
+        if not self.batches:  # the first encode waits until the others have queued behind it
+            self.all_queued.wait(10)
+        self.batches.append(list(texts))
+        return super()._encode(texts)
+
+    def embed_query(self, text, group):
+        with self._queue_lock:
+            waiting = sum(map(len, self._queued.values()))
+        if waiting + 1 >= self.callers:
+            threading.Timer(0.2, self.all_queued.set).start()
+        return super().embed_query(text, group)
+
+
+def _concurrently(fn, args: list[tuple]) -> list:
+    out = [None] * len(args)
+
+    def run(i):
+        out[i] = fn(*args[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(args))]
+    for t in threads:
+        t.start()
+        if t is threads[0]:
+            t.join(0.3)  # the first caller takes the lock and starts its encode
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_concurrent_queries_of_a_tenant_share_a_batch_and_get_their_own_rows(embedder):
+    texts = [f"what did maya do in week {i} of the summer?" for i in range(9)]
+    counting = CountingEmbedder(embedder, len(texts))
+    got = _concurrently(counting.embed_query, [(t, "tenant-a") for t in texts])
+    assert len(counting.batches) == 2 and sorted(sum(counting.batches, [])) == sorted(texts)  # 1 + 8, not 9
+    alone = embedder.embed(texts)
+    for text, row in zip(texts, got):
+        assert torch.allclose(row, alone[texts.index(text)], atol=1e-5)
+        assert row.shape == (embedder.dim,)
+
+
+def test_another_tenants_queries_never_join_the_batch(embedder):
+    args = [("first question of a", "tenant-a")] + [(f"question {i} of b", "tenant-b") for i in range(3)] + \
+        [(f"question {i} of a", "tenant-a") for i in range(3)]
+    counting = CountingEmbedder(embedder, len(args))
+    _concurrently(counting.embed_query, args)
+    for batch in counting.batches:
+        assert len({"a" if t.endswith(" a") else "b" for t in batch}) == 1, batch
