@@ -55,6 +55,8 @@ class Embedder:
             if query.embedding is None:  # nobody took it along: embed this group's queue now
                 with self._queue_lock:
                     batch = self._queued.pop(group, [])
+                if query not in batch:  # taken along by an encode that raised: this caller tries its own
+                    batch.append(query)
                 for q, row in zip(batch, self._encode([q.text for q in batch])):
                     q.embedding = row
         return query.embedding

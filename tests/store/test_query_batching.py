@@ -74,3 +74,25 @@ def test_another_tenants_queries_never_join_the_batch(embedder):
     _concurrently(counting.embed_query, args)
     for batch in counting.batches:
         assert len({"a" if t.endswith(" a") else "b" for t in batch}) == 1, batch
+
+
+def test_a_caller_taken_along_by_a_failed_encode_embeds_its_own_query(embedder):
+    class FailingBatches(CountingEmbedder):
+        def _encode(self, texts):
+            if len(texts) > 1:  # the batch of the two callers queued behind the first
+                self.batches.append(list(texts))
+                raise RuntimeError("this encode fails")
+            return super()._encode(texts)
+
+    failing = FailingBatches(embedder, 3)
+    results = []
+
+    def call(text):
+        try:
+            results.append(tuple(failing.embed_query(text, "tenant-a").shape))
+        except RuntimeError:
+            results.append("raised")
+
+    _concurrently(call, [("first",), ("second",), ("third",)])
+    # the first alone, the other two together (that encode raises for its caller), then the other caller alone
+    assert sorted(map(str, results)) == sorted(map(str, [(embedder.dim,), (embedder.dim,), "raised"]))
