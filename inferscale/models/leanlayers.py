@@ -12,7 +12,8 @@ computes the same numbers with fewer of them:
   the separate q and k operations give;
 - each RMSNorm's ``1 + weight`` in float32 is kept instead of being converted on every call.
 
-Prompts of more rows and everything else (attention via PyTorch's SDPA as Hugging Face's ``sdpa`` integration calls
+Another attention implementation set at run time (kv-recompute's scoring pass sets ``eager`` to record attention
+weights) runs transformers' own layer. Prompts of more rows and everything else (attention via PyTorch's SDPA as Hugging Face's ``sdpa`` integration calls
 it, the residuals, the MLP's activation) run the same operations as ``Gemma3DecoderLayer``. ``install_lean_layers``
 swaps a loaded model's layers only after checking on them that the two give identical outputs (``CHECKS``: one and
 several rows, prefill and decode shapes, a mask); any difference, another model family or another transformers
@@ -84,6 +85,10 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, position_ids=None,
                 cache=None, **kwargs) -> torch.Tensor:
+        if self.self_attn.config._attn_implementation != "sdpa":  # e.g. eager, to record attention weights
+            return super(LeanGemma3DecoderLayer, self).forward(  # transformers' own layer (kv-recompute's scores)
+                hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                position_ids=position_ids, cache=cache, **kwargs)
         lean: _LeanState = self.inferscale_lean
         residual = hidden_states
         h = _rms(hidden_states, lean.input_norm, lean.eps)
