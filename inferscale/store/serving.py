@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from inferscale.errors import NotFoundError, TransferError
 from inferscale.jobpaths import job_dir_path
-from inferscale.store.layout import check_fingerprint, check_name
+from inferscale.store.layout import check_fingerprint, check_name, request_keys
 from inferscale.store.leases import LeaseBook, LeaseCaps
 from inferscale.store.peer import PeerServer, Session
 
@@ -87,7 +87,7 @@ class PeerService:
         answered without the catalogue (a resident entry is its key's current, verified version: KVStore.get_many)."""
         if fp is None or not items:
             return None
-        return self.store.dram.acquire_all(list(dict.fromkeys((tenant, user, fp, i) for i in items)))
+        return self.store.dram.acquire_all(request_keys(tenant, user, fp, items))
 
     def _loaded(self, tenant: str, user: str, fp: str | None, items: list[str] | None) -> list[DramEntry]:
         """The blocks' DRAM entries (a reference each), by the catalogue, loading those not resident from disk."""

@@ -191,6 +191,7 @@ class KVStore:
         holds them (the slot is not reused meanwhile); ``copy=True`` returns owned tensors instead."""
         t0 = time.perf_counter()
         keys = request_keys(tenant, user, fingerprint, item_ids)  # unique; duplicates share a block
+        protect = set(keys)
         stats = FetchStats()
         out: dict[Key, KVBlock] = {}
         # All DRAM-resident (the hot path): the catalogue has nothing to add. An entry is resident only while its
@@ -200,7 +201,6 @@ class KVStore:
             entries, loaded, rest, t_gpu = dict(zip(keys, held)), [], keys, time.perf_counter()
         else:
             rows = list({r.key: r for r in self._rows(tenant, user, fingerprint, list(item_ids))}.values())
-            protect = set(keys)
             if self.gpu is not None:
                 for r in rows:
                     b = self.gpu.get(r.key, r.size)
@@ -220,7 +220,7 @@ class KVStore:
                 b.kv = b.kv.clone()
                 b.kv_scale = None if b.kv_scale is None else b.kv_scale.clone()
             if self.gpu is not None:
-                b, _ = self.gpu.put(k, b, set(keys), cache=not e.dead)
+                b, _ = self.gpu.put(k, b, protect, cache=not e.dead)
             out[k] = b
             stats.served[k[3]] = "disk" if k in from_disk else "dram"
             if k in from_disk:

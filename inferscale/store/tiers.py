@@ -122,13 +122,7 @@ class DramTier:
     def acquire(self, key: Key, size: int = 0) -> DramEntry | None:
         """The resident entry for ``key`` with one reference taken (release it, or hand it to lease_block); a
         read either way, counted in the cache's frequency sketch (``size``: the block's bytes, for a miss)."""
-        with self.lock:
-            self._drain()
-            e = self._entries.get(key)
-            self.cache.lookup(key, e.size if e is not None else size)
-            if e is not None:
-                self._ref(e)
-            return e
+        return self.acquire_many([key], [size])[0]
 
     def release(self, e: DramEntry) -> None:
         self._released.append(e)
@@ -178,18 +172,22 @@ class DramTier:
 
     def _lease(self, e: DramEntry, byte_range: tuple[int, int], dtype: torch.dtype, shape: tuple[int, ...]
                ) -> torch.Tensor:
-        base = e.offset if e.offset >= 0 else 0
-        slot = self._private[e.offset] if e.offset < 0 else self.arena.np
-        arr = shaped_array(slot[base + byte_range[0] : base + byte_range[1]], dtype, shape)
+        arr = shaped_array(self._bytes(e, byte_range), dtype, shape)
         weakref.finalize(arr, self.release, e)  # the tensor holds ``arr`` itself
         return array_tensor(arr, dtype)
 
     def _embedding(self, e: DramEntry) -> torch.Tensor | None:
         if e.embedding is None and e.info.emb_range is not None:
-            a, b = e.info.emb_range
-            raw = self._private[e.offset][a:b] if e.offset < 0 else self.arena.np[e.offset + a : e.offset + b]
-            e.embedding = torch.from_numpy(raw.copy()).view(torch.float32).view(e.info.emb_shape)
+            raw = self._bytes(e, e.info.emb_range).copy()
+            e.embedding = torch.from_numpy(raw).view(torch.float32).view(e.info.emb_shape)
         return e.embedding
+
+    def _bytes(self, e: DramEntry, byte_range: tuple[int, int]) -> np.ndarray:
+        """The entry's bytes [a, b) of its image, in its arena slot or its private buffer (zero-copy)."""
+        a, b = byte_range
+        if e.offset < 0:
+            return self._private[e.offset][a:b]
+        return self.arena.np[e.offset + a : e.offset + b]
 
     # -- writes ---------------------------------------------------------------------------------------------
     def admit_misses(self, tenant: str, keys: list[Key], sizes: list[int], protect: set[Key] = frozenset(),
