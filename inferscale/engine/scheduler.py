@@ -281,15 +281,19 @@ class Scheduler:
         ahead += round(self._arriving.get(tenant, 0) * self._typical_prompt.get(tenant, 0.0))
         if not ahead:
             return 0.0
-        share = len({*self._prefilling, *(t for t, q in self._waiting.items() if q), tenant})
+        share = len(self._prompt_tenants() | {tenant})
         return self.cost.prompt_seconds(ahead, share, self._prompt_budget(len(self._decoding)))
+
+    def _prompt_tenants(self) -> set[str]:
+        """Tenants with prompt work started or queued: the round-robin's share of the prompt rate."""
+        return {*self._prefilling, *(t for t, q in self._waiting.items() if q)}
 
     def _shed(self) -> list[ScheduledRequest]:
         """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on
         a guess (its first, before its prompts were measured) is refused within steps, not after the timeout."""
         now, limit = self.clock(), self.config.queue_timeout_s
         per_step = self._prompt_budget(len(self._decoding))
-        share = len({*self._prefilling, *(t for t, q in self._waiting.items() if q)})
+        share = len(self._prompt_tenants())
         shed = []
         for tenant, queue in self._waiting.items():
             ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
