@@ -13,11 +13,11 @@ computes the same numbers with fewer of them:
 - each RMSNorm's ``1 + weight`` in float32 is kept instead of being converted on every call.
 
 Another attention implementation set at run time (kv-recompute's scoring pass sets ``eager`` to record attention
-weights) runs transformers' own layer. Prompts of more rows and everything else (attention via PyTorch's SDPA as Hugging Face's ``sdpa`` integration calls
-it, the residuals, the MLP's activation) run the same operations as ``Gemma3DecoderLayer``. ``install_lean_layers``
-swaps a loaded model's layers only after checking on them that the two give identical outputs (``CHECKS``: one and
-several rows, prefill and decode shapes, a mask); any difference, another model family or another transformers
-layer class keeps the Hugging Face layers.
+weights) runs transformers' own layer. Prompts of more rows and everything else (attention through transformers'
+own ``sdpa_attention_forward``, its ``rotate_half``, the residuals, the MLP's activation) run the same operations
+as ``Gemma3DecoderLayer``. ``install_lean_layers`` swaps a loaded model's layers only after checking on them that
+the two give identical outputs (``CHECKS``: one and several rows, prefill and decode shapes, a mask); any
+difference, another model family or another transformers layer class keeps the Hugging Face layers.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.gemma3.modeling_gemma3 import rotate_half
 
 from inferscale.models.weightmajor import MAX_ROWS
 
@@ -74,11 +75,6 @@ def _weight_major(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, flat.t()).t()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LeanGemma3DecoderLayer(torch.nn.Module):
     """Installed by class swap onto a ``Gemma3DecoderLayer`` (its modules and parameters stay as they are); only
     ``forward`` differs. ``inferscale_lean`` holds the fused weights and the norms' precomputed weights."""
@@ -119,35 +115,15 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         qk = _rms(qk, lean.qk_norm, lean.eps)
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        qk = (qk * cos) + (_rotate_half(qk) * sin)
+        qk = (qk * cos) + (rotate_half(qk) * sin)
         heads = attn.config.num_attention_heads
         # contiguous as the separate q and k are: SDPA takes another kernel path for strided inputs (other bits)
         query, key = qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
         if cache is not None:
             key, v = cache.update(key, v, attn.layer_idx)
-        out = self._sdpa(query, key, v, attention_mask)
+        out, _ = sdpa_attention_forward(attn, query, key, v, attention_mask, dropout=0.0, scaling=attn.scaling,
+                                        sliding_window=attn.sliding_window)  # what transformers' layer calls
         return attn.o_proj(out.reshape(batch, q_len, -1).contiguous())
-
-    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask) -> torch.Tensor:
-        """transformers' ``sdpa_attention_forward`` for this case (a mask, or causal without one; no softcap)."""
-        attn = self.self_attn
-        groups = attn.num_key_value_groups
-        q_len = query.shape[2]
-        if groups > 1:
-            if q_len == 1:  # one query token: attend on the key/value heads (transformers' pack_gqa)
-                b, h, _, d = query.shape
-                query = query.reshape(b, h // groups, groups, d)
-            else:
-                key = key[:, :, None].expand(-1, -1, groups, -1, -1).reshape(key.shape[0], -1, *key.shape[2:])
-                value = value[:, :, None].expand(-1, -1, groups, -1, -1).reshape(value.shape[0], -1,
-                                                                                 *value.shape[2:])
-        is_causal = q_len > 1 and mask is None and attn.is_causal
-        if is_causal and key.shape[2] > q_len:
-            key, value = key[:, :, :q_len], value[:, :, :q_len]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0, scale=attn.scaling,
-                                             is_causal=is_causal)
-        out = out.reshape(out.shape[0], -1, q_len, value.shape[-1])
-        return out.transpose(1, 2).contiguous()
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         mlp, lean = self.mlp, self.inferscale_lean
