@@ -22,40 +22,54 @@ PROMPT_TOKEN_S_PRIOR = 0.002
 
 @dataclass
 class StepCost:
-    prompt_token_s: float | None = None  # seconds per prompt token (chunked prefill, any mode)
+    """A forward pass costs a fixed part (every weight read once, the per-operation overhead: what a one-row
+    decode pass costs) plus a part per prompt token. Both matter: measured on the 2-core CPU, one 36-token prompt
+    pass 78-99 ms, sixteen in one padded pass (576 tokens) 450-500 ms, a one-row decode pass 55-79 ms. Seconds
+    over tokens of a short pass (2-3 ms a token) would say one step fits a quarter of the prompts that do fit."""
+
+    # seconds per prompt token beyond the pass's fixed part (chunked prefill, any mode): what one more prompt
+    # token in a pass costs (the fetch planner's recompute cost too: recomputed tokens ride in the question's pass)
+    prompt_token_s: float | None = None
     decode_pass_s: float | None = None  # seconds of one batched decode pass at the current batch size
-    # the shortest prompt pass seen: a pass reads every weight, so a decode pass costs about as much (the
-    # prediction's decode cost until a decode pass was measured: a server whose first requests asked one token)
+    # the fastest decode pass seen: the fixed part of any pass (a prompt pass reads every weight as it does);
+    # None before a decode pass was measured (a prompt token then costs what its passes cost, fixed part and all)
+    pass_s: float | None = None
+    # the shortest prompt pass seen: the prediction's decode cost until a decode pass was measured (a server
+    # whose first requests asked one token)
     shortest_pass_s: float | None = None
 
     def observe_prefill(self, tokens: int, seconds: float, passes: int = 1) -> None:
         if tokens > 0 and seconds > 0:
-            self.prompt_token_s = ewma(self.prompt_token_s, seconds / tokens)
+            per_token = seconds / tokens
+            # a quarter of the whole cost at least: a pass timed under its fixed part (noise) says nothing of it
+            marginal = max((seconds - passes * (self.pass_s or 0.0)) / tokens, per_token / 4)
+            self.prompt_token_s = ewma(self.prompt_token_s, marginal)
             per_pass = seconds / max(passes, 1)
             self.shortest_pass_s = min(self.shortest_pass_s or per_pass, per_pass)
 
     def observe_decode(self, seconds: float) -> None:
         if seconds > 0:
             self.decode_pass_s = ewma(self.decode_pass_s, seconds)
+            self.pass_s = min(self.pass_s or seconds, seconds)
 
     def prompt_tokens_within(self, seconds: float, decoding: bool) -> int | None:
-        """How many prompt tokens fit in ``seconds`` (beside one decode pass when ``decoding``); None before a
-        prompt token was measured."""
+        """How many prompt tokens fit in ``seconds`` in one prompt pass (beside one decode pass when
+        ``decoding``); None before a prompt token was measured."""
         if self.prompt_token_s is None:
             return None
-        left = seconds - ((self.decode_pass_s or 0.0) if decoding else 0.0)
+        left = seconds - (self.pass_s or 0.0) - ((self.decode_pass_s or 0.0) if decoding else 0.0)
         return int(max(0.0, left) / self.prompt_token_s + 1e-9)  # 0.05 / 0.001 is 49.999...
 
     def prompt_seconds(self, tokens: int, share: int, per_step: int) -> float:
         """Seconds until ``tokens`` prompt tokens are computed when each step computes ``per_step`` of them, split
-        ``share`` ways, beside a decode pass: at the measured costs, PROMPT_TOKEN_S_PRIOR and the shortest prompt
-        pass standing in for what was not measured yet."""
+        ``share`` ways, in a prompt pass beside a decode pass: at the measured costs, PROMPT_TOKEN_S_PRIOR and the
+        shortest prompt pass standing in for what was not measured yet."""
         if tokens <= 0:
             return 0.0
         token_s = self.prompt_token_s if self.prompt_token_s is not None else PROMPT_TOKEN_S_PRIOR
         decode_s = self.decode_pass_s if self.decode_pass_s is not None else (self.shortest_pass_s or 0.0)
         total = tokens * share
-        return total * token_s + math.ceil(total / max(per_step, 1)) * decode_s
+        return total * token_s + math.ceil(total / max(per_step, 1)) * (decode_s + (self.pass_s or 0.0))
 
 
 def ewma(old: float | None, new: float) -> float:

@@ -28,7 +28,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.gemma3.modeling_gemma3 import rotate_half
 
-from inferscale.models.weightmajor import MAX_ROWS
+from inferscale.models.weightmajor import MAX_ROWS, checked_blocks, weight_major_product
 
 log = logging.getLogger(__name__)
 CHECKS = ((1, 1, 5), (3, 1, 9), (2, 7, 7), (1, 40, 40))  # (batch, new tokens, cache length) checked equal
@@ -45,6 +45,8 @@ class _FusedWeights:
         self.gate_up = _joined([mlp.gate_proj.weight, mlp.up_proj.weight])
         self.q_rows, self.k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
         self.inter = mlp.gate_proj.weight.shape[0]
+        # 0 (no block count gives F.linear's numbers) runs the plain product: the layer's own check decides
+        self.qkv_blocks, self.gate_up_blocks = checked_blocks(self.qkv), checked_blocks(self.gate_up)
 
 
 def _joined(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -66,13 +68,6 @@ def _rms(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
     out = x.float()
     out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
     return (out * weight1).type_as(x)
-
-
-def _weight_major(weight: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """``flat @ weight.T`` as weightmajor computes it (few rows): ``W @ x``."""
-    if flat.shape[0] == 1:
-        return torch.mv(weight, flat[0])[None]
-    return torch.mm(weight, flat.t()).t()
 
 
 class LeanGemma3DecoderLayer(torch.nn.Module):
@@ -104,7 +99,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         flat = h.reshape(-1, h.shape[-1])
         d = attn.head_dim
         if lean.weight_major and flat.shape[0] <= MAX_ROWS:
-            qkv = _weight_major(fused.qkv, flat).reshape(batch, q_len, -1)
+            qkv = weight_major_product(fused.qkv, flat, fused.qkv_blocks).reshape(batch, q_len, -1)
             qk = qkv[..., : fused.q_rows + fused.k_rows]
             v = qkv[..., fused.q_rows + fused.k_rows:]
         else:
@@ -130,7 +125,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         fused = lean.fused
         flat = h.reshape(-1, h.shape[-1])
         if lean.weight_major and flat.shape[0] <= MAX_ROWS:
-            gate_up = _weight_major(fused.gate_up, flat).reshape(*h.shape[:-1], -1)
+            gate_up = weight_major_product(fused.gate_up, flat, fused.gate_up_blocks).reshape(*h.shape[:-1], -1)
             gate, up = gate_up[..., : fused.inter], gate_up[..., fused.inter:]
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)

@@ -29,25 +29,66 @@ MAX_ROWS = 32
 CHECK_ROWS = (1, 3, 17, MAX_ROWS)  # row counts the equality is checked at, per weight shape
 
 
+def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+    """``flat @ weight.T`` for up to ``MAX_ROWS`` rows of ``flat`` [rows, in], computed with ``weight`` [out, in]
+    as the operand read in place; returns [rows, out] (a transposed view).
+
+    oneDNN runs one such product on ONE thread (the few activation columns give it nothing to split), so with
+    ``blocks`` > 1 ``weight``'s rows are cut into that many blocks run as one ``torch.bmm``, which gives each torch
+    thread its own blocks: every core reads weights. Measured on the 2-core AMX machine, LM head [262144, 640],
+    batch 1: ``mv`` 24 ms = 13-14 GB/s at one and at two threads; 2 blocks 15 ms = 22 GB/s, the float32 read
+    bandwidth of the machine. ``checked_blocks`` says which count gives F.linear's numbers."""
+    if blocks > 1:
+        out_rows = weight.shape[0]
+        parts = torch.bmm(weight.view(blocks, out_rows // blocks, weight.shape[1]),
+                          flat.t().expand(blocks, -1, -1))  # [blocks, out / blocks, rows]
+        return parts.reshape(out_rows, -1).t()
+    if flat.shape[0] == 1:  # oneDNN's matmul with a [in, 1] operand is slower than mv here
+        return torch.mv(weight, flat[0])[None]
+    return torch.mm(weight, flat.t()).t()
+
+
+def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    """The block count for ``weight_major_product`` that gives ``F.linear``'s numbers here on ``CHECK_ROWS`` rows:
+    one block per torch thread where that is equal (it is not for every shape: some block shapes take another
+    oneDNN kernel), else 1 where the plain product is, else 0. Fixed at load, so a later thread count changes
+    the speed, never the numbers."""
+    threads = torch.get_num_threads()
+    candidates = [threads, 1] if threads > 1 and weight.shape[0] % threads == 0 and weight.is_contiguous() else [1]
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        xs = [torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype) for rows in CHECK_ROWS]
+        refs = [torch.nn.functional.linear(x, weight, bias) for x in xs]
+        for blocks in candidates:
+            outs = [weight_major_product(weight, x, blocks) for x in xs]
+            if bias is not None:
+                outs = [out + bias for out in outs]
+            if all(torch.equal(out, ref) for out, ref in zip(outs, refs)):
+                return blocks
+    return 0
+
+
 class WeightMajorLinear(torch.nn.Module):
     """``nn.Linear``'s result computed as ``(W @ x.T).T`` for up to MAX_ROWS rows; shares the original's
     parameters (ties stay tied, the state dict keeps its names)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, blocks: int = 1, transposed_out: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.blocks = blocks  # checked_blocks(weight, bias)
+        # The output as the product leaves it, a transposed view (the LM head: logits are only reduced and
+        # converted, which read any layout alike). Making 16 rows of 262k logits contiguous took 7 ms a step.
+        self.transposed_out = transposed_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        rows = flat.shape[0]
-        if rows > MAX_ROWS:
+        if flat.shape[0] > MAX_ROWS:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if rows == 1:  # oneDNN's matmul with a [in, 1] operand is slower than mv here
-            out = torch.mv(self.weight, flat[0])[None]
-        else:
-            out = torch.mm(self.weight, flat.t()).t().contiguous()
+        out = weight_major_product(self.weight, flat, self.blocks)
+        if not self.transposed_out:
+            out = out.contiguous()
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -59,26 +100,17 @@ def install_weight_major_linears(model: torch.nn.Module) -> int:
     linears = [(name, mod) for name, mod in model.named_modules() if type(mod) is torch.nn.Linear]
     if not linears or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.bfloat16 for _, m in linears):
         return 0
-    checked: dict[tuple[int, int, bool], bool] = {}
+    checked: dict[tuple[int, int, bool], int] = {}
     for _, mod in linears:
         key = (mod.out_features, mod.in_features, mod.bias is not None)
         if key not in checked:
-            checked[key] = _same_outputs(mod)
+            checked[key] = checked_blocks(mod.weight.detach(), None if mod.bias is None else mod.bias.detach())
     if not all(checked.values()):
         log.info("weight @ x.T differs from F.linear on this machine; keeping nn.Linear")
         return 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, mod in linears:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, WeightMajorLinear(mod))
+        blocks = checked[(mod.out_features, mod.in_features, mod.bias is not None)]
+        setattr(model.get_submodule(parent) if parent else model, attr, WeightMajorLinear(mod, blocks, mod is head))
     return len(linears)
-
-
-def _same_outputs(linear: torch.nn.Linear) -> bool:
-    fast = WeightMajorLinear(linear)
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for rows in CHECK_ROWS:
-            x = torch.randn(rows, linear.in_features, generator=gen).to(linear.weight.dtype)
-            if not torch.equal(fast(x), linear(x)):
-                return False
-    return True

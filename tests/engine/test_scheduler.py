@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from inferscale.engine.stepcost import StepCost
 from inferscale.errors import ConfigError, EngineBusyError
 
 
@@ -163,18 +164,38 @@ def test_a_full_decode_batch_does_not_starve_prompts():
 
 
 def test_a_step_computes_only_the_prompt_tokens_that_fit_its_time_beside_the_decode_pass():
-    """Issue 22: with a prompt token measured at 1 ms and a decode pass at 100 ms, a 150 ms step leaves 50 tokens
-    for prompts, though the token budget would allow 120."""
-    s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.15))
+    """Issue 22: with a pass's fixed part at 60 ms (the decode pass) and a prompt token at 1 ms more, a 170 ms
+    step leaves 50 ms for prompt tokens beside its prompt pass and decode pass, though the token budget would
+    allow 120."""
+    s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.17))
     running = [ScheduledRequest("a", 5, 4) for _ in range(8)]
     for r in running:
         s.add(r)
     run_prefill(s, s.schedule())
     s.add(ScheduledRequest("a", prompt_tokens=2000))
-    s.cost.observe_prefill(100, 0.1)
-    s.cost.observe_decode(0.1)
+    s.cost.observe_decode(0.06)
+    s.cost.observe_prefill(100, 0.16)
     out = s.schedule()
     assert len(out.decode) == 8 and sum(n for _, n in out.prefill) == 50
+
+
+def test_a_prompt_token_costs_what_it_adds_to_a_pass_not_its_share_of_the_pass():
+    """Issue 22, measured on the 2-core CPU: a one-row decode pass 60 ms, one 36-token prompt pass 87 ms, sixteen
+    of them in one pass 480 ms. Seconds over tokens of the short pass (2.4 ms a token) would fit 41 prompt tokens
+    in a 100 ms share of a step; at the 0.75 ms a token the short pass adds, 133 fit (and its pass, 87 ms, is
+    predicted)."""
+    cost = StepCost()
+    cost.observe_prefill(36, 0.087)
+    assert cost.prompt_tokens_within(0.1, decoding=False) == 41  # nothing known of a pass's fixed part yet
+    cost = StepCost()
+    cost.observe_decode(0.06)
+    cost.observe_prefill(36, 0.087)
+    assert cost.prompt_token_s == pytest.approx(0.00075)
+    assert cost.prompt_tokens_within(0.16, decoding=False) == 133
+    assert 36 * cost.prompt_token_s + cost.pass_s == pytest.approx(0.087)
+    assert 576 * cost.prompt_token_s + cost.pass_s == pytest.approx(0.492)  # measured: 450-500 ms
+    cost.observe_prefill(10, 0.01)  # faster than a pass's fixed part (noise): a quarter of its whole cost
+    assert cost.prompt_token_s == pytest.approx(0.8 * 0.00075 + 0.2 * 0.00025)
 
 
 def test_steps_are_shorter_while_another_tenant_is_on_its_way():

@@ -49,9 +49,32 @@ def test_float32_models_and_a_mismatch_keep_nn_linear(monkeypatch):
     assert weightmajor.install_weight_major_linears(fp32) == 0
     assert all(type(m) is torch.nn.Linear for m in linears(fp32))
     bf16 = tm.model("llama", dtype=torch.bfloat16)
-    monkeypatch.setattr(weightmajor, "_same_outputs", lambda linear: False)  # as on a backend where they differ
+    monkeypatch.setattr(weightmajor, "checked_blocks", lambda weight, bias=None: 0)  # as where they differ
     assert weightmajor.install_weight_major_linears(bf16) == 0
     assert all(type(m) is torch.nn.Linear for m in linears(bf16))
+
+
+def test_the_weight_is_read_by_every_thread_in_row_blocks_only_where_that_gives_the_same_numbers(monkeypatch):
+    """One block of rows per torch thread (oneDNN reads a weight on one thread for a few rows), checked equal to
+    F.linear per weight; where the blocks' numbers differ (some block shapes take another kernel) the weight is
+    read whole."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weight = torch.randn(96, 40).to(torch.bfloat16)
+        blocks = weightmajor.checked_blocks(weight)
+        assert blocks in (1, 2)
+        gen = torch.Generator().manual_seed(1)
+        for rows in range(1, MAX_ROWS + 1):
+            x = torch.randn(rows, 40, generator=gen).to(torch.bfloat16)
+            assert torch.equal(weightmajor.weight_major_product(weight, x, blocks), F.linear(x, weight))
+        exact = weightmajor.weight_major_product
+        monkeypatch.setattr(weightmajor, "weight_major_product",
+                            lambda w, x, blocks=1: exact(w, x, blocks) + (blocks > 1))  # blocks that differ
+        assert weightmajor.checked_blocks(weight) == 1
+        assert weightmajor.checked_blocks(torch.randn(95, 40).to(torch.bfloat16)) == 1  # 95 rows: no even blocks
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_batched_greedy_pick_is_the_first_maximum_like_argmax():
