@@ -130,7 +130,7 @@ class Settings(BaseModel):
     # The engine's scheduler (inferscale/engine/scheduler.py): sequences in flight (decoded in one batch), the
     # token budget of one step, the largest prompt chunk per turn, and each tenant's bounded queue.
     max_active: int = Field(64, ge=1)
-    step_tokens: int = Field(128, ge=1)
+    step_tokens: int = Field(512, ge=1)
     chunk_tokens: int = Field(128, ge=1)
     max_queued_per_tenant: int = Field(64, ge=1)
     queue_timeout_s: float = Field(30.0, gt=0)

@@ -251,11 +251,15 @@ class ServingLoop:
         req.length = kv.shape[3]
 
     def _prefill(self, chunks: list[tuple[GenRequest, int]]) -> tuple[int, int]:
-        """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch);
-        returns the prompt tokens computed and the passes."""
+        """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch)
+        of at most the scheduler's ``pass_tokens``; once another tenant comes, the rest wait for the next step
+        (where it goes first). Returns the prompt tokens computed and the passes run."""
         tokens = 0
-        groups = padded_groups([min(n, len(r.pending)) for r, n in chunks])
-        for group in groups:
+        groups = padded_groups([min(n, len(r.pending)) for r, n in chunks], max_tokens=self.scheduler.pass_tokens())
+        tenants = {r.sched.tenant for r, _ in chunks}
+        for run, group in enumerate(groups):
+            if run and self.scheduler.interrupted(tenants):
+                return tokens, run
             batch = [chunks[i] for i in group if chunks[i][0].slot >= 0]  # not failed by an earlier group
             if len(batch) == 1:
                 tokens += self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0

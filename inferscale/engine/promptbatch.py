@@ -13,17 +13,19 @@ from __future__ import annotations
 MAX_PADDING = 0.25
 
 
-def padded_groups(lengths: list[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+def padded_groups(lengths: list[int], max_padding: float = MAX_PADDING,
+                  max_tokens: int | None = None) -> list[list[int]]:
     """The chunks of ``lengths`` (their tokens, in turn order) as groups of indices, each group's padding within
-    ``max_padding`` of its padded size. Indices keep their order within a group, and groups run in the order of
-    their first index: the chunk that had the first turn (a newcomer's) is in the first pass."""
+    ``max_padding`` of its padded size, and its padded size within ``max_tokens`` (a pass's time bound; a longer
+    chunk is a group alone). Indices keep their order within a group, and groups run in the order of their first
+    index: the chunk that had the first turn (a newcomer's) is in the first pass."""
     groups: list[list[int]] = []
     tokens = 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # longest first: a group's first is its width
         if groups:
             group = groups[-1]
             padded = (len(group) + 1) * lengths[group[0]]
-            if padded - (tokens + lengths[i]) <= max_padding * padded:
+            if padded - (tokens + lengths[i]) <= max_padding * padded and (max_tokens is None or padded <= max_tokens):
                 group.append(i)
                 tokens += lengths[i]
                 continue

@@ -130,7 +130,7 @@ def test_ragged_prompt_chunks_in_one_padded_pass_give_each_its_own_logits(engine
     from inferscale.engine import loop as loop_mod
     from inferscale.engine.promptbatch import padded_groups
 
-    monkeypatch.setattr(loop_mod, "padded_groups", lambda lengths: padded_groups(lengths, max_padding=1.0))
+    monkeypatch.setattr(loop_mod, "padded_groups", lambda lengths, **_: padded_groups(lengths, max_padding=1.0))
     blocks = engine.encode(ITEMS)
     cases = [(engine.question_ids(QUESTIONS[0]), blocks[:1]), (engine.question_ids(QUESTIONS[1]), blocks[1:4]),
              (engine.question_ids(QUESTIONS[2]), [blocks[3], blocks[0]])]

@@ -35,3 +35,11 @@ def test_every_chunk_is_in_exactly_one_group_within_the_padding_bound():
     assert all(_padding(lengths, g) <= MAX_PADDING for g in groups)
     assert padded_groups([]) == []
     assert padded_groups([9, 1], max_padding=1.0) == [[0, 1]]
+
+
+def test_a_pass_holds_at_most_max_tokens_padded():
+    # 16 questions of 31 tokens, passes of 109 tokens (what fits in step_time_s): three rows a pass
+    groups = padded_groups([31] * 16, max_tokens=109)
+    assert [len(g) for g in groups] == [3, 3, 3, 3, 3, 1]
+    assert sorted(i for g in groups for i in g) == list(range(16))
+    assert padded_groups([128, 20], max_tokens=64) == [[0], [1]]  # a longer chunk is a pass of its own

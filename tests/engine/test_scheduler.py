@@ -77,11 +77,12 @@ def test_a_burst_starts_within_the_budget_one_chunk_per_request():
     burst = [ScheduledRequest("a", prompt_tokens=100) for _ in range(5)]
     for r in burst:
         s.add(r)
-    out = s.schedule()
-    assert out.admitted == burst[:4] and [n for _, n in out.prefill] == [64, 64, 64, 8]
+    out = s.schedule()  # the 8 tokens left would be a pass of their own for a sliver: the 4th starts next step
+    assert out.admitted == burst[:3] and [n for _, n in out.prefill] == [64, 64, 64]
     run_prefill(s, out)
-    out = s.schedule()  # started prompts continue before the fifth starts
-    assert [r for r, _ in out.prefill][:4] == burst[:4] and out.admitted == [burst[4]]
+    out = s.schedule()  # started prompts continue before the next starts
+    assert [r for r, _ in out.prefill][:3] == burst[:3] and out.admitted == burst[3:]
+    assert [n for _, n in out.prefill] == [36, 36, 36, 64, 28]
 
 
 def test_short_questions_of_a_burst_all_start_in_one_step():
@@ -173,6 +174,7 @@ def test_a_step_computes_only_the_prompt_tokens_that_fit_its_time_beside_the_dec
         s.add(r)
     run_prefill(s, s.schedule())
     s.add(ScheduledRequest("a", prompt_tokens=2000))
+    s.add(ScheduledRequest("b", prompt_tokens=2000))  # another tenant waits for the step
     s.cost.observe_decode(0.06)
     s.cost.observe_prefill(100, 0.16)
     out = s.schedule()
@@ -196,6 +198,33 @@ def test_a_prompt_token_costs_what_it_adds_to_a_pass_not_its_share_of_the_pass()
     assert 576 * cost.prompt_token_s + cost.pass_s == pytest.approx(0.492)  # measured: 450-500 ms
     cost.observe_prefill(10, 0.01)  # faster than a pass's fixed part (noise): a quarter of its whole cost
     assert cost.prompt_token_s == pytest.approx(0.8 * 0.00075 + 0.2 * 0.00025)
+
+
+def test_a_lone_tenants_burst_starts_in_one_step_in_passes_another_tenant_interrupts():
+    """Issue 22: 16 questions of one tenant (31 tokens each) while its first decodes. Measured costs (2-core CPU):
+    a pass's fixed part 75 ms, 1.6 ms a prompt token. A 0.25 s step beside the decode pass would fit one or two
+    of them, so the burst took ten steps, each with a decode pass. Nobody else waits: the step takes them all,
+    the loop runs them in passes of what fits in step_time_s, and another tenant's arrival ends the step after
+    the pass in progress."""
+    s = Scheduler(SchedulerConfig(step_tokens=512, chunk_tokens=128, step_time_s=0.25))
+    first = ScheduledRequest("a", 5, 4)
+    s.add(first)
+    run_prefill(s, s.schedule())
+    s.cost.observe_decode(0.075)
+    s.cost.observe_prefill(31, 0.075 + 31 * 0.0016)
+    burst = [ScheduledRequest("a", prompt_tokens=31) for _ in range(16)]
+    for r in burst:
+        s.add(r)
+    out = s.schedule()
+    assert out.admitted == burst and [n for _, n in out.prefill] == [31] * 16
+    assert s.pass_tokens() == 109  # (0.25 - 0.075) / 0.0016
+    assert not s.interrupted({"a"})
+    arrival = s.expect("b")
+    assert s.interrupted({"a"}) and not s.interrupted({"a", "b"})
+    run_prefill(s, out)
+    s.add(ScheduledRequest("a", prompt_tokens=400))
+    assert sum(n for _, n in s.schedule().prefill) == 62  # B on its way: the step's time bound again (0.1 s left)
+    arrival.close()
 
 
 def test_steps_are_shorter_while_another_tenant_is_on_its_way():
@@ -222,6 +251,7 @@ def test_the_time_bound_never_stops_prompts():
     s.add(ScheduledRequest("a", 5, 4))
     run_prefill(s, s.schedule())
     s.add(ScheduledRequest("a", prompt_tokens=2000))
+    s.add(ScheduledRequest("b", prompt_tokens=2000))
     s.cost.observe_prefill(10, 1.0)  # 100 ms a token: nothing fits in 50 ms
     s.cost.observe_decode(1.0)
     assert sum(n for _, n in s.schedule().prefill) == 128 // 4
