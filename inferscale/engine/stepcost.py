@@ -9,7 +9,7 @@ No torch: the loop reports wall times, the scheduler reads estimates; tests feed
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Weight of the newest observation: a few steps follow a change of load (a flood starting) without one slow step
 # (a page fault, another process) swinging the estimate.
@@ -37,13 +37,17 @@ class StepCost:
     # the shortest prompt pass seen: the prediction's decode cost until a decode pass was measured (a server
     # whose first requests asked one token)
     shortest_pass_s: float | None = None
+    _fixed_part_unknown: bool = field(default=False, repr=False)  # prompt_token_s was measured without pass_s
 
     def observe_prefill(self, tokens: int, seconds: float, passes: int = 1) -> None:
         if tokens > 0 and seconds > 0:
             per_token = seconds / tokens
             # a quarter of the whole cost at least: a pass timed under its fixed part (noise) says nothing of it
             marginal = max((seconds - passes * (self.pass_s or 0.0)) / tokens, per_token / 4)
-            self.prompt_token_s = ewma(self.prompt_token_s, marginal)
+            # Before a decode pass told the fixed part, a token's cost is its pass's share: a stand-in the first
+            # observation with the fixed part known replaces instead of averaging with (it is 2-4x too high).
+            self.prompt_token_s = ewma(None if self._fixed_part_unknown else self.prompt_token_s, marginal)
+            self._fixed_part_unknown = self.pass_s is None
             per_pass = seconds / max(passes, 1)
             self.shortest_pass_s = min(self.shortest_pass_s or per_pass, per_pass)
 

@@ -198,6 +198,11 @@ def test_a_prompt_token_costs_what_it_adds_to_a_pass_not_its_share_of_the_pass()
     assert 576 * cost.prompt_token_s + cost.pass_s == pytest.approx(0.492)  # measured: 450-500 ms
     cost.observe_prefill(10, 0.01)  # faster than a pass's fixed part (noise): a quarter of its whole cost
     assert cost.prompt_token_s == pytest.approx(0.8 * 0.00075 + 0.2 * 0.00025)
+    cost = StepCost()
+    cost.observe_prefill(36, 0.087)  # the pass's share (2.4 ms a token) stands in until a decode pass is seen,
+    cost.observe_decode(0.06)
+    cost.observe_prefill(36, 0.087)  # then the first cost measured beside the fixed part replaces it
+    assert cost.prompt_token_s == pytest.approx(0.00075)
 
 
 def test_a_lone_tenants_burst_starts_in_one_step_in_passes_another_tenant_interrupts():
