@@ -25,19 +25,19 @@ from inferscale.models.layout import ModelLayout
 class _SlotLayer(DynamicLayer):
     """One layer's view of the slot tensors for one forward pass: writes the new K/V where each row's tokens go."""
 
-    def __init__(self, store: SlotCache, layer: int, rows: torch.Tensor, starts: torch.Tensor, kv_len: int) -> None:
+    def __init__(self, store: SlotCache, layer: int, rows: torch.Tensor, cells: torch.Tensor, kv_len: int) -> None:
         super().__init__()
-        self.store, self.layer, self.rows, self.starts, self.kv_len = store, layer, rows, starts, kv_len
+        self.store, self.layer, self.rows, self.cells, self.kv_len = store, layer, rows, cells, kv_len
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states: [B, H, q, D]; row b's q new tokens go to indices starts[b] .. starts[b]+q-1.
+        # key_states: [B, H, q, D]; row b's q new tokens go to indices starts[b] .. starts[b]+q-1: ``cells``, their
+        # rows of the slot tensor seen as [slots * H * capacity, D] (one index_copy_ instead of an index_put_ over
+        # two index tensors, which took ~10 % of a 16-row decode step)
         keys, values = self.store.keys[self.layer], self.store.values[self.layer]
-        q = key_states.shape[2]
-        idx = self.starts[:, None] + torch.arange(q, device=self.starts.device)[None]  # [B, q]
-        rows = self.rows[:, None].expand_as(idx)
-        keys[rows, :, idx] = key_states.transpose(1, 2).to(keys.dtype)
-        values[rows, :, idx] = value_states.transpose(1, 2).to(values.dtype)
+        dim = keys.shape[-1]
+        keys.view(-1, dim).index_copy_(0, self.cells, key_states.reshape(-1, dim).to(keys.dtype))
+        values.view(-1, dim).index_copy_(0, self.cells, value_states.reshape(-1, dim).to(values.dtype))
         r0, r1 = int(self.rows[0]), int(self.rows[-1]) + 1
         if r1 - r0 == len(self.rows):  # contiguous rows: a view, no copy
             return keys[r0:r1, :, : self.kv_len], values[r0:r1, :, : self.kv_len]
@@ -112,9 +112,13 @@ class SlotCache:
         kv_len = max(starts) + q
         self.reserve(max(rows) + 1, kv_len)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+        heads, capacity = self.keys[0].shape[1], self.capacity
+        # the cell of row b, head h, new token t: ((rows[b] * H + h) * capacity + starts[b] + t), in [B, H, q] order
+        cells = ((rows_t[:, None, None] * heads + torch.arange(heads, device=self.device)[None, :, None]) * capacity
+                 + torch.tensor(starts, dtype=torch.long, device=self.device)[:, None, None]
+                 + torch.arange(q, device=self.device)[None, None, :]).reshape(-1)
         cache = DynamicCache()
-        cache.layers = [_SlotLayer(self, i, rows_t, starts_t, kv_len) for i in range(self.num_layers)]
+        cache.layers = [_SlotLayer(self, i, rows_t, cells, kv_len) for i in range(self.num_layers)]
         return cache
 
     def mask(self, starts: list[int], q: int) -> torch.Tensor | dict[str, torch.Tensor]:

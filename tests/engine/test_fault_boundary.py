@@ -102,6 +102,8 @@ def test_a_prefill_error_fails_that_request_alone(engine, monkeypatch):
         real(self, req, n)
 
     monkeypatch.setattr(ServingLoop, "_prefill_chunk", prefill)
+    # each chunk a pass of its own (the path a lone chunk and a failed pass's retry take)
+    monkeypatch.setattr(loop_mod, "padded_groups", lambda lengths, **_: [[i] for i in range(len(lengths))])
     _assert_only_broken_failed(_run(engine, QUESTIONS[2]), clean, QUESTIONS[2])
 
 
