@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 # the numbers change): that is the range checked equal and swapped.
 MAX_ROWS = 32
 CHECK_ROWS = (1, 3, 17, MAX_ROWS)  # row counts the equality is checked at, per weight shape
+# Only a weight this large is read in row blocks, one per thread: the LM head (335 MB) streams from memory, where
+# one core reads at ~13 GB/s; a layer's weights (at most 5 MB here) come from the cache (300 MB of L3) and their
+# blocks' thread hand-offs cost more than they save (a decode step 54 vs 46 ms, 16 rows 84 vs 76 ms, interleaved).
+SPLIT_MIN_BYTES = 64 * 2**20
 
 
 def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int = 1) -> torch.Tensor:
@@ -35,7 +39,7 @@ def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int =
 
     oneDNN runs one such product on ONE thread (the few activation columns give it nothing to split), so with
     ``blocks`` > 1 ``weight``'s rows are cut into that many blocks run as one ``torch.bmm``, which gives each torch
-    thread its own blocks: every core reads weights. Measured on the 2-core AMX machine, LM head [262144, 640],
+    thread its own blocks: every core reads weights (worth it for a weight read from memory: SPLIT_MIN_BYTES). Measured on the 2-core AMX machine, LM head [262144, 640],
     batch 1: ``mv`` 24 ms = 13-14 GB/s at one and at two threads; 2 blocks 15 ms = 22 GB/s, the float32 read
     bandwidth of the machine. ``checked_blocks`` says which count gives F.linear's numbers."""
     if blocks > 1:
@@ -54,7 +58,9 @@ def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
     oneDNN kernel), else 1 where the plain product is, else 0. Fixed at load, so a later thread count changes
     the speed, never the numbers."""
     threads = torch.get_num_threads()
-    candidates = [threads, 1] if threads > 1 and weight.shape[0] % threads == 0 and weight.is_contiguous() else [1]
+    big = weight.numel() * weight.element_size() >= SPLIT_MIN_BYTES
+    candidates = [threads, 1] if big and threads > 1 and weight.shape[0] % threads == 0 and weight.is_contiguous() \
+        else [1]
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         xs = [torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype) for rows in CHECK_ROWS]

@@ -60,6 +60,7 @@ def test_the_weight_is_read_by_every_thread_in_row_blocks_only_where_that_gives_
     read whole."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    monkeypatch.setattr(weightmajor, "SPLIT_MIN_BYTES", 0)  # the test's small weights count as large
     try:
         weight = torch.randn(96, 40).to(torch.bfloat16)
         blocks = weightmajor.checked_blocks(weight)
@@ -73,6 +74,9 @@ def test_the_weight_is_read_by_every_thread_in_row_blocks_only_where_that_gives_
                             lambda w, x, blocks=1: exact(w, x, blocks) + (blocks > 1))  # blocks that differ
         assert weightmajor.checked_blocks(weight) == 1
         assert weightmajor.checked_blocks(torch.randn(95, 40).to(torch.bfloat16)) == 1  # 95 rows: no even blocks
+        monkeypatch.setattr(weightmajor, "weight_major_product", exact)
+        monkeypatch.setattr(weightmajor, "SPLIT_MIN_BYTES", weight.numel() * 2 + 1)
+        assert weightmajor.checked_blocks(weight) == 1  # a weight the caches hold is read whole
     finally:
         torch.set_num_threads(threads)
 
