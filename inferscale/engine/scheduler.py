@@ -181,14 +181,20 @@ class Scheduler:
             expired = self._expire()
             shed = self._shed()
             decode = list(self._decoding)
-            budget = self._prompt_budget(len(decode), self._newcomer_on_its_way(), self._lone())
+            lone = self._lone()
+            budget = self._prompt_budget(len(decode), self._newcomer_on_its_way(), lone)
+            # a lone tenant's chunks fit its passes (each what an arrival may wait for)
+            chunk_tokens = min(self.config.chunk_tokens, self._pass_tokens() or self.config.chunk_tokens) if lone \
+                else self.config.chunk_tokens
             admitted: list[ScheduledRequest] = []
             prefill: list[tuple[ScheduledRequest, int]] = []
             # Rounds of turns until the budget is spent: in each round every tenant with prompt work computes one
             # chunk of one request (its oldest started one, else its next queued one); a request gets one chunk per
             # step. The tenant served longest ago goes first (a newcomer first of all).
             self._steps += 1
-            order = sorted(self._waiting, key=lambda t: self._served_at.get(t, -1))
+            # Among tenants served as recently, the shorter next prompt first: a waiting tenant's short question
+            # is not queued behind another's long prompt for a step because both had a turn in the last one.
+            order = sorted(self._waiting, key=lambda t: (self._served_at.get(t, -1), self._next_prompt(t)))
             chunked: set[int] = set()
             served: set[str] = set()
             progress = True
@@ -208,7 +214,7 @@ class Scheduler:
                         self._prefilling.setdefault(tenant, []).append(req)
                         admitted.append(req)
                     chunked.add(req.id)
-                    n = min(req.remaining_prompt, self.config.chunk_tokens, budget)
+                    n = min(req.remaining_prompt, chunk_tokens, budget)
                     if n > 0:
                         prefill.append((req, n))
                         budget -= n
@@ -253,8 +259,7 @@ class Scheduler:
         (None before a prompt token was measured). A lone tenant's step (untimed) runs its prompt chunks in
         passes of this size, and ``interrupted`` between them."""
         with self._lock:
-            fit = self.cost.prompt_tokens_within(self.config.step_time_s, decoding=False)
-            return None if fit is None else max(fit, self.config.chunk_tokens // 4, 1)
+            return self._pass_tokens()
 
     def interrupted(self, tenants: set[str]) -> bool:
         """A tenant not among ``tenants`` (those this step computes prompts of) is announced or queued: the step's
@@ -280,6 +285,17 @@ class Scheduler:
         if timed is not None:
             budget = min(budget, max(timed, cfg.chunk_tokens // 4, 1))
         return budget
+
+    def _pass_tokens(self) -> int | None:
+        fit = self.cost.prompt_tokens_within(self.config.step_time_s, decoding=False)
+        return None if fit is None else max(fit, self.config.chunk_tokens // 4, 1)
+
+    def _next_prompt(self, tenant: str) -> int:
+        """The prompt tokens left of the request ``tenant``'s next turn computes (its oldest started, else its next
+        queued one)."""
+        started, queue = self._prefilling.get(tenant), self._waiting.get(tenant)
+        nxt = started[0] if started else queue[0] if queue else None
+        return nxt.remaining_prompt if nxt is not None else 0
 
     def _lone(self) -> bool:
         """One tenant at most has prompt work and none other is on its way."""

@@ -347,3 +347,26 @@ def test_a_burst_still_fetching_its_memories_is_refused_on_arrival():
         a.close()
         a.close()  # idempotent
     s.expect("a").close()  # the announced ones are gone: room again
+
+
+def test_among_tenants_served_as_recently_the_shorter_next_prompt_goes_first():
+    """Issue 22 (seen in a trace of the flood): B's question and A's long prompt both had a turn in the last step;
+    B's next question arrives and, by queue order alone, waited behind A's chunk for a step."""
+    s = Scheduler(SchedulerConfig(step_tokens=512, chunk_tokens=128))
+    s.add(ScheduledRequest("a", prompt_tokens=1600))
+    s.add(ScheduledRequest("b", prompt_tokens=31))
+    out = s.schedule()
+    assert [r.tenant for r, _ in out.prefill] == ["b", "a"]  # neither served yet: the shorter first
+    run_prefill(s, out)
+    s.finish(out.prefill[0][0])
+    s.add(ScheduledRequest("b", prompt_tokens=31))
+    assert [r.tenant for r, _ in s.schedule().prefill] == ["b", "a"]
+
+
+def test_a_lone_tenants_chunks_fit_one_pass():
+    s = Scheduler(SchedulerConfig(step_tokens=512, chunk_tokens=128, step_time_s=0.25))
+    s.cost.observe_decode(0.07)
+    s.cost.observe_prefill(100, 0.07 + 100 * 0.002)  # 2 ms a token: 90 fit in a pass beside its fixed part
+    s.add(ScheduledRequest("a", prompt_tokens=1600))
+    s.add(ScheduledRequest("a", prompt_tokens=1600))
+    assert [n for _, n in s.schedule().prefill] == [90, 90]
