@@ -182,10 +182,7 @@ class ServingLoop:
         for s in out.expired:
             s.payload.emit(ErrorEvent(EngineBusyError(f"request waited over {limit:g} s for the engine; retry later",
                                                       retry_after_s=self.scheduler.retry_after_s())))
-        for s in out.shed:
-            s.payload.emit(ErrorEvent(EngineBusyError(
-                f"request would wait over {limit:g} s for the engine at its measured speed; retry later",
-                retry_after_s=self.scheduler.retry_after_s())))
+        self._refuse(out.shed)
         decode = [s.payload for s in out.decode]
         for s in out.admitted:
             self._guarded(s.payload, self._admit)
@@ -205,6 +202,13 @@ class ServingLoop:
             self.threads.after_decode(len(decode), t2 - t1)
             cost.observe_decode(t2 - t1)
         self.steps += 1
+
+    def _refuse(self, shed: list) -> None:
+        """Answer the requests the scheduler shed (they would outwait the queue timeout): 503 + Retry-After."""
+        for s in shed:
+            s.payload.emit(ErrorEvent(EngineBusyError(
+                f"request would wait over {self.scheduler.config.queue_timeout_s:g} s for the engine at its measured "
+                "speed; retry later", retry_after_s=self.scheduler.retry_after_s())))
 
     def run_until_done(self) -> None:
         while self.has_work():
@@ -258,8 +262,10 @@ class ServingLoop:
         groups = padded_groups([min(n, len(r.pending)) for r, n in chunks], max_tokens=self.scheduler.pass_tokens())
         tenants = {r.sched.tenant for r, _ in chunks}
         for run, group in enumerate(groups):
-            if run and self.scheduler.interrupted(tenants):
-                return tokens, run
+            if run:
+                if self.scheduler.interrupted(tenants):
+                    return tokens, run
+                self._refuse(self.scheduler.shed_queued())
             batch = [chunks[i] for i in group if chunks[i][0].slot >= 0]  # not failed by an earlier group
             if len(batch) == 1:
                 tokens += self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0

@@ -261,6 +261,12 @@ class Scheduler:
         with self._lock:
             return self._pass_tokens()
 
+    def shed_queued(self) -> list[ScheduledRequest]:
+        """What ``schedule`` refuses as ``shed``, now: the loop asks between the passes of a long step, so a request
+        accepted on a guess is refused within a pass, not after the step."""
+        with self._lock:
+            return self._shed()
+
     def interrupted(self, tenants: set[str]) -> bool:
         """A tenant not among ``tenants`` (those this step computes prompts of) is announced or queued: the step's
         remaining prompt passes wait for the next step, in which it has the first turn."""

@@ -370,3 +370,18 @@ def test_a_lone_tenants_chunks_fit_one_pass():
     s.add(ScheduledRequest("a", prompt_tokens=1600))
     s.add(ScheduledRequest("a", prompt_tokens=1600))
     assert [n for _, n in s.schedule().prefill] == [90, 90]
+
+
+def test_queued_requests_are_shed_between_a_long_steps_passes_not_after_it():
+    clock = Clock()
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30), clock=clock)
+    s.cost.observe_prefill(20, 0.02)  # 1 ms a token: 8 prompts of 1000 tokens look like 8 s of work
+    queued = [ScheduledRequest("a", prompt_tokens=1000) for _ in range(8)]
+    for r in queued:
+        s.add(r)
+    assert s.shed_queued() == []
+    for _ in range(20):
+        s.cost.observe_prefill(100, 1.0)  # measured since: 10 ms a token
+    shed = s.shed_queued()
+    assert shed and shed == queued[-len(shed):] and s.num_waiting == 8 - len(shed)
+    assert s.schedule().shed == []  # refused once
