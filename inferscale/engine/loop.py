@@ -191,7 +191,7 @@ class ServingLoop:
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
         t0 = time.perf_counter()
         tokens, passes = self._prefill([(s.payload, n) for s, n in out.prefill
-                                        if s.payload.slot >= 0 and s.payload.pending])
+                                        if s.payload.slot >= 0 and s.payload.pending], out.pass_tokens)
         t1 = time.perf_counter()
         cost.observe_prefill(tokens, t1 - t0, passes)
         decode = [r for r in decode if r.slot >= 0]
@@ -254,12 +254,12 @@ class ServingLoop:
         self.slots.write(req.slot, kv)
         req.length = kv.shape[3]
 
-    def _prefill(self, chunks: list[tuple[GenRequest, int]]) -> tuple[int, int]:
+    def _prefill(self, chunks: list[tuple[GenRequest, int]], pass_tokens: int | None) -> tuple[int, int]:
         """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch)
-        of at most the scheduler's ``pass_tokens``; once another tenant comes, the rest wait for the next step
+        of at most ``pass_tokens`` padded tokens; once another tenant comes, the rest wait for the next step
         (where it goes first). Returns the prompt tokens computed and the passes run."""
         tokens = 0
-        groups = padded_groups([min(n, len(r.pending)) for r, n in chunks], max_tokens=self.scheduler.pass_tokens())
+        groups = padded_groups([min(n, len(r.pending)) for r, n in chunks], max_tokens=pass_tokens)
         tenants = {r.sched.tenant for r, _ in chunks}
         for run, group in enumerate(groups):
             if run:

@@ -60,6 +60,7 @@ class SchedulerOutput:
     cancelled: list[ScheduledRequest]  # cancelled by the client; the engine frees what they hold
     # queued, but at the costs measured since they were accepted they would outwait the queue timeout: refused now
     shed: list[ScheduledRequest] = field(default_factory=list)
+    pass_tokens: int | None = None  # the most padded prompt tokens one of the step's passes computes
 
 
 # Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
@@ -94,8 +95,14 @@ class SchedulerConfig:
     max_queued_per_tenant: int = 64
     queue_timeout_s: float = 30.0
     # A step's target wall time: its prompt tokens are cut to what fits beside its decode pass (at least
-    # ``chunk_tokens // 4``, so prompts always progress). What a request arriving mid-step waits for.
+    # ``min_chunk_tokens``, so prompts always progress). What a request arriving mid-step waits for.
     step_time_s: float = 0.25
+
+    @property
+    def min_chunk_tokens(self) -> int:
+        """The fewest prompt tokens a step or a pass is cut to (so prompts always progress), and the smallest
+        chunk a prompt starts with short of its whole length (a sliver would be a pass of its own)."""
+        return max(self.chunk_tokens // 4, 1)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "step_tokens", "chunk_tokens", "max_queued_per_tenant"):
@@ -183,8 +190,9 @@ class Scheduler:
             decode = list(self._decoding)
             lone = self._lone()
             budget = self._prompt_budget(len(decode), self._newcomer_on_its_way(), lone)
+            pass_tokens = self._pass_tokens()
             # a lone tenant's chunks fit its passes (each what an arrival may wait for)
-            chunk_tokens = min(self.config.chunk_tokens, self._pass_tokens() or self.config.chunk_tokens) if lone \
+            chunk_tokens = min(self.config.chunk_tokens, pass_tokens or self.config.chunk_tokens) if lone \
                 else self.config.chunk_tokens
             admitted: list[ScheduledRequest] = []
             prefill: list[tuple[ScheduledRequest, int]] = []
@@ -209,7 +217,7 @@ class Scheduler:
                     if req is None and (not queue or self.num_running >= self.config.max_running
                                         or tenant in unfinished):
                         continue  # (a tenant's started prompt goes on before another starts)
-                    if budget < min((req or queue[0]).remaining_prompt, self.config.chunk_tokens // 4):
+                    if budget < min((req or queue[0]).remaining_prompt, self.config.min_chunk_tokens):
                         continue  # a sliver of a prompt would be a forward pass of its own for a few tokens
                     if req is None:
                         req = queue.popleft()
@@ -230,7 +238,7 @@ class Scheduler:
                 del self._waiting[tenant]
                 self._served_at.pop(tenant, None)
             return SchedulerOutput(decode=decode, prefill=prefill, admitted=admitted, expired=expired,
-                                   cancelled=cancelled, shed=shed)
+                                   cancelled=cancelled, shed=shed, pass_tokens=pass_tokens)
 
     def computed(self, req: ScheduledRequest, tokens: int) -> None:
         """The engine computed ``tokens`` more prompt tokens of ``req``; once all are, it decodes."""
@@ -258,15 +266,6 @@ class Scheduler:
             self._waiting.clear()
             return held
 
-    def pass_tokens(self) -> int | None:
-        """The most prompt tokens one forward pass of a lone tenant computes: what fits in the newcomer's share of
-        ``step_time_s`` at the measured costs (None before a prompt token was measured). Its step (untimed) runs
-        its chunks in passes of this size, ``interrupted`` between them: another tenant arriving waits for the pass
-        in progress. Measured (bench load, 3 repeats): passes of all of step_time_s gave 16 streams 7.0x one but
-        the flood's tenant B 2.6x its idle TTFT; passes of half of it 5.9x and 1.8x."""
-        with self._lock:
-            return self._pass_tokens()
-
     def shed_queued(self) -> list[ScheduledRequest]:
         """What ``schedule`` refuses as ``shed``, now: the loop asks between the passes of a long step, so a request
         accepted on a guess is refused within a pass, not after the step."""
@@ -286,7 +285,7 @@ class Scheduler:
         least, so a full decode batch cannot starve prompts), cut to what fits in ``step_time_s`` (a share of it
         while a ``newcomer`` is on its way: the step it arrives during is the first thing it waits for) unless
         the tenant computing prompts is ``lone``: then nobody waits for the step, only for its current pass
-        (``pass_tokens``, ``interrupted``), and a burst's prompts share passes instead of one short step each
+        (``_pass_tokens``, ``interrupted``), and a burst's prompts share passes instead of one short step each
         (each with a decode pass: on the 2-core CPU a 0.25 s step fits 1-2 of 16 questions)."""
         cfg = self.config
         budget = max(cfg.step_tokens - decoding, cfg.step_tokens // 4, 1)
@@ -295,12 +294,18 @@ class Scheduler:
         seconds = cfg.step_time_s * (NEWCOMER_STEP_SHARE if newcomer else 1.0)
         timed = self.cost.prompt_tokens_within(seconds, decoding > 0)
         if timed is not None:
-            budget = min(budget, max(timed, cfg.chunk_tokens // 4, 1))
+            budget = min(budget, max(timed, cfg.min_chunk_tokens))
         return budget
 
     def _pass_tokens(self) -> int | None:
+        """The most prompt tokens one forward pass computes (``SchedulerOutput.pass_tokens``): what fits in the
+        newcomer's share of ``step_time_s`` at the measured costs (None before a prompt token was measured). A
+        lone tenant's step (untimed) runs its chunks in passes of this size, ``interrupted`` between them: another
+        tenant arriving waits for the pass in progress. Measured (bench load, 3 repeats): passes of all of
+        step_time_s gave 16 streams 7.0x one but the flood's tenant B 2.6x its idle TTFT; passes of half of it
+        5.9x and 1.8x."""
         fit = self.cost.prompt_tokens_within(self.config.step_time_s * NEWCOMER_STEP_SHARE, decoding=False)
-        return None if fit is None else max(fit, self.config.chunk_tokens // 4, 1)
+        return None if fit is None else max(fit, self.config.min_chunk_tokens)
 
     def _next_prompt(self, tenant: str) -> int:
         """The prompt tokens left of the request ``tenant``'s next turn computes (its oldest started, else its next

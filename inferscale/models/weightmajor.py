@@ -39,9 +39,9 @@ def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int =
 
     oneDNN runs one such product on ONE thread (the few activation columns give it nothing to split), so with
     ``blocks`` > 1 ``weight``'s rows are cut into that many blocks run as one ``torch.bmm``, which gives each torch
-    thread its own blocks: every core reads weights (worth it for a weight read from memory: SPLIT_MIN_BYTES). Measured on the 2-core AMX machine, LM head [262144, 640],
-    batch 1: ``mv`` 24 ms = 13-14 GB/s at one and at two threads; 2 blocks 15 ms = 22 GB/s, the float32 read
-    bandwidth of the machine. ``checked_blocks`` says which count gives F.linear's numbers."""
+    thread its own blocks: every core reads weights (worth it for a weight read from memory: SPLIT_MIN_BYTES).
+    Measured on the 2-core AMX machine, LM head [262144, 640], batch 1: ``mv`` 24 ms = 13-14 GB/s at one and at
+    two threads; 2 blocks 15 ms = 22 GB/s, the float32 read bandwidth of the machine. ``checked_blocks`` says which count gives F.linear's numbers."""
     if blocks > 1:
         out_rows = weight.shape[0]
         parts = torch.bmm(weight.view(blocks, out_rows // blocks, weight.shape[1]),

@@ -223,7 +223,7 @@ def test_a_lone_tenants_burst_starts_in_one_step_in_passes_another_tenant_interr
         s.add(r)
     out = s.schedule()
     assert out.admitted == burst and [n for _, n in out.prefill] == [31] * 16
-    assert s.pass_tokens() == 81  # (0.25 / 2 - 0.06) / 0.0008: a pass takes the newcomer's share of a step
+    assert out.pass_tokens == 81  # (0.25 / 2 - 0.06) / 0.0008: a pass takes the newcomer's share of a step
     assert not s.interrupted({"a"})
     arrival = s.expect("b")
     assert s.interrupted({"a"}) and not s.interrupted({"a", "b"})
