@@ -4,10 +4,10 @@ Rows (medians over repeats, same bytes, same run):
   disk  NIXL POSIX, one request for all blobs       vs  Python open().readinto per file
   peer  the owner's NIXL UCX WRITE into this         vs  the same bytes over a plain TCP socket between the same
         process's exposed slots, in a kept session      two processes: one kept connection (as the session is),
-        (incl. the locate and write round trips)        a request, sendall of each image from the owner's arena,
-                                                        recv_into a preallocated huge-page buffer (the kind of
-                                                        memory the arena is); the two alternate repeat by
-                                                        repeat, so both see the same machine load
+        (the fleet path's pull: the sizes known from    a request, sendall of each image from the owner's arena,
+        the peer's index, one ``pull`` round trip;      recv_into a preallocated huge-page buffer (the kind of
+        ``peer-locate``: without them, ``locate``       memory the arena is); the two alternate repeat by
+        then ``write``, two round trips)                repeat, so both see the same machine load
   dram  KVStore.get_many, all blocks DRAM-resident  vs  torch.Tensor.copy_ of the same bytes (warm destination)
         (zero-copy views of the arena; ``dram-copy`` is the copy=True variant, against fresh-memory copies)
 Plus end-to-end store rows (checksums verified; pulls also written to disk) against the plain way doing the
@@ -295,22 +295,26 @@ def bench(work: Path, args: argparse.Namespace, kv_dtype: str = "bf16") -> list[
         rows.append(row("dram-copy", n, total, t_hitc, "torch.empty + copy_ per block", t_fresh))
 
     from inferscale.store.arena import huge_page_buffer
-    from inferscale.store.pulling import fetch_leased
+    from inferscale.store.pulling import fetch_leased, peer_index
 
     # -- peer process -> DRAM -------------------------------------------------------------------------------
     secret = secrets.token_hex(16)  # this run's INFERSCALE_PEER_SECRET
     with child_process(_peer_main, str(src_root), budget, secret, start_timeout_s=120, stop_timeout_s=30) as info:
         with KVStore(dst_root, dram_budget_bytes=budget, peer_secret=secret) as st:
-            def nixl_peer() -> None:
-                got, offs = fetch_leased(st, TENANT, USER, info["peer"], ids, FINGERPRINT, None)
+            index = peer_index(st, TENANT, USER, info["peer"], FINGERPRINT)  # the fleet path's first question
+
+            def nixl_peer(known: list[int] | None) -> None:
+                got, offs = fetch_leased(st, TENANT, USER, info["peer"], ids, FINGERPRINT, None, known)
                 st.dram.abort(TENANT, offs, [g["size"] for g in got])
 
             buf = memoryview(huge_page_buffer(total).numpy())
             conn = socket_connect(info["socket"])
-            ucx_times, sock_times = paired_times(nixl_peer, lambda: socket_fetch(conn, ids, buf), 2 * reps)
-            rows.append({**row("peer", n, total, statistics.median(ucx_times), "tcp socket (same processes)",
-                               statistics.median(sock_times)),
-                         "ms_spread": spread_ms(ucx_times), "baseline_ms_spread": spread_ms(sock_times)})
+            for source, known in (("peer", [index.sizes[i] for i in ids]), ("peer-locate", None)):
+                ucx_times, sock_times = paired_times(lambda: nixl_peer(known), lambda: socket_fetch(conn, ids, buf),
+                                                     2 * reps)
+                rows.append({**row(source, n, total, statistics.median(ucx_times), "tcp socket (same processes)",
+                                   statistics.median(sock_times)),
+                             "ms_spread": spread_ms(ucx_times), "baseline_ms_spread": spread_ms(sock_times)})
 
             def sock_verify() -> None:
                 socket_fetch(conn, ids, buf)

@@ -45,6 +45,7 @@ class RemoteIndex:
     ids: list[str]
     matrix: torch.Tensor  # [n, dim] float32
     peer: str
+    sizes: dict[str, int]  # item -> its blob's bytes at the peer (a one-round-trip pull)
 
 
 @dataclass
@@ -122,7 +123,8 @@ class Fleet:
                 self._mark(tenant, user, True)  # before the blocks land: a crash must not leave an unmarked subset
                 # The holder imported its Job dir when it answered the index: no path travels here.
                 try:
-                    pulled = self.store.pull_from_peer(tenant, user, idx.peer, missing, fingerprint)
+                    sizes = [idx.sizes[i] for i in missing] if all(i in idx.sizes for i in missing) else None
+                    pulled = self.store.pull_from_peer(tenant, user, idx.peer, missing, fingerprint, sizes=sizes)
                 except (TransferError, NotFoundError):  # the holder went away or changed: find one again next time
                     with self.lock:
                         self.indexes.pop((tenant, user, fingerprint), None)
@@ -142,18 +144,18 @@ class Fleet:
         failures: list[str] = []
         for peer in peers:
             try:
-                ids, matrix = peer_index(self.store, tenant, user, peer, fingerprint)
+                found = peer_index(self.store, tenant, user, peer, fingerprint)
             except NotFoundError:
                 continue
             except (TransferError, UnsafePathError, ConfigError, InvalidInputError) as e:  # an unreachable peer: ask the next one
                 log.warning("fleet: peer %s for %s/%s: %s", peer, tenant, user, e)
                 failures.append(peer)
                 continue
-            if not ids:
+            if not found.ids:
                 continue
             with self.lock:
-                self.indexes[(tenant, user, fingerprint)] = RemoteIndex(ids, matrix, peer)
-            return ids, matrix
+                self.indexes[(tenant, user, fingerprint)] = RemoteIndex(found.ids, found.matrix, peer, found.sizes)
+            return found.ids, found.matrix
         if failures:  # a holder may be among them: never answer as if the user had no memories
             raise TransferError(f"user {user!r} of tenant {tenant!r}: not on this pod, and {len(failures)} of its "
                                 f"{len(peers)} peer(s) could not be asked; try again")

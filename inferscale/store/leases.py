@@ -91,6 +91,12 @@ class LeaseBook:
             return None
         return lease
 
+    def finish(self, lease: Lease) -> None:
+        """End ``lease`` and drop it from the book (it counted against the caps until now)."""
+        with self.lock:
+            self.leases.pop(lease.id, None)
+        self.end(lease)
+
     def end(self, lease: Lease) -> None:
         for e in lease.entries:
             self.release_entry(e)

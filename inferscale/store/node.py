@@ -83,8 +83,10 @@ class FleetStore(StoreNode, Protocol):
         """The blocks of ``item_ids`` from the fastest tier holding each."""
 
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
-                       fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
-        """Copy a user's blocks from a peer node into this node's tiers."""
+                       fingerprint: str | None = None, *, source_dir: str | None = None,
+                       sizes: list[int] | None = None) -> PullResult:
+        """Copy a user's blocks from a peer node into this node's tiers (``sizes`` from the peer's index: one
+        round trip)."""
 
     def locate(self, tenant: str, user: str, item_ids: list[str], fingerprint: str) -> dict[str, ItemInfo]:
         """item -> catalogue row with its tiers now, of those of ``item_ids`` stored here: what the planner weighs."""

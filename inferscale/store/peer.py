@@ -93,8 +93,8 @@ class PeerSession:
             raise
         self.hello_checked = False
 
-    def _authentic(self, request: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
-        if not wire.verify(reply.get("auth"), wire.reply_mac(self.secret, self.t, request, reply)):
+    def _authentic(self, request_body: bytes, reply: dict[str, Any]) -> dict[str, Any]:
+        if not wire.verify(reply.get("auth"), wire.reply_mac(self.secret, self.t, request_body, reply)):
             raise TransferError(f"peer {self.peer}: reply not authenticated (not a peer holding "
                                 "INFERSCALE_PEER_SECRET)")
         return {k: v for k, v in reply.items() if k not in ("auth", "seq")}
@@ -104,7 +104,8 @@ class PeerSession:
         reply is awaited (a NIXL agent that must progress for the peer's transfer to land)."""
         self.seq += 1
         req = {**msg, "seq": self.seq}
-        req["auth"] = wire.request_mac(self.secret, self.t, req)
+        body = wire.canonical(req)
+        req["auth"] = wire.request_mac(self.secret, self.t, body)
         try:
             wire.send_msg(self.sock, req)
             if progress is not None:
@@ -115,10 +116,10 @@ class PeerSession:
                     progress()
             reply = wire.recv_msg(self.sock)
             if reply.get("hello") is not None:  # the server refused the hello: its reply answers that
-                return self._authentic(self.hello, reply)
+                return self._authentic(wire.canonical(self.hello), reply)
         except (OSError, ValueError) as e:
             raise TransferError(f"peer {self.peer} not answering ({e})") from None
-        return self._authentic(req, reply)
+        return self._authentic(body, reply)
 
     def close(self) -> None:
         self.sock.close()
@@ -149,6 +150,12 @@ def _client_tls(sock: socket.socket, peer: str, tls: FleetTls) -> ssl.SSLSocket:
     except OSError as e:  # ssl.SSLError included: not TLS, or our certificate refused
         sock.close()
         raise TransferError(f"peer {peer}: TLS handshake failed ({e})") from None
+
+
+def session_closed(session: PeerSession) -> bool:
+    """Whether the peer closed an idle session (its EOF, or anything it sent unasked, is waiting): checked before
+    a request that must not be sent twice."""
+    return bool(select.select([session.sock], [], [], 0)[0])
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -244,7 +251,7 @@ class PeerServer:
                 elif not admission.promote(source):
                     refusal = {"hello": False, "error": "busy", "message": "too many peer sessions"}
                 if refusal is not None:
-                    wire.send_msg(conn, {**refusal, "auth": wire.reply_mac(secret, t, hello, refusal)})
+                    wire.send_msg(conn, {**refusal, "auth": wire.reply_mac(secret, t, wire.canonical(hello), refusal)})
                     return
                 promoted = True
                 self._session(conn, Session(uuid.uuid4().hex, source, t))
@@ -293,13 +300,14 @@ class PeerServer:
                     msg = wire.recv_msg(conn, wire.MAX_REQUEST, time.monotonic() + self.timeout_s)
                 except ConnectionError:
                     return  # the client is done
+                body = wire.canonical(msg)
                 if msg.get("seq") != seq or not wire.verify(msg.get("auth"),
-                                                            wire.request_mac(secret, session.transcript, msg)):
+                                                            wire.request_mac(secret, session.transcript, body)):
                     reply = {"error": "unauthorized", "message": "bad peer request MAC or sequence number"}
                 else:
                     reply = _safe(self.handler, {k: v for k, v in msg.items() if k not in ("auth", "seq")}, session)
                 reply = {**reply, "seq": seq}
-                wire.send_msg(conn, {**reply, "auth": wire.reply_mac(secret, session.transcript, msg, reply)})
+                wire.send_msg(conn, {**reply, "auth": wire.reply_mac(secret, session.transcript, body, reply)})
                 if reply.get("error") == "unauthorized":
                     return
         finally:

@@ -121,12 +121,14 @@ def client_proof(secret: str, t: bytes) -> str:
     return _mac(secret, b"client-hello", t)
 
 
-def request_mac(secret: str, t: bytes, msg: dict[str, Any]) -> str:
-    return _mac(secret, b"request", t, canonical(msg))
+def request_mac(secret: str, t: bytes, body: bytes) -> str:
+    """The MAC of a request whose ``canonical`` bytes are ``body`` (made once: the reply's MAC covers them too)."""
+    return _mac(secret, b"request", t, body)
 
 
-def reply_mac(secret: str, t: bytes, request: dict[str, Any], reply: dict[str, Any]) -> str:
-    return _mac(secret, b"reply", t, hashlib.sha256(canonical(request)).digest(), canonical(reply))
+def reply_mac(secret: str, t: bytes, request_body: bytes, reply: dict[str, Any]) -> str:
+    """The MAC of ``reply`` to the request whose ``canonical`` bytes are ``request_body``."""
+    return _mac(secret, b"reply", t, hashlib.sha256(request_body).digest(), canonical(reply))
 
 
 def verify(got: Any, expected: str) -> bool:

@@ -9,11 +9,15 @@ import logging
 import select
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from inferscale.errors import ConfigError, NotFoundError, TransferError, UnsafePathError
 from inferscale.store.diskload import verify_slots
 from inferscale.store.layout import check_fingerprint, check_name
+from inferscale.store.peer import session_closed
 
 if TYPE_CHECKING:
     from inferscale.store.nixl_transport import NixlTransport
@@ -25,14 +29,14 @@ log = logging.getLogger(__name__)
 
 
 def pull_from_peer(store: StoreNode, tenant: str, user: str, peer: str, item_ids: list[str] | None,
-                   fingerprint: str | None, source_dir: str | None) -> PullResult:
+                   fingerprint: str | None, source_dir: str | None, sizes: list[int] | None = None) -> PullResult:
     t0 = time.perf_counter()
     check_name("tenant", tenant), check_name("user", user)
     for i in item_ids or []:
         check_name("item", i)
     if fingerprint is not None:
         check_fingerprint(fingerprint)
-    blocks, offsets = fetch_leased(store, tenant, user, peer, item_ids, fingerprint, source_dir)
+    blocks, offsets = fetch_leased(store, tenant, user, peer, item_ids, fingerprint, source_dir, sizes)
     good, bad = verify_slots(
         store, tenant, [(o, b["size"], f"peer {peer} {tenant}/{user}/{b['item']}", b["sha256"], b["item"],
                   b["fingerprint"]) for o, b in zip(offsets, blocks)])
@@ -54,6 +58,8 @@ def pull_from_peer(store: StoreNode, tenant: str, user: str, peer: str, item_ids
 
 def _reply_error(peer: str, reply: dict[str, Any]) -> None:
     """Raise the typed error an (authenticated) error reply stands for."""
+    if reply.get("error") == "changed":
+        raise _SizesChanged(f"peer {peer}: {reply.get('message')}")
     if reply.get("error") == "not_found":
         raise NotFoundError(f"peer {peer}: {reply.get('message')}")
     if reply.get("error") == "UnsafePathError":  # the peer refused the Job dir by the shared rule
@@ -63,13 +69,29 @@ def _reply_error(peer: str, reply: dict[str, Any]) -> None:
 
 
 def fetch_leased(store: StoreNode, tenant: str, user: str, peer: str, item_ids: list[str] | None,
-                 fingerprint: str | None, source_dir: str | None) -> tuple[list[dict[str, Any]], list[int]]:
+                 fingerprint: str | None, source_dir: str | None,
+                 sizes: list[int] | None = None) -> tuple[list[dict[str, Any]], list[int]]:
     """In one session (kept open between pulls, inferscale/store/peer_pool.py): lease the blocks at the peer,
     reserve arena slots, expose exactly them and have the peer WRITE the blocks into them. Returns (the peer's
-    block records, slot offsets); unverified, uncommitted."""
+    block records, slot offsets); unverified, uncommitted.
+
+    With the blocks' ``sizes`` known (the peer's index gave them: the fleet path) and a kept session with the
+    peer, it is one round trip, op ``pull``: the slots are exposed first and the owner leases and writes them in
+    one request. Otherwise, or when the owner says they changed since, two: ``locate`` (the lease and its sizes,
+    in a MACed reply), then ``write``."""
     transport = store.transport
     if transport is None or not transport.has_ucx:
         raise ConfigError("peer pulls need the NIXL UCX backend (KVStore(nixl=True))")
+    if sizes is not None and item_ids and fingerprint is not None and source_dir is None:
+        if len(sizes) != len(item_ids):
+            raise ValueError("one size per item")
+        try:
+            pulled = _pulled(store, tenant, user, peer, item_ids, fingerprint, sizes)
+        except _SizesChanged:
+            log.info("pull from %s: %s/%s changed since its index; leasing it afresh", peer, tenant, user)
+            pulled = None
+        if pulled is not None:
+            return pulled
     pool = store.peer_sessions
     session, reply = pool.call_fresh(peer, peer_secret(store), store.timeout_s,
                                      {"op": "locate", "tenant": tenant, "user": user, "items": item_ids,
@@ -80,7 +102,8 @@ def fetch_leased(store: StoreNode, tenant: str, user: str, peer: str, item_ids: 
         lease, blocks = reply.get("lease"), reply.get("blocks")
         if not isinstance(lease, str) or not isinstance(blocks, list):
             raise TransferError(f"peer {peer}: malformed lease reply")
-        offsets = _written(store, session, peer, tenant, lease, [b["size"] for b in blocks])
+        offsets, _ = _written(store, session, peer, tenant, [b["size"] for b in blocks],
+                              lambda dsts: {"op": "write", "lease": lease, **dsts})
         clean = True
     finally:  # a session that failed anywhere is closed (the peer ends its lease); a clean one is kept
         if clean:
@@ -90,24 +113,63 @@ def fetch_leased(store: StoreNode, tenant: str, user: str, peer: str, item_ids: 
     return blocks, offsets
 
 
-def _written(store: StoreNode, session: PeerSession, peer: str, tenant: str, lease: str, sizes: list[int]) -> list[int]:
-    """Reserve arena slots for the leased blocks, expose exactly them and have the peer WRITE the blocks there;
-    the slot offsets (withheld, never reused, while the peer's transfer may still be in flight)."""
+class _SizesChanged(TransferError):
+    """The owner's blocks are not the sizes the puller exposed slots for (re-encoded since its index)."""
+
+
+def _pulled(store: StoreNode, tenant: str, user: str, peer: str, item_ids: list[str], fingerprint: str,
+            sizes: list[int]) -> tuple[list[dict[str, Any]], list[int]] | None:
+    """Op ``pull``: one round trip, in a kept session, or None when there is none. The request carries the
+    puller's NIXL metadata, which names its UCX worker (whose TCP and CMA transports do not bound a write by the
+    registration): it goes only to an owner that proved the secret in this session already (a verified reply),
+    never in a fresh session's first request. A kept session the peer closed meanwhile (its EOF is readable)
+    is dropped first."""
+    pool = store.peer_sessions
+    session, kept = pool.take(peer, peer_secret(store), store.timeout_s)
+    if not kept or session_closed(session):
+        session.close()
+        return None
+    clean = False
+    try:
+        offsets, done = _written(store, session, peer, tenant, sizes,
+                                 lambda dsts: {"op": "pull", "tenant": tenant, "user": user, "items": item_ids,
+                                               "fingerprint": fingerprint, "sizes": sizes, **dsts})
+        clean = True
+    except _SizesChanged:
+        clean = True  # an authenticated answer: the session stays good
+        raise
+    finally:
+        if clean:
+            pool.give_back(session, 2)
+        else:
+            session.close()
+    sums = done.get("sha256")
+    if not isinstance(sums, list) or len(sums) != len(sizes) or any(not isinstance(h, str) for h in sums):
+        store.dram.abort(tenant, offsets, sizes)
+        raise TransferError(f"peer {peer}: malformed pull reply")
+    return [{"item": i, "fingerprint": fingerprint, "size": n, "sha256": h}
+            for i, n, h in zip(item_ids, sizes, sums)], offsets
+
+
+def _written(store: StoreNode, session: PeerSession, peer: str, tenant: str, sizes: list[int],
+             request: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[list[int], dict[str, Any]]:
+    """Reserve arena slots for blocks of ``sizes``, expose exactly them and send ``request(exposure fields)``,
+    whose reply says the peer WROTE the blocks there. (The slot offsets (withheld, never reused, while the
+    peer's transfer may still be in flight), the reply.)"""
     transport = store.transport
     offsets, _ = store.dram.reserve(tenant, sizes)
     written = inflight = False
     try:
         exposure = transport.expose(offsets, sizes)
         try:
-            notif = f"lease:{lease}".encode()
             inflight = True  # until the owner answers: its transfer may still be under way
-            done = session.call({"op": "write", "lease": lease, "agent": base64.b64encode(exposure.metadata).decode(),
-                                 "dsts": [list(r) for r in exposure.ranges]}, progress=_progress(transport, session))
+            done = session.call(request({"agent": base64.b64encode(exposure.metadata).decode(),
+                                         "dsts": [list(r) for r in exposure.ranges]}),
+                                progress=_progress(transport, session))
             inflight = done.get("inflight") is True
-            _reply_error(peer, done)
-            # The owner's transfer is done; its notification follows the bytes.
-            if not transport.wait_notif(notif, time.monotonic() + store.timeout_s):
-                raise TransferError(f"peer {peer}: the write's completion never arrived")
+            _reply_error(peer, done)  # an ok reply comes after the owner's WRITE completed here (a UCX flush)
+            if done.get("ok") is not True:
+                raise TransferError(f"peer {peer}: malformed write reply")
             written = True
         finally:
             transport.unexpose(exposure)
@@ -116,7 +178,7 @@ def _written(store: StoreNode, session: PeerSession, peer: str, tenant: str, lea
             log.warning("pull from %s: %d slot(s) of %s withheld (a transfer in flight)", peer, len(offsets), tenant)
         elif not written:
             store.dram.abort(tenant, offsets, sizes)
-    return offsets
+    return offsets, done
 
 
 def _progress(transport: NixlTransport, session: PeerSession) -> Callable[[], None]:
@@ -127,7 +189,7 @@ def _progress(transport: NixlTransport, session: PeerSession) -> Callable[[], No
     wait = [0.0002]
 
     def progress() -> None:
-        transport.poll_notifs()
+        transport.progress()
         select.select([session.sock], [], [], wait[0])
         wait[0] = min(2 * wait[0], 0.002)
 
@@ -140,13 +202,20 @@ def peer_secret(store: StoreNode) -> str:
     return store.peer_secret
 
 
-def peer_index(store: StoreNode, tenant: str, user: str, peer: str, fingerprint: str,
-               job_dir: bool = True) -> tuple[list[str], Any]:
-    """(item ids, [n, dim] float32 embeddings) of the user at ``peer`` (op ``index``): what a puller ranks before
-    leasing exactly the top-k blocks. ``job_dir``: the peer first imports its own node's Job output dir for the
-    user, if there is one. NotFoundError when the peer holds nothing of the user (or only part of it)."""
-    import torch
+@dataclass
+class PeerIndex:
+    """A user's retrieval index at a peer (op ``index``)."""
 
+    ids: list[str]
+    matrix: torch.Tensor  # [n, dim] float32
+    sizes: dict[str, int]  # item -> its blob's bytes there: what a one-round-trip pull exposes slots for
+
+
+def peer_index(store: StoreNode, tenant: str, user: str, peer: str, fingerprint: str,
+               job_dir: bool = True) -> PeerIndex:
+    """The user's index at ``peer`` (op ``index``): what a puller ranks before pulling exactly the top-k blocks.
+    ``job_dir``: the peer first imports its own node's Job output dir for the user, if there is one.
+    NotFoundError when the peer holds nothing of the user (or only part of it)."""
     check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
     session, reply = store.peer_sessions.call_fresh(
         peer, peer_secret(store), store.timeout_s,
@@ -156,8 +225,9 @@ def peer_index(store: StoreNode, tenant: str, user: str, peer: str, fingerprint:
     else:
         store.peer_sessions.give_back(session, 2)
     _reply_error(peer, reply)
-    ids, dim = reply.get("items"), reply.get("dim")
-    if not isinstance(ids, list) or not isinstance(dim, int) or dim < 0:
+    ids, dim, sizes = reply.get("items"), reply.get("dim"), reply.get("sizes")
+    if (not isinstance(ids, list) or not isinstance(dim, int) or dim < 0 or not isinstance(sizes, list)
+            or len(sizes) != len(ids) or any(not isinstance(n, int) or n < 0 for n in sizes)):
         raise TransferError(f"peer {peer}: malformed index reply")
     for i in ids:
         check_name("item", i)
@@ -165,5 +235,6 @@ def peer_index(store: StoreNode, tenant: str, user: str, peer: str, fingerprint:
     if len(raw) != 4 * dim * len(ids):
         raise TransferError(f"peer {peer}: index of {len(ids)} item(s) x {dim} has {len(raw)} bytes")
     if not ids:
-        return [], torch.empty(0, 0, dtype=torch.float32)
-    return ids, torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(len(ids), dim)
+        return PeerIndex([], torch.empty(0, 0, dtype=torch.float32), {})
+    matrix = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(len(ids), dim)
+    return PeerIndex(ids, matrix, dict(zip(ids, sizes)))

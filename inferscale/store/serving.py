@@ -2,7 +2,8 @@
 ``locate``) with a lease: those blocks held DRAM-resident for this session (inferscale/store/leases.py), their
 sizes and checksums, and nothing that names this node's memory. On op ``write`` the owner's NIXL agent WRITEs
 exactly the leased blocks into the destination slots the puller exposed, then the lease ends; it also ends on
-``release`` or when the session does."""
+``release`` or when the session does. Op ``pull`` is both in one request, for a puller that knows the blocks'
+sizes from this node's index (``index`` gives them) and exposed its slots first: one round trip."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from inferscale.errors import NotFoundError, TransferError
 from inferscale.jobpaths import job_dir_path
 from inferscale.store.layout import check_fingerprint, check_name, request_keys
-from inferscale.store.leases import LeaseBook, LeaseCaps
+from inferscale.store.leases import Lease, LeaseBook, LeaseCaps
 from inferscale.store.peer import PeerServer, Session
 
 if TYPE_CHECKING:
@@ -60,12 +61,14 @@ class PeerService:
             return {"ok": True}
         if op == "index":
             return self._index(msg)
-        if op == "write":
-            return self._write(msg, session)
-        if op != "locate":
+        if op not in ("locate", "write", "pull"):
             return {"error": "bad_request", "message": f"unknown op {op!r}"}
         if self.store.transport is None or not self.store.transport.has_ucx:
             return {"error": "unavailable", "message": "this node has no NIXL UCX agent"}
+        if op == "write":
+            return self._write(msg, session)
+        if op == "pull":
+            return self._pull(msg, session)
         tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
         items, fp, src = msg.get("items"), msg.get("fingerprint"), msg.get("dir")
         for i in items or []:
@@ -103,11 +106,39 @@ class PeerService:
         return [entries[r.key] for r in rows]
 
     def _write(self, msg: dict[str, Any], session: Session) -> dict[str, Any]:
-        """WRITE the lease's blocks into the puller's exposed slots ``dsts`` [[address, size], ...] (one per block,
-        each exactly the block's size), then end the lease."""
+        """WRITE the lease's blocks into the puller's exposed slots, then end the lease."""
         lease = self.leases.take(msg.get("lease"), session.id)
         if lease is None:
             return {"error": "bad_request", "message": "no such lease in this session (ended or expired)"}
+        return self._write_lease(lease, msg)
+
+    def _pull(self, msg: dict[str, Any], session: Session) -> dict[str, Any]:
+        """``locate`` and ``write`` in one request, for a puller that knows the blocks' sizes (from this node's
+        index) and exposed its slots first: the blocks leased, checked to be those sizes (else ``changed``,
+        nothing written: the puller leases them afresh), written, the lease ended."""
+        tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
+        items, fp, sizes = msg.get("items"), check_fingerprint(msg.get("fingerprint")), msg.get("sizes")
+        if (not isinstance(items, list) or not items or not isinstance(sizes, list) or len(sizes) != len(items)
+                or any(not isinstance(n, int) for n in sizes)):
+            return {"error": "bad_request", "message": "pull needs items and one size per item"}
+        for i in items:
+            check_name("item", i)
+        held = self._resident(tenant, user, fp, items)
+        if held is None:
+            held = self._loaded(tenant, user, fp, items)
+        if [e.size for e in held] != sizes:
+            for e in held:
+                self.store.dram.release(e)
+            return {"error": "changed", "message": f"the blocks of {tenant}/{user} changed since the index"}
+        lease = self.leases.open(session.id, session.peer, tenant, held)
+        reply = self._write_lease(lease, msg)
+        if "error" not in reply:  # the puller knows the items and sizes: their checksums are what it lacks
+            reply["sha256"] = [e.info.sha256 for e in held]
+        return reply
+
+    def _write_lease(self, lease: Lease, msg: dict[str, Any]) -> dict[str, Any]:
+        """WRITE ``lease``'s blocks into the puller's exposed slots ``dsts`` [[address, size], ...] (one per
+        block, each exactly the block's size) of its agent ``agent``, then end the lease."""
         try:
             dsts, agent = msg.get("dsts"), msg.get("agent")
             sizes = [e.size for e in lease.entries]
@@ -116,16 +147,16 @@ class PeerService:
                                 and d[1] == n) for d, n in zip(dsts, sizes))):
                 return {"error": "bad_request", "message": "write needs one [address, size] per leased block"}
             self.store.transport.write_to(base64.b64decode(agent), [(e.offset, e.size) for e in lease.entries],
-                                          [(a, n) for a, n in dsts], notif=f"lease:{lease.id}".encode())
+                                          [(a, n) for a, n in dsts])
         except TransferError as e:  # a transfer still in flight may yet land: the puller must not reuse its slots
             return {"error": "TransferError", "message": str(e), "inflight": bool(getattr(e, "inflight", False))}
         finally:
-            self.leases.end(lease)
+            self.leases.finish(lease)
         return {"ok": True, "bytes": sum(sizes)}
 
     def _index(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The user's retrieval index on this node: item ids and their embeddings (float32, base64), so a puller
-        can pick the top-k itself and then lease exactly those blocks. With ``job_dir: true``, the Job's output
+        """The user's retrieval index on this node: item ids, their blobs' sizes and their embeddings (float32,
+        base64), so a puller can pick the top-k itself and then pull exactly those blocks in one round trip. With ``job_dir: true``, the Job's output
         on this node (``<job_root>/<tenant>/<user>``, read by the same rule as ``locate``'s dir) is imported first."""
         tenant, user = check_name("tenant", msg.get("tenant")), check_name("user", msg.get("user"))
         fp = check_fingerprint(msg.get("fingerprint"))
@@ -137,7 +168,9 @@ class PeerService:
             raise NotFoundError(f"node {self.store.node} holds only part of user {user!r} of tenant {tenant!r}")
         ids, matrix = self.store.embeddings(tenant, user, fp)  # NotFoundError -> {"error": "not_found"}
         m = matrix.contiguous().to("cpu")
-        return {"node": self.store.node, "items": ids, "dim": int(m.shape[1]) if ids else 0,
+        size = {r.item_id: r.size for r in self.store.catalogue.items(tenant, user, fp, ids)} if ids else {}
+        return {"node": self.store.node, "items": ids, "sizes": [size.get(i, 0) for i in ids],
+                "dim": int(m.shape[1]) if ids else 0,
                 "embeddings": base64.b64encode(m.numpy().tobytes()).decode() if ids else ""}
 
     def _import_for_peer(self, tenant: str, user: str, src: str, items: list[str] | None) -> None:

@@ -330,12 +330,14 @@ class KVStore:
         return self.pull_result(tenant, user, len(images), nbytes, tier, t0)
 
     def pull_from_peer(self, tenant: str, user: str, peer: str, item_ids: list[str] | None = None,
-                       fingerprint: str | None = None, *, source_dir: str | None = None) -> PullResult:
+                       fingerprint: str | None = None, *, source_dir: str | None = None,
+                       sizes: list[int] | None = None) -> PullResult:
         """Copy a user's blocks from a peer (a lease the owner writes, store/pulling.py) into DRAM and disk, every
-        checksum verified; TransferError when the peer is unreachable or slow. ``source_dir``: a Job dir there."""
+        checksum verified; TransferError when the peer is unreachable or slow. ``source_dir``: a Job dir there.
+        ``sizes``: the items' blob sizes at the peer, from its index (one round trip instead of two)."""
         from inferscale.store.pulling import pull_from_peer
 
-        return pull_from_peer(self, tenant, user, peer, item_ids, fingerprint, source_dir)
+        return pull_from_peer(self, tenant, user, peer, item_ids, fingerprint, source_dir, sizes)
 
     def pull_result(self, tenant: str, user: str, blocks: int, nbytes: int, tier: str, t0: float) -> PullResult:
         rows = self.catalogue.items(tenant, user)

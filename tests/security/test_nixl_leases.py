@@ -119,3 +119,37 @@ def test_a_lease_belongs_to_its_session_alone(owner):
         assert first.call({"op": "release", "lease": reply["lease"]}) == {"ok": True}
     time.sleep(0.05)
     assert (att.buf == CANARY).all()
+
+
+def _pull_request(att: Attacker, tenant: str, user: str, items: list[str], sizes: list[int],
+                  dsts: list[tuple[int, int]]) -> dict:
+    return {"op": "pull", "tenant": tenant, "user": user, "items": items, "fingerprint": FP, "sizes": sizes,
+            "agent": base64.b64encode(att.metadata).decode(),
+            "dsts": [[att.buf.ctypes.data + off, n] for off, n in dsts]}
+
+
+def test_a_one_request_pull_writes_only_blocks_of_the_sizes_it_named(owner):
+    """Op ``pull`` (locate + write in one request): sizes unlike the owner's blocks are refused as ``changed``
+    before anything is written; ranges unlike the sizes are refused; the exact request lands exactly."""
+    att = Attacker(4 << 20)
+    with peerproto.PeerSession(owner, PEER_SECRET, 10) as s:
+        located = s.call(_locate("acme", "alice"))
+        sizes = [b["size"] for b in located["blocks"]]
+        assert s.call({"op": "release", "lease": located["lease"]}) == {"ok": True}
+        items = [b["item"] for b in located["blocks"]]
+        bigger = [n + 4096 for n in sizes]  # would let the owner write past each block into the gaps
+        dsts = [(0, bigger[0]), (bigger[0] + 8192, bigger[1])]
+        changed = s.call(_pull_request(att, "acme", "alice", items, bigger, dsts), progress=att.progress)
+        assert changed["error"] == "changed"
+        unlike = s.call(_pull_request(att, "acme", "alice", items, sizes, dsts), progress=att.progress)
+        assert unlike["error"] == "bad_request"
+        assert (att.buf == CANARY).all()
+        exact = [(4096, sizes[0]), (4096 + sizes[0] + 8192, sizes[1])]
+        done = s.call(_pull_request(att, "acme", "alice", items, sizes, exact), progress=att.progress)
+        assert done["ok"] is True and done["sha256"] == [b["sha256"] for b in located["blocks"]]
+    outside = np.ones(att.buf.size, dtype=bool)
+    for (off, n), item in zip(exact, items):
+        assert _blob_holds(att.buf[off : off + n].tobytes(), item)
+        outside[off : off + n] = False
+    assert (att.buf[outside] == CANARY).all(), "the owner wrote outside the ranges of the pull"
+    assert not _blob_holds(att.buf.tobytes(), "b0")  # globex/bob's block went nowhere

@@ -81,6 +81,33 @@ def test_an_impostors_not_found_is_no_definite_miss(tmp_path):
         store.close()
 
 
+def test_no_exposure_goes_to_a_peer_that_has_not_proved_the_secret(tmp_path):
+    """A one-request ``pull`` carries the puller's NIXL metadata (its worker, which UCX's TCP and CMA transports do
+    not bound by registration). In a fresh session the owner has not yet proved the secret (its first MACed reply
+    does that), so the puller asks ``locate`` first there; only a session with a verified reply carries a pull."""
+    seen: list[dict] = []
+
+    def impostor(conn: socket.socket) -> None:
+        with conn:
+            try:
+                wire.send_msg(conn, {"v": 2, "nonce": "00" * 16})
+                wire.recv_msg(conn, wire.MAX_HELLO)
+                seen.append(wire.recv_msg(conn))
+                wire.send_msg(conn, {"ok": True, "bytes": 1, "sha256": ["0" * 64], "seq": 1, "auth": "0" * 64})
+            except (OSError, ValueError):
+                pass
+
+    fake = Listener(impostor)
+    store = KVStore(tmp_path / "local", dram_budget_bytes=8 << 20, peer_secret=PEER_SECRET, timeout_s=5)
+    try:
+        with pytest.raises(TransferError, match="not authenticated"):
+            store.pull_from_peer("acme", "alice", fake.address, ["pin"], FP, sizes=[4096])
+        assert [m.get("op") for m in seen] == ["locate"] and "agent" not in seen[0]
+    finally:
+        fake.close()
+        store.close()
+
+
 def test_leases_are_capped_per_peer_and_per_tenant_and_end_with_the_session(tmp_path):
     """Before: a peer could open leases without end, each a staging copy of the blocks kept 30 s."""
     owner = KVStore(tmp_path / "owner", dram_budget_bytes=8 << 20, peer_port=0, peer_host="127.0.0.1",

@@ -15,7 +15,7 @@ def test_bench_store_smoke(tmp_path, capsys):
     assert bench.run(args) == 0
     rows = json.loads(out.read_text())
     assert [r["source"] for r in rows] == ["disk", "disk+verify", "disk+unseal", "dram", "dram-copy", "peer",
-                                          "peer+verify+persist"]
+                                          "peer-locate", "peer+verify+persist"]
     for r in rows:
         assert {"source", "blocks", "bytes", "ms", "gbps", "baseline", "baseline_gbps"} <= set(r)
         # bf16 blocks by default: at least 4 blocks x 2 tokens x 18 layers x (K, V) x 256 x 2 bytes

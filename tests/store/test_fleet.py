@@ -38,6 +38,8 @@ def test_pulls_exactly_the_needed_blocks_from_a_peer(open_store, peer_node, tmp_
     assert torch.equal(matrix[ids.index("m2")], want["m2"].embedding)
     got = fleet.blocks("acme", "alice", ["m1", "m3"], FP)
     assert (got.pulled_blocks, got.peer) == (2, peer_node) and got.pulled_bytes > 0
+    (kept,) = [s for _, s in store.peer_sessions.kept[(peer_node, store.peer_secret)]]
+    assert kept.seq == 2  # the index, then one pull with its sizes (no locate round trip)
     assert [b.item_id for b in got.blocks] == ["m1", "m3"]
     assert all(torch.equal(b.kv, want[b.item_id].kv) for b in got.blocks)
     assert sorted(i.item_id for i in store.list("acme", "alice")) == ["m1", "m3"]  # only those two moved

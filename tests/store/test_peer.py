@@ -114,7 +114,7 @@ def test_corruption_in_peer_memory_detected(open_store, tmp_path):
         b.get_many("acme", "alice", ["m1"], FP)
 
 
-def test_lease_ends_on_completion_notification(open_store, tmp_path):
+def test_lease_ends_once_written(open_store, tmp_path):
     """The peer holds pulled blocks (no eviction mid-transfer) only until its WRITE into the puller is done."""
     a = open_store(tmp_path / "a", peer_port=0, peer_host="127.0.0.1", node="127.0.0.1")
     for it in ("m0", "m1", "m2"):

@@ -5,6 +5,7 @@ its session, so the owner's lease ends with it."""
 import time
 
 import pytest
+import torch
 
 from inferscale.errors import QuotaExceededError
 from inferscale.store import nixl_transport
@@ -96,10 +97,77 @@ def test_the_owners_view_of_a_puller_is_bounded(owner_and_puller, monkeypatch):
     a, b = owner_and_puller()
     for i in range(5):
         assert b.pull_from_peer("acme", "alice", a.peer_address, [f"m{i % 3}"]).blocks == 1
-        (writes, _), = a.transport._pullers.values()
+        (writes, _), = a.transport.lanes[0].pullers.values()
         assert writes == [1, 2, 3, 1, 2][i]
     monkeypatch.setattr(nixl_transport, "PULLER_IDLE_S", 0.1)
     time.sleep(0.2)
     assert b.pull_from_peer("acme", "alice", a.peer_address, ["m0"]).blocks == 1
-    (writes, _), = a.transport._pullers.values()
+    (writes, _), = a.transport.lanes[0].pullers.values()
     assert writes == 1
+
+
+def test_a_pull_with_the_index_sizes_is_one_round_trip(owner_and_puller):
+    """The fleet path knows each block's size from the peer's index: slots exposed first, op ``pull`` leases and
+    writes them in one request (locate + write took two)."""
+    from inferscale.store.pulling import peer_index
+
+    a, b = owner_and_puller()
+    idx = peer_index(b, "acme", "alice", a.peer_address, FP)  # request 1
+    assert sorted(idx.sizes) == ["m0", "m1", "m2"] and all(n > 0 for n in idx.sizes.values())
+    pulled = b.pull_from_peer("acme", "alice", a.peer_address, ["m2", "m0"], FP,
+                              sizes=[idx.sizes["m2"], idx.sizes["m0"]])
+    assert pulled.blocks == 2
+    (s,) = _kept(b, a.peer_address)
+    assert s.seq == 2  # index, then one pull
+    got, _ = b.get_many("acme", "alice", ["m2", "m0"], FP)
+    assert [g.item_id for g in got] == ["m2", "m0"]
+    assert all(torch.equal(g.kv, make_block(g.item_id).kv) for g in got)
+    assert not a.peer_service.leases.leases  # the pull's lease ended with its write
+
+
+def test_sizes_that_changed_since_the_index_fall_back_to_a_lease(owner_and_puller):
+    """A block re-encoded after the index is another size: the owner writes nothing and says so (MACed), and the
+    puller leases it afresh (locate + write) in the same session."""
+    from inferscale.store.pulling import peer_index
+
+    a, b = owner_and_puller()
+    idx = peer_index(b, "acme", "alice", a.peer_address, FP)
+    a.put("acme", "alice", make_block("m1", tokens=12))  # a new version of m1, of another size
+    assert b.pull_from_peer("acme", "alice", a.peer_address, ["m1"], FP, sizes=[idx.sizes["m1"]]).blocks == 1
+    (s,) = _kept(b, a.peer_address)
+    assert s.seq == 4  # index, pull (changed: nothing written), locate, write
+    got, _ = b.get_many("acme", "alice", ["m1"], FP)
+    assert torch.equal(got[0].kv, make_block("m1", tokens=12).kv)
+
+
+def test_a_large_write_goes_in_parallel_lanes_and_lands_exactly(owner_and_puller, monkeypatch):
+    """The owner cuts a write into one part per lane (each its own NIXL agent, posted side by side); every byte
+    lands where its block's slot is, checksums verified by the pull."""
+    monkeypatch.setattr(nixl_transport, "LANE_MIN_BYTES", 1)
+    a, b = owner_and_puller()
+    assert len(a.transport.lanes) == nixl_transport.WRITE_LANES
+    lanes = []
+    write_to = a.transport.write_to
+    monkeypatch.setattr(a.transport, "write_to", lambda *args, **kw: lanes.append(write_to(*args, **kw)) or lanes[-1])
+    assert b.pull_from_peer("acme", "alice", a.peer_address, ["m0", "m1", "m2"]).blocks == 3
+    assert lanes == [min(3, nixl_transport.WRITE_LANES)]
+    got, _ = b.get_many("acme", "alice", ["m0", "m1", "m2"], FP)
+    assert all(torch.equal(g.kv, make_block(g.item_id).kv) for g in got)
+
+
+def test_split_ranges_cuts_equal_parts_in_order():
+    from inferscale.store.nixl_transport import split_ranges
+
+    pairs = [((0, 10), (1000, 10)), ((64, 3), (2000, 3)), ((128, 7), (3000, 7))]
+    for parts in (1, 2, 3, 4):
+        runs = split_ranges(pairs, parts)
+        sizes = [sum(n for _, _, n in r) for r in runs]
+        assert sum(sizes) == 20 and max(sizes) - min(sizes) <= parts  # equal within the rounding of 20 / parts
+        flat = [x for r in runs for x in r]
+        pos = {}  # every source byte goes to its own destination byte, once, in order
+        for off, addr, n in flat:
+            for k in range(n):
+                assert (off + k) not in pos
+                pos[off + k] = addr + k
+        assert pos == {o + k: d + k for (o, n), (d, _) in pairs for k in range(n)}
+    assert split_ranges(pairs, 2)[0] == [(0, 1000, 10)]
