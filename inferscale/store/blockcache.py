@@ -53,7 +53,9 @@ class FrequencySketch:
         return [((h * seed) & MASK64) >> shift for seed in ROW_SEEDS]
 
     def add(self, key: Hashable) -> None:
-        for row, i in zip(self.rows, self._slots(key)):
+        h, shift = hash(key) & MASK64, 64 - self.bits
+        for row, seed in zip(self.rows, ROW_SEEDS):  # _slots, inlined: every read of every block comes here
+            i = ((h * seed) & MASK64) >> shift
             if row[i] < COUNTER_MAX:
                 row[i] += 1
         self.additions += 1

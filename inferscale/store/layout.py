@@ -24,6 +24,8 @@ FP_DIR_LEN = 16
 
 def check_name(kind: str, value: object) -> str:
     """Return ``value`` when it is a valid tenant/user/item name, else raise InvalidInputError naming it."""
+    if is_valid_id(value):  # the hot path: names of every block of every read
+        return value
     problem = id_problem(f"{kind} name", value)
     if problem:
         raise InvalidInputError(f"invalid {problem}")

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from inferscale.errors import ConfigError, TransferError
-from inferscale.store.arena import Arena
+from inferscale.store.arena import Arena, align_up
 
 log = logging.getLogger(__name__)
 PULLER_WRITES = 16  # exposures a loaded puller view accumulates before it is loaded afresh
@@ -114,10 +114,13 @@ class NixlTransport:
 
     # -- peer transfers ---------------------------------------------------------------------------------------
     def expose(self, offsets: list[int], sizes: list[int]) -> Exposure:
-        """Register the arena slots (offset, size) with UCX for one incoming transfer (the puller's side)."""
+        """Register the arena slots (offset, size) with UCX for one incoming transfer (the puller's side): one
+        region per run of slots that follow one another (the usual case for one pull's reservation), so the
+        metadata the owner loads names a few regions, not one per block."""
         ranges = [(self.arena.base + off, n) for off, n in zip(offsets, sizes)]
+        regions = [(self.arena.base + off, n, 0, "") for off, n in slot_runs(offsets, sizes)]
         with self.lock:
-            reg = self.agent.register_memory([(a, n, 0, "") for a, n in ranges], "DRAM", backends=["UCX"])
+            reg = self.agent.register_memory(regions, "DRAM", backends=["UCX"])
             try:
                 md = self.agent.get_partial_agent_metadata(reg, True, ["UCX"])
             except Exception:
@@ -177,6 +180,19 @@ class NixlTransport:
                     self.agent.deregister_memory(self._arena_reg, backends=list(self.backends))
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
+
+
+def slot_runs(offsets: list[int], sizes: list[int]) -> list[tuple[int, int]]:
+    """(offset, length) of each run of arena slots that follow one another, a slot taking its aligned length (what
+    the allocator reserved for it) when another follows: the runs cover those slots and nothing else."""
+    runs: list[tuple[int, int]] = []
+    for off, n in sorted(zip(offsets, sizes)):
+        if runs and runs[-1][0] + align_up(runs[-1][1]) == off:
+            start, length = runs[-1]
+            runs[-1] = (start, off + n - start)
+        else:
+            runs.append((off, n))
+    return runs
 
 
 def split_ranges(pairs: list[tuple[tuple[int, int], tuple[int, int]]], parts: int

@@ -121,9 +121,7 @@ class PeerService:
         if (not isinstance(items, list) or not items or not isinstance(sizes, list) or len(sizes) != len(items)
                 or any(not isinstance(n, int) for n in sizes)):
             return {"error": "bad_request", "message": "pull needs items and one size per item"}
-        for i in items:
-            check_name("item", i)
-        held = self._resident(tenant, user, fp, items)
+        held = self._resident(tenant, user, fp, items)  # request_keys checks every item's name
         if held is None:
             held = self._loaded(tenant, user, fp, items)
         if [e.size for e in held] != sizes:
