@@ -94,16 +94,20 @@ def median_s(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | Non
     return statistics.median(times)
 
 
-def paired_times(fn: Callable[[], Any], baseline: Callable[[], Any], repeats: int) -> tuple[list[float], list[float]]:
+def paired_times(fn: Callable[[], Any], baseline: Callable[[], Any], repeats: int,
+                 after: Callable[[], Any] | None = None) -> tuple[list[float], list[float]]:
     """Times of ``fn`` and ``baseline``, alternating repeat by repeat (after one warm-up each): on a shared
-    machine both then see the same load, and their medians compare."""
-    fn(), baseline()
+    machine both then see the same load, and their medians compare. ``after`` runs untimed after each ``fn``
+    (the benchmark's own cleanup, e.g. giving back the slots a pull filled)."""
+    fn(), after() if after else None, baseline()
     a, b = [], []
     for _ in range(repeats):
         for f, out in ((fn, a), (baseline, b)):
             t0 = time.perf_counter()
             f()
             out.append(time.perf_counter() - t0)
+            if f is fn and after is not None:
+                after()
     return a, b
 
 
@@ -303,15 +307,21 @@ def bench(work: Path, args: argparse.Namespace, kv_dtype: str = "bf16") -> list[
         with KVStore(dst_root, dram_budget_bytes=budget, peer_secret=secret) as st:
             index = peer_index(st, TENANT, USER, info["peer"], FINGERPRINT)  # the fleet path's first question
 
+            landed: list[tuple[list[int], list[int]]] = []
+
             def nixl_peer(known: list[int] | None) -> None:
                 got, offs = fetch_leased(st, TENANT, USER, info["peer"], ids, FINGERPRINT, None, known)
-                st.dram.abort(TENANT, offs, [g["size"] for g in got])
+                landed.append((offs, [g["size"] for g in got]))
+
+            def give_back() -> None:  # untimed: the bench's cleanup, not part of a pull
+                offs, sizes_ = landed.pop()
+                st.dram.abort(TENANT, offs, sizes_)
 
             buf = memoryview(huge_page_buffer(total).numpy())
             conn = socket_connect(info["socket"])
             for source, known in (("peer", [index.sizes[i] for i in ids]), ("peer-locate", None)):
                 ucx_times, sock_times = paired_times(lambda: nixl_peer(known), lambda: socket_fetch(conn, ids, buf),
-                                                     2 * reps)
+                                                     2 * reps, after=give_back)
                 rows.append({**row(source, n, total, statistics.median(ucx_times), "tcp socket (same processes)",
                                    statistics.median(sock_times)),
                              "ms_spread": spread_ms(ucx_times), "baseline_ms_spread": spread_ms(sock_times)})
