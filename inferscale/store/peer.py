@@ -93,33 +93,34 @@ class PeerSession:
             raise
         self.hello_checked = False
 
-    def _authentic(self, request_body: bytes, reply: dict[str, Any]) -> dict[str, Any]:
-        if not wire.verify(reply.get("auth"), wire.reply_mac(self.secret, self.t, request_body, reply)):
+    def _authentic(self, request_body: bytes, frame: bytes) -> dict[str, Any]:
+        """The reply in ``frame`` once its MAC checks: over the request's body, or over the hello when the server
+        refused that (its reply then says ``hello``)."""
+        body, auth = wire.unsigned(frame)
+        reply = wire.parse_bounded(body) if body else {}
+        if reply.get("hello") is not None:  # the server refused the hello: its reply answers that
+            request_body = wire.canonical(self.hello)
+        if not body or not wire.verify(auth, wire.reply_mac(self.secret, self.t, request_body, body)):
             raise TransferError(f"peer {self.peer}: reply not authenticated (not a peer holding "
                                 "INFERSCALE_PEER_SECRET)")
-        return {k: v for k, v in reply.items() if k not in ("auth", "seq")}
+        return {k: v for k, v in reply.items() if k != "seq"}
 
     def call(self, msg: dict[str, Any], progress: Callable[[], object] | None = None) -> dict[str, Any]:
         """One request; its reply (an ``error`` reply included) once its MAC checks. ``progress`` runs while the
         reply is awaited (a NIXL agent that must progress for the peer's transfer to land)."""
         self.seq += 1
-        req = {**msg, "seq": self.seq}
-        body = wire.canonical(req)
-        req["auth"] = wire.request_mac(self.secret, self.t, body)
+        body, frame = wire.signed({**msg, "seq": self.seq}, lambda b: wire.request_mac(self.secret, self.t, b))
         try:
-            wire.send_msg(self.sock, req)
+            wire.send_frame(self.sock, frame)
             if progress is not None:
                 deadline = time.monotonic() + self.timeout_s
                 while not _readable(self.sock):
                     if time.monotonic() > deadline:
                         raise TimeoutError("no reply in time")
                     progress()
-            reply = wire.recv_msg(self.sock)
-            if reply.get("hello") is not None:  # the server refused the hello: its reply answers that
-                return self._authentic(wire.canonical(self.hello), reply)
+            return self._authentic(body, wire.recv_frame(self.sock))
         except (OSError, ValueError) as e:
             raise TransferError(f"peer {self.peer} not answering ({e})") from None
-        return self._authentic(body, reply)
 
     def close(self) -> None:
         self.sock.close()
@@ -251,7 +252,8 @@ class PeerServer:
                 elif not admission.promote(source):
                     refusal = {"hello": False, "error": "busy", "message": "too many peer sessions"}
                 if refusal is not None:
-                    wire.send_msg(conn, {**refusal, "auth": wire.reply_mac(secret, t, wire.canonical(hello), refusal)})
+                    hello_body = wire.canonical(hello)
+                    wire.send_frame(conn, wire.signed(refusal, lambda b: wire.reply_mac(secret, t, hello_body, b))[1])
                     return
                 promoted = True
                 self._session(conn, Session(uuid.uuid4().hex, source, t))
@@ -297,17 +299,18 @@ class PeerServer:
         try:
             for seq in range(1, MAX_REQUESTS_PER_SESSION + 1):
                 try:
-                    msg = wire.recv_msg(conn, wire.MAX_REQUEST, time.monotonic() + self.timeout_s)
+                    frame = wire.recv_frame(conn, wire.MAX_REQUEST, time.monotonic() + self.timeout_s)
                 except ConnectionError:
                     return  # the client is done
-                body = wire.canonical(msg)
-                if msg.get("seq") != seq or not wire.verify(msg.get("auth"),
-                                                            wire.request_mac(secret, session.transcript, body)):
+                body, auth = wire.unsigned(frame)  # the MAC is checked before anything of the frame is parsed
+                msg = (wire.parse_bounded(body) if body and wire.verify(
+                    auth, wire.request_mac(secret, session.transcript, body)) else {})
+                if msg.get("seq") != seq:
                     reply = {"error": "unauthorized", "message": "bad peer request MAC or sequence number"}
                 else:
-                    reply = _safe(self.handler, {k: v for k, v in msg.items() if k not in ("auth", "seq")}, session)
-                reply = {**reply, "seq": seq}
-                wire.send_msg(conn, {**reply, "auth": wire.reply_mac(secret, session.transcript, body, reply)})
+                    reply = _safe(self.handler, {k: v for k, v in msg.items() if k != "seq"}, session)
+                wire.send_frame(conn, wire.signed({**reply, "seq": seq},
+                                                  lambda b: wire.reply_mac(secret, session.transcript, body, b))[1])
                 if reply.get("error") == "unauthorized":
                     return
         finally:

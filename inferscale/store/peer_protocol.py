@@ -4,8 +4,10 @@ Frames: 4-byte big-endian length + one JSON object. A session (one TCP connectio
 
 1. server -> client ``{"v": 2, "nonce": sn}``                           (greeting, fresh per connection)
 2. client -> server ``{"cnonce": cn, "proof": MAC("client-hello", T)}``  (the client proves the secret)
-3. any number of ``request -> reply`` pairs; a request carries ``"seq"`` and ``"auth": MAC("request", T, seq,
+3. any number of ``request -> reply`` pairs; a request carries ``"seq"`` and ``"auth": MAC("request", T,
    request)``, its reply ``"auth": MAC("reply", T, sha256(request), reply)`` (errors and ``not_found`` too).
+   Each is a signed frame (``signed``): the message's canonical JSON, then ``"auth"`` added as its last field, so
+   the MAC covers exactly the bytes before it and a receiver checks it before it parses anything.
 
 ``T``, the transcript, binds both nonces and both peer identities: the server's and the client's TCP endpoints
 (ip:port) as each side sees them on this connection. A relay (a fake peer that forwards a real peer's nonce)
@@ -22,7 +24,7 @@ import re
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, Callable
 
 PROTOCOL = b"inferscale-peer/2"
 MAX_GREETING = 1 << 10
@@ -92,11 +94,20 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket, limit: int = MAX_REPLY, deadline: float | None = None) -> dict[str, Any]:
+def send_frame(sock: socket.socket, frame: bytes) -> None:
+    sock.sendall(struct.pack(">I", len(frame)) + frame)
+
+
+def recv_frame(sock: socket.socket, limit: int = MAX_REPLY, deadline: float | None = None) -> bytes:
+    """One frame's bytes, unparsed (at most ``limit``)."""
     (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
     if n > limit:
         raise FrameError(f"frame of {n} bytes announced, over the {limit}-byte limit")
-    return parse_bounded(_recv_exact(sock, n, deadline))
+    return _recv_exact(sock, n, deadline)
+
+
+def recv_msg(sock: socket.socket, limit: int = MAX_REPLY, deadline: float | None = None) -> dict[str, Any]:
+    return parse_bounded(recv_frame(sock, limit, deadline))
 
 
 def endpoint(addr: tuple[Any, ...]) -> str:
@@ -129,9 +140,30 @@ def request_mac(secret: str, t: bytes, body: bytes) -> str:
     return _mac(secret, b"request", t, body)
 
 
-def reply_mac(secret: str, t: bytes, request_body: bytes, reply: dict[str, Any]) -> str:
-    """The MAC of ``reply`` to the request whose ``canonical`` bytes are ``request_body``."""
-    return _mac(secret, b"reply", t, hashlib.sha256(request_body).digest(), canonical(reply))
+def reply_mac(secret: str, t: bytes, request_body: bytes, reply_body: bytes) -> str:
+    """The MAC of the reply whose body is ``reply_body`` to the request whose body is ``request_body``."""
+    return _mac(secret, b"reply", t, hashlib.sha256(request_body).digest(), reply_body)
+
+
+_AUTH_FIELD = b',"auth":"'
+_MAC_HEX = 64  # hex HMAC-SHA256
+_AUTH_TAIL = len(_AUTH_FIELD) + _MAC_HEX + len(b'"}')
+
+
+def signed(msg: dict[str, Any], mac: Callable[[bytes], str]) -> tuple[bytes, bytes]:
+    """(body, frame) of a non-empty message: the body is ``canonical(msg)``; the frame is that object with
+    ``"auth": mac(body)`` added as its last field (still one JSON object). Serialized once: the MAC is over the
+    bytes sent, not over a re-serialization the receiver would have to make again."""
+    body = canonical(msg)
+    return body, body[:-1] + _AUTH_FIELD + mac(body).encode() + b'"}'
+
+
+def unsigned(frame: bytes) -> tuple[bytes, str]:
+    """(body, auth) of a signed frame; (b"", "") when it does not end with an auth field of that form."""
+    cut = len(frame) - _AUTH_TAIL
+    if cut < 1 or frame[cut : cut + len(_AUTH_FIELD)] != _AUTH_FIELD or not frame.endswith(b'"}'):
+        return b"", ""
+    return frame[:cut] + b"}", frame[cut + len(_AUTH_FIELD) : -2].decode("ascii", "replace")
 
 
 def verify(got: Any, expected: str) -> bool:

@@ -134,3 +134,18 @@ def test_authenticated_sessions_are_capped_and_come_back(server):
     time.sleep(0.2)
     assert _ping(server) == {"pong": True}
 
+
+
+def test_a_request_is_authenticated_before_any_of_it_is_parsed(server, monkeypatch):
+    """Requests are signed frames: the MAC covers the bytes before the frame's last field, so the server checks it
+    first and parses nothing a holder of the secret did not send (before: every request was parsed, then its
+    canonical form re-serialized to check the MAC)."""
+    with peerproto.PeerSession(f"127.0.0.1:{server.port}", SECRET, 5) as s:
+        assert s.call({"op": "ping"}) == {"pong": True}
+        parsed: list[bytes] = []
+        real = wire.parse_bounded
+        monkeypatch.setattr(wire, "parse_bounded", lambda data, *a: parsed.append(data) or real(data, *a))
+        wire.send_frame(s.sock, b'{"n":' + b"[" * 100 + b"]" * 100 + b',"auth":"' + b"0" * 64 + b'"}')
+        body, _ = wire.unsigned(wire.recv_frame(s.sock))
+        assert b'"unauthorized"' in body and parsed == []  # refused, and nothing of the request was parsed
+    assert _ping(server) == {"pong": True}
