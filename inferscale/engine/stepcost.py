@@ -18,6 +18,10 @@ SMOOTHING = 0.2
 # what Gemma-3-270M's prompt passes cost on the 2-core CPU, so a cold burst is shed on arrival rather than after
 # the queue timeout. Conservative for shedding; on a faster device the first measured step replaces it.
 PROMPT_TOKEN_S_PRIOR = 0.002
+# A prompt pass of fewer tokens than this moves the per-token estimate in proportion: its time is mostly the
+# pass's fixed part, whose noise (a decode pass here: 49-75 ms) over 3 tokens said 8.7 ms a token, where one
+# more token costs about 1 ms, and the estimate it pulled up cut a 35-token question into 32 + 3 (two passes).
+FULL_WEIGHT_TOKENS = 32
 
 
 @dataclass
@@ -46,7 +50,8 @@ class StepCost:
             marginal = max((seconds - passes * (self.pass_s or 0.0)) / tokens, per_token / 4)
             # Before a decode pass told the fixed part, a token's cost is its pass's share: a stand-in the first
             # observation with the fixed part known replaces instead of averaging with (it is 2-4x too high).
-            self.prompt_token_s = ewma(None if self._fixed_part_unknown else self.prompt_token_s, marginal)
+            self.prompt_token_s = ewma(None if self._fixed_part_unknown else self.prompt_token_s, marginal,
+                                       SMOOTHING * min(1.0, tokens / FULL_WEIGHT_TOKENS))
             self._fixed_part_unknown = self.pass_s is None
             per_pass = seconds / max(passes, 1)
             self.shortest_pass_s = min(self.shortest_pass_s or per_pass, per_pass)
@@ -76,6 +81,6 @@ class StepCost:
         return total * token_s + math.ceil(total / max(per_step, 1)) * (decode_s + (self.pass_s or 0.0))
 
 
-def ewma(old: float | None, new: float) -> float:
+def ewma(old: float | None, new: float, weight: float = SMOOTHING) -> float:
     """The moving average after ``new`` (``old`` None: the first observation)."""
-    return new if old is None else old + SMOOTHING * (new - old)
+    return new if old is None else old + weight * (new - old)

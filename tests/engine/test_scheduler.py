@@ -197,8 +197,9 @@ def test_a_prompt_token_costs_what_it_adds_to_a_pass_not_its_share_of_the_pass()
     assert cost.prompt_tokens_within(0.16, decoding=False) == 133
     assert 36 * cost.prompt_token_s + cost.pass_s == pytest.approx(0.087)
     assert 576 * cost.prompt_token_s + cost.pass_s == pytest.approx(0.492)  # measured: 450-500 ms
-    cost.observe_prefill(10, 0.01)  # faster than a pass's fixed part (noise): a quarter of its whole cost
-    assert cost.prompt_token_s == pytest.approx(0.8 * 0.00075 + 0.2 * 0.00025)
+    cost.observe_prefill(10, 0.01)  # faster than a pass's fixed part (noise): a quarter of its whole cost,
+    w = 0.2 * 10 / 32  # weighed by its few tokens
+    assert cost.prompt_token_s == pytest.approx((1 - w) * 0.00075 + w * 0.00025)
     cost = StepCost()
     cost.observe_prefill(36, 0.087)  # the pass's share (2.4 ms a token) stands in until a decode pass is seen,
     cost.observe_decode(0.06)
@@ -371,6 +372,30 @@ def test_a_lone_tenants_chunks_fit_one_pass():
     s.add(ScheduledRequest("a", prompt_tokens=1600))
     s.add(ScheduledRequest("a", prompt_tokens=1600))
     assert [n for _, n in s.schedule().prefill] == [75]
+
+
+def test_a_prompt_a_few_tokens_longer_than_a_pass_is_not_cut_into_a_sliver():
+    """Measured through the server: a 35-token kv question with passes of 32 ran as 32 + 3, two passes, the second
+    (3 tokens) costing a whole pass's fixed part. A tail shorter than ``min_chunk_tokens`` rides in the pass."""
+    s = Scheduler(SchedulerConfig(step_tokens=512, chunk_tokens=128, step_time_s=0.25))
+    s.cost.observe_decode(0.05)
+    s.cost.observe_prefill(100, 0.05 + 100 * 0.0023)  # 2.3 ms a token: 32 fit in half a step
+    s.add(ScheduledRequest("a", prompt_tokens=35))
+    out = s.schedule()
+    assert out.pass_tokens == 32 and [n for _, n in out.prefill] == [35]
+    s.add(ScheduledRequest("b", prompt_tokens=200))  # a longer prompt is still cut to passes
+    run_prefill(s, out)
+    assert [n for _, n in s.schedule().prefill] == [32]
+
+
+def test_a_few_tokens_pass_barely_moves_the_per_token_cost():
+    """A pass of 3 prompt tokens is almost all fixed part: its noise over 3 tokens (here 8.7 ms a token) must not
+    become the prompt token's cost (it cut questions into slivers and shed requests on a 4x estimate)."""
+    cost = StepCost()
+    cost.observe_decode(0.049)
+    cost.observe_prefill(32, 0.049 + 32 * 0.001)
+    cost.observe_prefill(3, 0.075)
+    assert cost.prompt_token_s < 0.0015
 
 
 def test_queued_requests_are_shed_between_a_long_steps_passes_not_after_it():
