@@ -225,9 +225,10 @@ class Scheduler:
                         admitted.append(req)
                     chunked.add(req.id)
                     n = min(req.remaining_prompt, chunk_tokens, budget)
-                    if 0 < req.remaining_prompt - n < self.config.min_chunk_tokens <= budget - n:
+                    if lone and 0 < req.remaining_prompt - n < self.config.min_chunk_tokens <= budget - n:
                         # the tail would be a forward pass of its own for a few tokens (measured: a 35-token
-                        # question cut into 32 + 3 paid two passes, ~70 ms more to its first token)
+                        # question cut into 32 + 3 paid two passes, ~70 ms more to its first token); only while
+                        # no other tenant waits: then a step's time bound comes first
                         n = req.remaining_prompt
                     if n > 0:
                         prefill.append((req, n))
