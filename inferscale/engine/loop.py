@@ -366,10 +366,8 @@ class ServingLoop:
         cache = self.slots.view(rows, starts, q)
         pos = torch.tensor(starts)[:, None] + torch.arange(q)[None]
         keep = 1 if last is None else torch.tensor(last, device=dev)[:, None]
-        out = self.engine.loaded.model(input_ids=ids.to(dev), position_ids=pos.to(dev),
-                                       attention_mask=self.slots.mask(starts, q), cache=cache, use_cache=True,
-                                       logits_to_keep=keep)
-        return out.logits[:, -1]
+        logits = self.engine.loaded.logits(ids.to(dev), pos.to(dev), self.slots.mask(starts, q), cache, keep)
+        return logits[:, -1]
 
     def _postprocess(self, req: GenRequest, logits: torch.Tensor, greedy: int | None = None) -> None:
         """Sample the next token (``greedy``: the argmax of ``logits``, when already known), emit its text, and stop

@@ -64,10 +64,12 @@ def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
 
 
 def _rms(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma3RMSNorm's arithmetic with its ``1 + weight`` precomputed."""
-    out = x.float()
-    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight1).type_as(x)
+    """Gemma3RMSNorm's arithmetic with its ``1 + weight`` precomputed, as ONE call: aten's ``rms_norm`` runs the
+    same float32 operations in the same order (x * rsqrt(mean(x^2) + eps) * w), from C++ (checked equal at load
+    with the rest of the layer). A weight of one row per head (q and k normalized together) is applied after it."""
+    if weight1.dim() == 1:
+        return torch.nn.functional.rms_norm(x.float(), weight1.shape, weight1, eps).type_as(x)
+    return (torch.nn.functional.rms_norm(x.float(), x.shape[-1:], None, eps) * weight1).type_as(x)
 
 
 class LeanGemma3DecoderLayer(torch.nn.Module):
@@ -80,10 +82,17 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
             return super(LeanGemma3DecoderLayer, self).forward(  # transformers' own layer (kv-recompute's scores)
                 hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                 position_ids=position_ids, cache=cache, **kwargs)
+        cos, sin = position_embeddings
+        return self.lean_step(hidden_states, (cos.unsqueeze(1), sin.unsqueeze(1)), attention_mask, cache)
+
+    def lean_step(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
+                  cache) -> torch.Tensor:
+        """``forward`` with the rotary tables already [B, 1, q, D] (the whole-model pass, leanmodel.py, makes them
+        once per layer type, not once per layer)."""
         lean: _LeanState = self.inferscale_lean
         residual = hidden_states
         h = _rms(hidden_states, lean.input_norm, lean.eps)
-        h = self._attention(h, position_embeddings, attention_mask, cache)
+        h = self._attention(h, rotary, attention_mask, cache)
         h = _rms(h, lean.post_attention_norm, lean.eps)
         hidden_states = residual + h
         residual = hidden_states
@@ -92,7 +101,8 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         h = _rms(h, lean.post_feedforward_norm, lean.eps)
         return residual + h
 
-    def _attention(self, h: torch.Tensor, position_embeddings, attention_mask, cache) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
+                   cache) -> torch.Tensor:
         attn, lean = self.self_attn, self.inferscale_lean
         fused = lean.fused
         batch, q_len = h.shape[:2]
@@ -108,8 +118,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         qk = qk.reshape(batch, q_len, -1, d).transpose(1, 2)  # [B, H + H_kv, q, D]
         v = v.reshape(batch, q_len, -1, d).transpose(1, 2)
         qk = _rms(qk, lean.qk_norm, lean.eps)
-        cos, sin = position_embeddings
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = rotary
         qk = (qk * cos) + (rotate_half(qk) * sin)
         heads = attn.config.num_attention_heads
         # contiguous as the separate q and k are: SDPA takes another kernel path for strided inputs (other bits)

@@ -15,6 +15,7 @@ from inferscale.errors import ModelLoadError
 from inferscale.models.fingerprint import file_digest, fingerprint, weights_digest_from_tensors
 from inferscale.models.layout import ModelLayout, read_layout
 from inferscale.models.leanlayers import install_lean_layers
+from inferscale.models.leanmodel import LeanGemma3Model, install_lean_model
 from inferscale.models.weightmajor import install_weight_major_linears
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -28,6 +29,17 @@ class LoadedModel:
     tokenizer: object
     layout: ModelLayout
     fingerprint: str
+    lean: LeanGemma3Model | None = None  # the same logits as ``model(...)`` with fewer Python operations
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | dict[str, torch.Tensor], cache,
+               logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """``model(...).logits`` [B, kept, vocab] for rows ``input_ids`` at ``position_ids`` writing their K/V into
+        ``cache``: through the lean pass where one is installed and usable now, else the model's own forward."""
+        if self.lean is not None and self.lean.usable:
+            return self.lean(input_ids, position_ids, attention_mask, cache, logits_to_keep)
+        return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                          cache=cache, use_cache=True, logits_to_keep=logits_to_keep).logits
 
     @property
     def device(self) -> torch.device:
@@ -91,7 +103,8 @@ def from_model(model: torch.nn.Module, tokenizer, *, name: str = "in-memory", we
     fp = fingerprint(model.config, weights_digest or weights_digest_from_tensors(model), tokenizer)
     install_weight_major_linears(model)  # the same outputs, without repacking every weight every decode step
     install_lean_layers(model)  # the same outputs again, with fewer operations per token (Gemma-3)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, layout=layout, fingerprint=fp)
+    lean = install_lean_model(model)  # and the whole pass without the model's per-call machinery
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, layout=layout, fingerprint=fp, lean=lean)
 
 
 def torch_dtype_for(dtype: str | None, device: str | None) -> torch.dtype:

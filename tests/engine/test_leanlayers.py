@@ -1,6 +1,7 @@
-"""Issue 22's decode path: the lean Gemma-3 layers (``inferscale/models/leanlayers.py``) change how many operations
-a token costs, never a number: the whole model's logits and cached K/V with them are bit for bit the Hugging Face
-layers', for prompts and decode steps, one sequence and a batch; other families and a mismatch keep HF's layers."""
+"""Issue 22's decode path: the lean Gemma-3 layers (``inferscale/models/leanlayers.py``) and the lean whole-model
+pass over them (``leanmodel.py``) change how many operations a token costs, never a number: the whole model's
+logits and cached K/V with them are bit for bit the Hugging Face model's, for prompts and decode steps, one
+sequence and a batch; other families and a mismatch keep HF's layers and forward."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import tiny_models as tm
 from inferscale.engine import Engine, Sampling
 from inferscale.engine.loop import GenRequest, TokenEvent
-from inferscale.models import leanlayers
+from inferscale.models import leanlayers, leanmodel
 from inferscale.models.loader import from_model
 
 
@@ -19,8 +20,13 @@ def _layers(engine: Engine):
 
 
 def _set_lean(engine: Engine, lean: bool) -> None:
+    """Lean layers and the lean pass over them, or the Hugging Face layers and ``model(...)``."""
     for layer in _layers(engine):
         layer.__class__ = leanlayers.LEAN_CLASSES[layer.inferscale_hf_class] if lean else layer.inferscale_hf_class
+    if lean:
+        engine.loaded.lean = engine.__dict__.pop("_lean_model", engine.loaded.lean)
+    elif engine.loaded.lean is not None:
+        engine._lean_model, engine.loaded.lean = engine.loaded.lean, None
 
 
 @pytest.fixture(params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -69,3 +75,75 @@ def test_other_families_and_a_mismatch_keep_the_hf_layers(monkeypatch):
     monkeypatch.setattr(leanlayers, "_same_outputs", lambda layer, base, state: False)  # as where the two differ
     assert leanlayers.install_lean_layers(gemma) == 0
     assert all(type(layer).__name__ == "Gemma3DecoderLayer" for layer in gemma.model.layers)
+
+
+def test_the_lean_pass_is_installed_and_gives_the_models_logits_and_kv(engine):
+    lean = engine.loaded.lean
+    assert isinstance(lean, leanmodel.LeanGemma3Model)
+    model, config = engine.loaded.model, engine.loaded.config
+    gen = torch.Generator().manual_seed(2)
+    for batch, q_len, past in ((1, 1, 9), (4, 1, 20), (2, 6, 3)):
+        ids = torch.randint(0, config.vocab_size, (batch, q_len), generator=gen)
+        pos = torch.arange(past, past + q_len)[None].expand(batch, -1)
+        prior = [torch.randn(2, batch, config.num_key_value_heads, past, config.head_dim, generator=gen)
+                 .to(model.dtype) for _ in range(config.num_hidden_layers)]
+        outs = []
+        for run in ("model", "lean"):
+            cache = leanmodel_cache(prior)
+            masks = _causal_masks(engine, batch, q_len, past)  # as the serving loop hands them to either
+            with torch.inference_mode():
+                if run == "model":
+                    logits = model(input_ids=ids, position_ids=pos, attention_mask=masks, cache=cache,
+                                   use_cache=True).logits
+                else:
+                    logits = lean(ids, pos, masks, cache, 0)
+            outs.append([logits] + [t for layer in cache.layers for t in (layer.keys, layer.values)])
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), (batch, q_len, past)
+
+
+def test_the_loop_runs_the_lean_pass_and_an_eager_pass_runs_the_model(engine, monkeypatch):
+    calls = []
+    lean = engine.loaded.lean
+    monkeypatch.setattr(engine.loaded, "lean", _Counting(lean, calls))
+    prompts = [engine.question_ids("Who is Maya?")]
+    _generate(engine, prompts, tokens=3)
+    assert len(calls) == 3  # the prompt pass and two decode passes
+    assert lean.usable
+    with tm.logit_hook(engine, lambda *args: None):  # a hooked model runs its own forward: the hook sees it
+        assert not lean.usable
+    assert lean.usable
+    config = engine.loaded.model.model.config
+    monkeypatch.setattr(config, "_attn_implementation", "eager")  # what kv-recompute's scoring pass sets
+    assert not lean.usable
+
+
+def test_other_families_and_a_mismatch_keep_the_models_own_pass(monkeypatch):
+    assert from_model(tm.model("llama", dtype=torch.bfloat16), tm.tokenizer()).lean is None
+    monkeypatch.setattr(leanmodel, "_same_outputs", lambda model, lean: False)  # as where the two differ
+    assert from_model(tm.model("gemma3", dtype=torch.bfloat16), tm.tokenizer()).lean is None
+
+
+class _Counting:
+    def __init__(self, lean, calls: list) -> None:
+        self.lean, self.calls, self.usable = lean, calls, True
+
+    def __call__(self, *args):
+        self.calls.append(args[0].shape)
+        return self.lean(*args)
+
+
+def leanmodel_cache(prior):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, kv in enumerate(prior):
+        cache.update(kv[0].clone(), kv[1].clone(), i)
+    return cache
+
+
+def _causal_masks(engine: Engine, batch: int, q_len: int, past: int) -> dict[str, torch.Tensor]:
+    from inferscale.engine.slots import SlotCache
+
+    slots = SlotCache(engine.loaded.layout, engine.loaded.dtype, engine.loaded.device)
+    masks = slots.mask([past] * batch, q_len)
+    return masks if isinstance(masks, dict) else {t: masks for t in engine.loaded.config.layer_types}
