@@ -80,12 +80,15 @@ def engine(family: str, **kw):
 
 @contextlib.contextmanager
 def logit_hook(engine, hook: Callable) -> Iterator[None]:
-    """Run ``hook(module, args, kwargs, output)`` after every forward pass of the engine's model while inside."""
+    """Run ``hook(module, args, kwargs, output)`` after every forward pass of the engine's model while inside (the
+    lean pass, which does not call the model's ``forward``, is set aside meanwhile)."""
     handle = engine.loaded.model.register_forward_hook(hook, with_kwargs=True)
+    lean, engine.loaded.lean = engine.loaded.lean, None
     try:
         yield
     finally:
         handle.remove()
+        engine.loaded.lean = lean
 
 
 @contextlib.contextmanager

@@ -25,9 +25,11 @@ from inferscale.models.layout import ModelLayout
 class _SlotLayer(DynamicLayer):
     """One layer's view of the slot tensors for one forward pass: writes the new K/V where each row's tokens go."""
 
-    def __init__(self, store: SlotCache, layer: int, rows: torch.Tensor, cells: torch.Tensor, kv_len: int) -> None:
+    def __init__(self, store: SlotCache, layer: int, rows: torch.Tensor, cells: torch.Tensor, kv_len: int,
+                 span: tuple[int, int] | None) -> None:
         super().__init__()
         self.store, self.layer, self.rows, self.cells, self.kv_len = store, layer, rows, cells, kv_len
+        self.span = span  # (first, last + 1) when the rows are contiguous: their K/V are a view, no copy
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -38,8 +40,8 @@ class _SlotLayer(DynamicLayer):
         dim = keys.shape[-1]
         keys.view(-1, dim).index_copy_(0, self.cells, key_states.reshape(-1, dim).to(keys.dtype))
         values.view(-1, dim).index_copy_(0, self.cells, value_states.reshape(-1, dim).to(values.dtype))
-        r0, r1 = int(self.rows[0]), int(self.rows[-1]) + 1
-        if r1 - r0 == len(self.rows):  # contiguous rows: a view, no copy
+        if self.span is not None:
+            r0, r1 = self.span
             return keys[r0:r1, :, : self.kv_len], values[r0:r1, :, : self.kv_len]
         return keys[self.rows, :, : self.kv_len], values[self.rows, :, : self.kv_len]
 
@@ -117,8 +119,9 @@ class SlotCache:
         cells = ((rows_t[:, None, None] * heads + torch.arange(heads, device=self.device)[None, :, None]) * capacity
                  + torch.tensor(starts, dtype=torch.long, device=self.device)[:, None, None]
                  + torch.arange(q, device=self.device)[None, None, :]).reshape(-1)
+        span = (rows[0], rows[-1] + 1) if rows[-1] + 1 - rows[0] == len(rows) else None
         cache = DynamicCache()
-        cache.layers = [_SlotLayer(self, i, rows_t, cells, kv_len) for i in range(self.num_layers)]
+        cache.layers = [_SlotLayer(self, i, rows_t, cells, kv_len, span) for i in range(self.num_layers)]
         return cache
 
     def mask(self, starts: list[int], q: int) -> torch.Tensor | dict[str, torch.Tensor]:

@@ -10,12 +10,14 @@ computes the same numbers with fewer of them:
 - q and k are normalized and rotated together, as one tensor of H + H_kv heads (each head's norm weight broadcast
   over it): every operation there is elementwise or a reduction over one head's own values, so each value is what
   the separate q and k operations give;
-- each RMSNorm's ``1 + weight`` in float32 is kept instead of being converted on every call.
+- each RMSNorm's ``1 + weight`` in float32 is kept instead of being converted on every call, and the norm is ONE
+  call of aten's ``rms_norm`` (the same float32 operations in the same order, run from C++);
+- ``rotate_half(x) * sin`` is ``roll(x, D/2) * signed_sin`` (``rotary_tables``: sin's first half negated once per
+  pass), one operation instead of four; the activation's own function is called, not its module.
 
 Another attention implementation set at run time (kv-recompute's scoring pass sets ``eager`` to record attention
 weights) runs transformers' own layer. Prompts of more rows and everything else (attention through transformers'
-own ``sdpa_attention_forward``, its ``rotate_half``, the residuals, the MLP's activation) run the same operations
-as ``Gemma3DecoderLayer``. ``install_lean_layers`` swaps a loaded model's layers only after checking on them that
+own ``sdpa_attention_forward``, the residuals) run the same operations as ``Gemma3DecoderLayer``. ``install_lean_layers`` swaps a loaded model's layers only after checking on them that
 the two give identical outputs (``CHECKS``: one and several rows, prefill and decode shapes, a mask); any
 difference, another model family or another transformers layer class keeps the Hugging Face layers.
 """
@@ -26,7 +28,6 @@ import logging
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.gemma3.modeling_gemma3 import rotate_half
 
 from inferscale.models.weightmajor import MAX_ROWS, checked_blocks, weight_major_product
 
@@ -59,17 +60,25 @@ def _joined(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return joined
 
 
-def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+def norm_weight(norm: torch.nn.Module) -> torch.Tensor:
     return 1.0 + norm.weight.float()
 
 
-def _rms(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
+def lean_rms(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma3RMSNorm's arithmetic with its ``1 + weight`` precomputed, as ONE call: aten's ``rms_norm`` runs the
     same float32 operations in the same order (x * rsqrt(mean(x^2) + eps) * w), from C++ (checked equal at load
     with the rest of the layer). A weight of one row per head (q and k normalized together) is applied after it."""
     if weight1.dim() == 1:
         return torch.nn.functional.rms_norm(x.float(), weight1.shape, weight1, eps).type_as(x)
     return (torch.nn.functional.rms_norm(x.float(), x.shape[-1:], None, eps) * weight1).type_as(x)
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables [B, q, D] as the lean layers read them: [B, 1, q, D], and ``sin`` with its first half
+    negated, so that ``roll(x, D/2) * signed_sin`` is ``rotate_half(x) * sin`` = cat(-x2, x1) * sin in one
+    operation fewer and the same bits (IEEE products are symmetric in sign; the negation is exact)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
 
 
 class LeanGemma3DecoderLayer(torch.nn.Module):
@@ -82,23 +91,22 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
             return super(LeanGemma3DecoderLayer, self).forward(  # transformers' own layer (kv-recompute's scores)
                 hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                 position_ids=position_ids, cache=cache, **kwargs)
-        cos, sin = position_embeddings
-        return self.lean_step(hidden_states, (cos.unsqueeze(1), sin.unsqueeze(1)), attention_mask, cache)
+        return self.lean_step(hidden_states, rotary_tables(*position_embeddings), attention_mask, cache)
 
     def lean_step(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
                   cache) -> torch.Tensor:
-        """``forward`` with the rotary tables already [B, 1, q, D] (the whole-model pass, leanmodel.py, makes them
-        once per layer type, not once per layer)."""
+        """``forward`` with the rotary tables already made by ``rotary_tables`` (the whole-model pass,
+        leanmodel.py, makes them once per layer type, not once per layer)."""
         lean: _LeanState = self.inferscale_lean
         residual = hidden_states
-        h = _rms(hidden_states, lean.input_norm, lean.eps)
+        h = lean_rms(hidden_states, lean.input_norm, lean.eps)
         h = self._attention(h, rotary, attention_mask, cache)
-        h = _rms(h, lean.post_attention_norm, lean.eps)
+        h = lean_rms(h, lean.post_attention_norm, lean.eps)
         hidden_states = residual + h
         residual = hidden_states
-        h = _rms(hidden_states, lean.pre_feedforward_norm, lean.eps)
+        h = lean_rms(hidden_states, lean.pre_feedforward_norm, lean.eps)
         h = self._mlp(h)
-        h = _rms(h, lean.post_feedforward_norm, lean.eps)
+        h = lean_rms(h, lean.post_feedforward_norm, lean.eps)
         return residual + h
 
     def _attention(self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
@@ -117,9 +125,9 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
             v = attn.v_proj(h)
         qk = qk.reshape(batch, q_len, -1, d).transpose(1, 2)  # [B, H + H_kv, q, D]
         v = v.reshape(batch, q_len, -1, d).transpose(1, 2)
-        qk = _rms(qk, lean.qk_norm, lean.eps)
-        cos, sin = rotary
-        qk = (qk * cos) + (rotate_half(qk) * sin)
+        qk = lean_rms(qk, lean.qk_norm, lean.eps)
+        cos, signed_sin = rotary
+        qk = (qk * cos) + (torch.roll(qk, qk.shape[-1] // 2, -1) * signed_sin)  # = rotate_half(qk) * sin
         heads = attn.config.num_attention_heads
         # contiguous as the separate q and k are: SDPA takes another kernel path for strided inputs (other bits)
         query, key = qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
@@ -138,7 +146,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
             gate, up = gate_up[..., : fused.inter], gate_up[..., fused.inter:]
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+        return mlp.down_proj(lean.act(gate) * up)
 
 
 class _LeanState:
@@ -150,15 +158,17 @@ class _LeanState:
             attn.q_proj, attn.k_proj, attn.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj))
         self.fused = _FusedWeights(layer) if self.weight_major else None
         self.eps = layer.input_layernorm.eps
-        self.input_norm = _norm_weight(layer.input_layernorm)
-        self.post_attention_norm = _norm_weight(layer.post_attention_layernorm)
-        self.pre_feedforward_norm = _norm_weight(layer.pre_feedforward_layernorm)
-        self.post_feedforward_norm = _norm_weight(layer.post_feedforward_layernorm)
+        # the activation's own function (GELUTanh keeps it as ``act``): one module call fewer per layer
+        self.act = getattr(layer.mlp.act_fn, "act", layer.mlp.act_fn)
+        self.input_norm = norm_weight(layer.input_layernorm)
+        self.post_attention_norm = norm_weight(layer.post_attention_layernorm)
+        self.pre_feedforward_norm = norm_weight(layer.pre_feedforward_layernorm)
+        self.post_feedforward_norm = norm_weight(layer.post_feedforward_layernorm)
         d = attn.head_dim
         heads, kv_heads = attn.q_proj.weight.shape[0] // d, attn.k_proj.weight.shape[0] // d
         # one [1, D] row per head: q's norm weight for the query heads, k's for the key heads
-        self.qk_norm = torch.cat([_norm_weight(attn.q_norm).expand(heads, 1, d),
-                                  _norm_weight(attn.k_norm).expand(kv_heads, 1, d)])
+        self.qk_norm = torch.cat([norm_weight(attn.q_norm).expand(heads, 1, d),
+                                  norm_weight(attn.k_norm).expand(kv_heads, 1, d)])
 
 
 def _supported(layer: torch.nn.Module) -> bool:

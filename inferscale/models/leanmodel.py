@@ -5,7 +5,7 @@ decorators, a module call per layer, per-layer rotary reshapes and the ``logits_
 for every token of every sequence. ``LeanGemma3Model`` runs the same operations in the same order, from the
 already-lean layers (``leanlayers.LeanGemma3DecoderLayer.lean_step``): the embedding times its scale, each layer
 type's rotary tables made once and shaped once for every layer of that type, the layers, the final norm
-(``leanlayers._rms``), the kept rows and the LM head (with the final soft-capping where the config has one).
+(``leanlayers.lean_rms``), the kept rows and the LM head (with the final soft-capping where the config has one).
 
 ``install_lean_model`` returns one only when every layer is lean and the pass gives the model's own logits and
 cached K/V on ``CHECKS``' shapes; anything else (another family, another attention implementation set at run time,
@@ -19,7 +19,7 @@ import logging
 import torch
 from transformers.modeling_utils import slice_logits_to_keep
 
-from inferscale.models.leanlayers import LeanGemma3DecoderLayer, _norm_weight, _rms
+from inferscale.models.leanlayers import LeanGemma3DecoderLayer, norm_weight, lean_rms, rotary_tables
 
 log = logging.getLogger(__name__)
 CHECKS = ((1, 1, 6), (3, 1, 11), (2, 5, 9))  # (batch, new tokens, cache length) checked equal at load
@@ -31,22 +31,20 @@ class LeanGemma3Model:
 
     def __init__(self, model: torch.nn.Module) -> None:
         base, config = model.model, model.config.get_text_config(decoder=True)
-        self.model, self.config = model, config
+        self.config = config
         self.layers: list[LeanGemma3DecoderLayer] = list(base.layers)
         self.layer_types: list[str] = list(config.layer_types)
         self.embed = base.embed_tokens.weight
         self.embed_scale = base.embed_tokens.embed_scale.to(self.embed.dtype)  # what its forward converts per call
         self.rotary = base.rotary_emb
-        self.norm, self.eps = _norm_weight(base.norm), base.norm.eps
+        self.norm, self.eps = norm_weight(base.norm), base.norm.eps
         self.head = model.lm_head
         self.softcap = config.final_logit_softcapping
 
     @property
     def usable(self) -> bool:
-        """False while another attention implementation is set (kv-recompute's eager pass records weights) or
-        while the model has forward hooks (instrumentation, tests forcing an output): they see every pass."""
-        return (self.config._attn_implementation == "sdpa" and not self.model._forward_hooks
-                and not self.model._forward_pre_hooks)
+        """False while another attention implementation is set (kv-recompute's eager pass records weights)."""
+        return self.config._attn_implementation == "sdpa"
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | dict[str, torch.Tensor], cache,
@@ -55,12 +53,11 @@ class LeanGemma3Model:
         h = torch.nn.functional.embedding(input_ids, self.embed) * self.embed_scale
         rotary = {}
         for layer_type in set(self.layer_types):
-            cos, sin = self.rotary(h, position_ids, layer_type)
-            rotary[layer_type] = (cos.unsqueeze(1), sin.unsqueeze(1))
+            rotary[layer_type] = rotary_tables(*self.rotary(h, position_ids, layer_type))
         masks = attention_mask if isinstance(attention_mask, dict) else None
         for layer, layer_type in zip(self.layers, self.layer_types):
             h = layer.lean_step(h, rotary[layer_type], attention_mask if masks is None else masks[layer_type], cache)
-        h = slice_logits_to_keep(_rms(h, self.norm, self.eps), logits_to_keep)
+        h = slice_logits_to_keep(lean_rms(h, self.norm, self.eps), logits_to_keep)
         logits = self.head(h)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
