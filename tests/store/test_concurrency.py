@@ -39,6 +39,9 @@ def test_concurrent_get_put(open_store):
                 if not torch.equal(b.kv, want.kv):
                     errors.append(AssertionError(f"{b.item_id} v{version}: kv does not match its text"))
                 checked[0] += 1
+            # Done with them, as a request is: their DRAM slots go back before the next get. Held across a refused
+            # get, three readers' 2 blocks each filled the 5-block budget and every further get was refused.
+            blocks = b = None
 
     def writer(seed: int) -> None:
         rng = random.Random(seed)
