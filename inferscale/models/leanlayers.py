@@ -17,9 +17,10 @@ computes the same numbers with fewer of them:
 
 Another attention implementation set at run time (kv-recompute's scoring pass sets ``eager`` to record attention
 weights) runs transformers' own layer. Prompts of more rows and everything else (attention through transformers'
-own ``sdpa_attention_forward``, the residuals) run the same operations as ``Gemma3DecoderLayer``. ``install_lean_layers`` swaps a loaded model's layers only after checking on them that
-the two give identical outputs (``CHECKS``: one and several rows, prefill and decode shapes, a mask); any
-difference, another model family or another transformers layer class keeps the Hugging Face layers.
+own ``sdpa_attention_forward``, the residuals) run the same operations as ``Gemma3DecoderLayer``.
+``install_lean_layers`` swaps a loaded model's layers only after checking on them that the two give identical
+outputs (``CHECKS``: one and several rows, prefill and decode shapes, a mask); any difference, another model family
+or another transformers layer class keeps the Hugging Face layers.
 """
 
 from __future__ import annotations

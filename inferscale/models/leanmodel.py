@@ -51,9 +51,7 @@ class LeanGemma3Model:
                  logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """Logits [B, kept, vocab] of rows ``input_ids`` [B, q] at ``position_ids``; ``cache`` takes their K/V."""
         h = torch.nn.functional.embedding(input_ids, self.embed) * self.embed_scale
-        rotary = {}
-        for layer_type in set(self.layer_types):
-            rotary[layer_type] = rotary_tables(*self.rotary(h, position_ids, layer_type))
+        rotary = {t: rotary_tables(*self.rotary(h, position_ids, t)) for t in set(self.layer_types)}
         masks = attention_mask if isinstance(attention_mask, dict) else None
         for layer, layer_type in zip(self.layers, self.layer_types):
             h = layer.lean_step(h, rotary[layer_type], attention_mask if masks is None else masks[layer_type], cache)
@@ -81,7 +79,6 @@ def _same_outputs(model: torch.nn.Module, lean: LeanGemma3Model) -> bool:
 
     gen = torch.Generator().manual_seed(0)
     config = lean.config
-    kv_shape = (config.num_key_value_heads, config.head_dim)
     with torch.inference_mode():
         for batch, q_len, kv_len in CHECKS:
             ids = torch.randint(0, config.vocab_size, (batch, q_len), generator=gen)
@@ -90,8 +87,8 @@ def _same_outputs(model: torch.nn.Module, lean: LeanGemma3Model) -> bool:
             mask = torch.zeros(batch, 1, q_len, kv_len, dtype=lean.embed.dtype)
             mask.masked_fill_(torch.ones(q_len, kv_len, dtype=torch.bool).triu(past + 1), torch.finfo(mask.dtype).min)
             masks = {layer_type: mask for layer_type in lean.layer_types}  # as SlotCache.mask hands them
-            prior = [torch.randn(2, batch, *kv_shape[:1], past, kv_shape[1], generator=gen).to(lean.embed.dtype)
-                     for _ in lean.layers]
+            prior = [torch.randn(2, batch, config.num_key_value_heads, past, config.head_dim, generator=gen)
+                     .to(lean.embed.dtype) for _ in lean.layers]
             outs = []
             for run in (model, lean):
                 cache = DynamicCache()
