@@ -62,6 +62,14 @@ class LeanGemma3Model:
         return logits
 
 
+def model_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | dict[str, torch.Tensor], cache,
+                 logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The same logits through the model's own forward: what the lean pass is checked against and stands in for."""
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                 use_cache=True, logits_to_keep=logits_to_keep).logits
+
+
 def install_lean_model(model: torch.nn.Module) -> LeanGemma3Model | None:
     """A ``LeanGemma3Model`` for ``model`` once it is checked to give the model's own logits and K/V, else None."""
     layers = list(getattr(getattr(model, "model", None), "layers", []) or [])
@@ -94,11 +102,8 @@ def _same_outputs(model: torch.nn.Module, lean: LeanGemma3Model) -> bool:
                 cache = DynamicCache()
                 for i, kv in enumerate(prior):
                     cache.update(kv[0].clone(), kv[1].clone(), i)
-                if run is model:
-                    logits = model(input_ids=ids, position_ids=pos, attention_mask=masks, cache=cache,
-                                   use_cache=True, logits_to_keep=1).logits
-                else:
-                    logits = lean(ids, pos, masks, cache, 1)
+                logits = (model_logits(model, ids, pos, masks, cache, 1) if run is model
+                          else lean(ids, pos, masks, cache, 1))
                 outs.append([logits] + [t for layer in cache.layers for t in (layer.keys, layer.values)])
             if not all(torch.equal(a, b) for a, b in zip(*outs)):
                 return False

@@ -15,7 +15,7 @@ from inferscale.errors import ModelLoadError
 from inferscale.models.fingerprint import file_digest, fingerprint, weights_digest_from_tensors
 from inferscale.models.layout import ModelLayout, read_layout
 from inferscale.models.leanlayers import install_lean_layers
-from inferscale.models.leanmodel import LeanGemma3Model, install_lean_model
+from inferscale.models.leanmodel import LeanGemma3Model, install_lean_model, model_logits
 from inferscale.models.weightmajor import install_weight_major_linears
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -38,8 +38,7 @@ class LoadedModel:
         ``cache``: through the lean pass where one is installed and usable now, else the model's own forward."""
         if self.lean is not None and self.lean.usable:
             return self.lean(input_ids, position_ids, attention_mask, cache, logits_to_keep)
-        return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                          cache=cache, use_cache=True, logits_to_keep=logits_to_keep).logits
+        return model_logits(self.model, input_ids, position_ids, attention_mask, cache, logits_to_keep)
 
     @property
     def device(self) -> torch.device:
