@@ -5,7 +5,7 @@ on a 2-core CPU those operations cost about as much as reading the layers' weigh
 computes the same numbers with fewer of them:
 
 - q, k and v come out of ONE weight read (their weights concatenated: ``W_qkv @ x``), gate and up out of another,
-  for the few rows of a decode step or a short prompt chunk (``weightmajor.MAX_ROWS``); each output row is the same
+  for the few rows of a decode step or a short prompt chunk (``weightmajor.max_rows``); each output row is the same
   dot product accumulated in the same order as the separate projection's, so the values are identical (checked);
 - q and k are normalized and rotated together, as one tensor of H + H_kv heads (each head's norm weight broadcast
   over it): every operation there is elementwise or a reduction over one head's own values, so each value is what
@@ -30,7 +30,7 @@ import logging
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from inferscale.models.weightmajor import MAX_ROWS, checked_blocks, weight_major_product
+from inferscale.models.weightmajor import checked_blocks, max_rows, weight_major_product
 
 log = logging.getLogger(__name__)
 CHECKS = ((1, 1, 5), (3, 1, 9), (2, 7, 7), (1, 40, 40))  # (batch, new tokens, cache length) checked equal
@@ -49,6 +49,7 @@ class _FusedWeights:
         self.inter = mlp.gate_proj.weight.shape[0]
         # 0 (no block count gives F.linear's numbers) runs the plain product: the layer's own check decides
         self.qkv_blocks, self.gate_up_blocks = checked_blocks(self.qkv), checked_blocks(self.gate_up)
+        self.max_rows = min(max_rows(self.qkv_blocks), max_rows(self.gate_up_blocks))  # rows the fused reads take
 
 
 def _joined(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -117,7 +118,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         batch, q_len = h.shape[:2]
         flat = h.reshape(-1, h.shape[-1])
         d = attn.head_dim
-        if lean.weight_major and flat.shape[0] <= MAX_ROWS:
+        if lean.weight_major and flat.shape[0] <= fused.max_rows:
             qkv = weight_major_product(fused.qkv, flat, fused.qkv_blocks).reshape(batch, q_len, -1)
             qk = qkv[..., : fused.q_rows + fused.k_rows]
             v = qkv[..., fused.q_rows + fused.k_rows:]
@@ -142,7 +143,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         mlp, lean = self.mlp, self.inferscale_lean
         fused = lean.fused
         flat = h.reshape(-1, h.shape[-1])
-        if lean.weight_major and flat.shape[0] <= MAX_ROWS:
+        if lean.weight_major and flat.shape[0] <= fused.max_rows:
             gate_up = weight_major_product(fused.gate_up, flat, fused.gate_up_blocks).reshape(*h.shape[:-1], -1)
             gate, up = gate_up[..., : fused.inter], gate_up[..., fused.inter:]
         else:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from inferscale.cachedir import cache_dir
+from inferscale.cpuflags import cpu_flags
 from inferscale.errors import ModelLoadError
 from inferscale.models.fingerprint import file_digest, fingerprint, weights_digest_from_tensors
 from inferscale.models.layout import ModelLayout, read_layout
@@ -51,13 +53,6 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.config.get_text_config(decoder=True)
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("INFERSCALE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inferscale"
-    )
-    return Path(base)
 
 
 def load_model(name_or_path: str | None = None, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:
@@ -114,17 +109,9 @@ def torch_dtype_for(dtype: str | None, device: str | None) -> torch.dtype:
             raise ModelLoadError(f"unknown dtype {dtype!r}") from None
     # bf16 on GPUs and on CPUs with native bf16 math (AVX512-BF16/AMX: ~2x faster than fp32 here, half the
     # KV bytes); fp32 elsewhere, where bf16 matmuls are emulated and slow.
-    if (device or "cpu").startswith("cuda") or _cpu_has_bf16():
+    if (device or "cpu").startswith("cuda") or {"avx512_bf16", "amx_bf16"} & cpu_flags():
         return torch.bfloat16
     return torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def _default_model_dir() -> tuple[Path, str]:

@@ -14,6 +14,13 @@ and differs from its own one-row results, so those stay on F.linear). Only up to
 batches, short prompt chunks) take this path; longer inputs (prefill, encoding) are compute-bound and keep
 ``F.linear``. The swap is made only after that equality is checked on the loaded weights' shapes at load time
 (``CHECK_ROWS``); on any other backend, dtype or device the model keeps its ``nn.Linear`` modules.
+
+Where the CPU has AMX, the product is our own kernel (``kernels/amx_linear.cpp``): oneDNN's arithmetic for these
+shapes (the same tile instruction, the same order, so again bit for bit F.linear's, checked the same way), with
+the weight's rows split over every torch thread and prefetched. oneDNN reads a layer's weights on one thread at
+~10-12 GB/s; the kernel reads them at ~20 GB/s, the machine's reduction bandwidth (issue 22: the 72 layer
+products of a Gemma-3-270M decode step 10 ms instead of 17-22 ms; 16 rows 14 instead of 21 ms). With it, inputs of
+up to ``KERNEL_MAX_ROWS`` rows take the path; past F.linear's 32 each row gets what it gets among fewer rows.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from inferscale.kernels import amx_linear
 
 log = logging.getLogger(__name__)
 # Up to 32 rows F.linear itself gives each row what one row alone gets (above, oneDNN picks another kernel and
@@ -31,17 +40,30 @@ CHECK_ROWS = (1, 3, 17, MAX_ROWS)  # row counts the equality is checked at, per 
 # one core reads at ~13 GB/s; a layer's weights (at most 5 MB here) come from the cache (300 MB of L3) and their
 # blocks' thread hand-offs cost more than they save (a decode step 54 vs 46 ms, 16 rows 84 vs 76 ms, interleaved).
 SPLIT_MIN_BYTES = 64 * 2**20
+KERNEL = -1  # the ``blocks`` value that runs the AMX kernel (every thread, any weight size)
+# The AMX kernel gives each row what it gives that row alone at any row count, and is faster than F.linear up to
+# 64 rows (amx_linear.cpp's numbers); so with it, prompt chunks of 33-64 tokens take this path too (a 48-token pass
+# of Gemma-3-270M 87 vs 100 ms, two 31-token questions 92 vs 116 ms), their rows bit for bit what the rows get alone.
+KERNEL_MAX_ROWS = 64
+
+
+def max_rows(blocks: int) -> int:
+    """The most rows ``weight_major_product`` takes with ``blocks``; longer inputs keep F.linear."""
+    return KERNEL_MAX_ROWS if blocks == KERNEL else MAX_ROWS
 
 
 def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     """``flat @ weight.T`` for up to ``MAX_ROWS`` rows of ``flat`` [rows, in], computed with ``weight`` [out, in]
-    as the operand read in place; returns [rows, out] (a transposed view).
+    as the operand read in place; returns [rows, out] (a transposed view; contiguous from the AMX kernel).
 
     oneDNN runs one such product on ONE thread (the few activation columns give it nothing to split), so with
     ``blocks`` > 1 ``weight``'s rows are cut into that many blocks run as one ``torch.bmm``, which gives each torch
     thread its own blocks: every core reads weights (worth it for a weight read from memory: SPLIT_MIN_BYTES).
     Measured on the 2-core AMX machine, LM head [262144, 640], batch 1: ``mv`` 24 ms = 13-14 GB/s at one and at
-    two threads; 2 blocks 15 ms = 22 GB/s, the float32 read bandwidth of the machine. ``checked_blocks`` says which count gives F.linear's numbers."""
+    two threads; 2 blocks 15 ms = 22 GB/s, the float32 read bandwidth of the machine. ``checked_blocks`` says which
+    count gives F.linear's numbers; ``KERNEL`` runs ``kernels/amx_linear.cpp`` instead."""
+    if blocks == KERNEL:
+        return amx_linear.load()(weight, flat.contiguous())  # [rows, out], contiguous
     if blocks > 1:
         out_rows = weight.shape[0]
         parts = torch.bmm(weight.view(blocks, out_rows // blocks, weight.shape[1]),
@@ -53,14 +75,16 @@ def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int =
 
 
 def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
-    """The block count for ``weight_major_product`` that gives ``F.linear``'s numbers here on ``CHECK_ROWS`` rows:
-    one block per torch thread where that is equal (it is not for every shape: some block shapes take another
-    oneDNN kernel), else 1 where the plain product is, else 0. Fixed at load, so a later thread count changes
-    the speed, never the numbers."""
+    """The ``blocks`` for ``weight_major_product`` that gives ``F.linear``'s numbers here on ``CHECK_ROWS`` rows:
+    the AMX kernel (``KERNEL``) where it is built and equal, else one block per torch thread where that is equal
+    (it is not for every shape: some block shapes take another oneDNN kernel), else 1 where the plain product is,
+    else 0. Fixed at load, so a later thread count changes the speed, never the numbers."""
     threads = torch.get_num_threads()
     big = weight.numel() * weight.element_size() >= SPLIT_MIN_BYTES
     candidates = [threads, 1] if big and threads > 1 and weight.shape[0] % threads == 0 and weight.is_contiguous() \
         else [1]
+    if amx_linear.fits(weight) and amx_linear.load() is not None:
+        candidates.insert(0, KERNEL)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         xs = [torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype) for rows in CHECK_ROWS]
@@ -69,13 +93,21 @@ def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
             outs = [weight_major_product(weight, x, blocks) for x in xs]
             if bias is not None:
                 outs = [out + bias for out in outs]
-            if all(torch.equal(out, ref) for out, ref in zip(outs, refs)):
+            if all(torch.equal(out, ref) for out, ref in zip(outs, refs)) and (
+                    blocks != KERNEL or _rows_alone(weight, xs[-1])):
                 return blocks
     return 0
 
 
+def _rows_alone(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Past F.linear's range the kernel must give each row what it gives that row among fewer: ``x``'s rows
+    first in a ``KERNEL_MAX_ROWS``-row call."""
+    wide = torch.cat([x, x.flip(0)] * (KERNEL_MAX_ROWS // (2 * len(x)) + 1))[:KERNEL_MAX_ROWS]
+    return torch.equal(weight_major_product(weight, wide, KERNEL)[: len(x)], weight_major_product(weight, x, KERNEL))
+
+
 class WeightMajorLinear(torch.nn.Module):
-    """``nn.Linear``'s result computed as ``(W @ x.T).T`` for up to MAX_ROWS rows; shares the original's
+    """``nn.Linear``'s result computed as ``(W @ x.T).T`` for up to ``max_rows(blocks)`` rows; shares the original's
     parameters (ties stay tied, the state dict keeps its names)."""
 
     def __init__(self, linear: torch.nn.Linear, blocks: int = 1, transposed_out: bool = False) -> None:
@@ -84,13 +116,14 @@ class WeightMajorLinear(torch.nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.blocks = blocks  # checked_blocks(weight, bias)
+        self.max_rows = max_rows(blocks)
         # The output as the product leaves it, a transposed view (the LM head: logits are only reduced and
         # converted, which read any layout alike). Making 16 rows of 262k logits contiguous took 7 ms a step.
         self.transposed_out = transposed_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > MAX_ROWS:
+        if flat.shape[0] > self.max_rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         out = weight_major_product(self.weight, flat, self.blocks)
         if not self.transposed_out:

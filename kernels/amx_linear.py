@@ -1,0 +1,71 @@
+"""``amx_linear(weight, x)``: decode's few-row products on AMX over every torch thread (``amx_linear.cpp``).
+
+Built once per machine as a torch C++ extension (gcc and ninja; ~15 s) into InferScale's cache, keyed by the source
+and the torch version, and registered as ``torch.ops.inferscale_cpu.amx_linear``. Why our own kernel and not a
+library's: oneDNN's matmul for these shapes (``W @ x.T``, the weight read in place) runs on one thread and reads
+the layer weights at about half the machine's bandwidth; no other stock CPU kernel reads them faster (issue 22's
+note: oneDNN prepacked, bmm blocks, int8 packs). The kernel does oneDNN's arithmetic; ``weightmajor`` uses it for a
+weight only after checking it gives F.linear's outputs bit for bit there.
+
+``load()`` returns None, and the model keeps oneDNN, on a CPU without AMX-BF16, where the build fails (no
+compiler), or with ``INFERSCALE_AMX_LINEAR=0``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from inferscale.cachedir import cache_dir
+from inferscale.cpuflags import cpu_flags
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("amx_linear.cpp")
+BLOCK = 32  # in-features per tile step: a weight's in-features must be a multiple
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
+
+AmxLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / "torch-extensions" / f"amx_linear-{torch.__version__}-{digest}"
+
+
+@functools.cache
+def load() -> AmxLinear | None:
+    """The kernel, built on first use (later processes load the cached build); None where it cannot run here."""
+    if os.environ.get("INFERSCALE_AMX_LINEAR", "1") == "0":
+        return None
+    if "amx_bf16" not in cpu_flags() or not torch.backends.mkldnn.is_available():
+        return None
+    from torch.utils import cpp_extension
+
+    target = build_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        # -fopenmp at link time names libgomp.so.1, the soname torch's own runtime is already loaded under: one
+        # OpenMP pool, so at::parallel_for shares torch's threads instead of starting its own.
+        cpp_extension.load(name="inferscale_amx_linear", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False)
+    except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a build error: keep oneDNN
+        log.warning("amx_linear kernel not built (%s); decode keeps oneDNN's matmul", str(e).splitlines()[0])
+        return None
+    return torch.ops.inferscale_cpu.amx_linear
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes ``weight``: bf16 [out, in] on the CPU, contiguous, in-features a multiple of 32."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.is_contiguous() and weight.shape[1] % BLOCK == 0)
+
+
+if __name__ == "__main__":  # scripts/setup.sh builds it ahead of the first model load
+    logging.basicConfig(level=logging.INFO)
+    print("amx_linear:", "built" if load() is not None else "not available here (oneDNN is used)", build_dir())
