@@ -189,11 +189,9 @@ class ServingLoop:
         # Prompt chunks first, in the scheduler's turn order (a newcomer's first): a short question that fits in
         # one chunk gets its first token before this step's decode pass, not after it.
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
-        t0 = time.perf_counter()
-        tokens, passes = self._prefill([(s.payload, n) for s, n in out.prefill
-                                        if s.payload.slot >= 0 and s.payload.pending], out.pass_tokens)
+        self._prefill([(s.payload, n) for s, n in out.prefill if s.payload.slot >= 0 and s.payload.pending],
+                      out.pass_tokens)
         t1 = time.perf_counter()
-        cost.observe_prefill(tokens, t1 - t0, passes)
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self.threads.before_decode(len(decode))
@@ -254,24 +252,26 @@ class ServingLoop:
         self.slots.write(req.slot, kv)
         req.length = kv.shape[3]
 
-    def _prefill(self, chunks: list[tuple[GenRequest, int]], pass_tokens: int | None) -> tuple[int, int]:
+    def _prefill(self, chunks: list[tuple[GenRequest, int]], pass_tokens: int | None) -> None:
         """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch)
         of at most ``pass_tokens`` padded tokens; once another tenant comes, the rest wait for the next step
-        (where it goes first). Returns the prompt tokens computed and the passes run."""
-        tokens = 0
+        (where it goes first). Each pass's time is reported to the scheduler's cost model with the tenants it
+        computed for."""
         groups = padded_groups([min(n, len(r.pending)) for r, n in chunks], max_tokens=pass_tokens)
         tenants = {r.sched.tenant for r, _ in chunks}
         for run, group in enumerate(groups):
             if run:
                 if self.scheduler.interrupted(tenants):
-                    return tokens, run
+                    return
                 self._refuse(self.scheduler.shed_queued())
             batch = [chunks[i] for i in group if chunks[i][0].slot >= 0]  # not failed by an earlier group
+            t0 = time.perf_counter()
             if len(batch) == 1:
-                tokens += self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
-            elif batch:
-                tokens += self._prefill_batch(batch)
-        return tokens, len(groups)
+                computed = self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
+            else:
+                computed = self._prefill_batch(batch) if batch else 0
+            self.scheduler.cost.observe_prefill(computed, time.perf_counter() - t0, 1,
+                                                {r.sched.tenant for r, _ in batch})
 
     def _prefill_batch(self, batch: list[tuple[GenRequest, int]]) -> int:
         """One forward pass over several requests' next prompt chunks: each a row, padded to the longest with

@@ -70,7 +70,7 @@ SHED_AT = 0.8
 
 # While a tenant with no prompt started is on its way, steps are bounded to this share of ``step_time_s``: it
 # arrives during one of them and waits that one out before its own prompt runs first.
-NEWCOMER_STEP_SHARE = 0.5
+NEWCOMER_STEP_SHARE = 0.35
 
 
 class Arrival:
@@ -297,7 +297,7 @@ class Scheduler:
         if lone:
             return budget
         seconds = cfg.step_time_s * (NEWCOMER_STEP_SHARE if newcomer else 1.0)
-        timed = self.cost.prompt_tokens_within(seconds, decoding > 0)
+        timed = self.cost.prompt_tokens_within(seconds, decoding > 0, self._prompt_tenants())
         if timed is not None:
             budget = min(budget, max(timed, cfg.min_chunk_tokens))
         return budget
@@ -308,8 +308,12 @@ class Scheduler:
         lone tenant's step (untimed) runs its chunks in passes of this size, ``interrupted`` between them: another
         tenant arriving waits for the pass in progress. Measured (bench load, 3 repeats): passes of all of
         step_time_s gave 16 streams 7.0x one but the flood's tenant B 2.6x its idle TTFT; passes of half of it
-        5.9x and 1.8x."""
-        fit = self.cost.prompt_tokens_within(self.config.step_time_s * NEWCOMER_STEP_SHARE, decoding=False)
+        5.9x and 1.8x. Once decode's products ran on the AMX kernel (B's own question pass 60-70 ms instead of ~95),
+        half of it gave B 2.2x [1.5, 2.6] (each probe follows the last, so it arrives ~40 ms into one of A's passes
+        and waits out the rest), 0.35 of it 1.8x [1.4, 2.6], 16 streams 6.6x and 6.2x, both with each tenant's own
+        token cost (2026-12-02)."""
+        fit = self.cost.prompt_tokens_within(self.config.step_time_s * NEWCOMER_STEP_SHARE, decoding=False,
+                                             tenants=self._prompt_tenants())
         return None if fit is None else max(fit, self.config.min_chunk_tokens)
 
     def _next_prompt(self, tenant: str) -> int:

@@ -9,6 +9,7 @@ No torch: the loop reports wall times, the scheduler reads estimates; tests feed
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # Weight of the newest observation: a few steps follow a change of load (a flood starting) without one slow step
@@ -22,6 +23,9 @@ PROMPT_TOKEN_S_PRIOR = 0.002
 # pass's fixed part, whose noise (a decode pass here: 49-75 ms) over 3 tokens said 8.7 ms a token, where one
 # more token costs about 1 ms, and the estimate it pulled up cut a 35-token question into 32 + 3 (two passes).
 FULL_WEIGHT_TOKENS = 32
+# Tenants whose own prompt-token cost is remembered (the most recently observed; older ones fall back to the
+# overall estimate).
+TENANTS_KEPT = 1024
 
 
 @dataclass
@@ -42,16 +46,27 @@ class StepCost:
     # whose first requests asked one token)
     shortest_pass_s: float | None = None
     _fixed_part_unknown: bool = field(default=False, repr=False)  # prompt_token_s was measured without pass_s
+    # Each tenant's own seconds per prompt token: a token's cost grows with the context it attends to, so one
+    # tenant's short questions (k=3) say little of another's long prompts (k=40 memories of text). Measured in a
+    # flood: right after tenant B's cheap passes the shared estimate sized tenant A's next pass at 87 tokens, which
+    # took 170-230 ms against the 125 ms it was meant to fit, and B's next request waited it out.
+    tenant_token_s: dict[str, float] = field(default_factory=dict, repr=False)
 
-    def observe_prefill(self, tokens: int, seconds: float, passes: int = 1) -> None:
+    def observe_prefill(self, tokens: int, seconds: float, passes: int = 1, tenants: Iterable[str] = ()) -> None:
+        """``passes`` prompt passes computed ``tokens`` prompt tokens of ``tenants``' requests in ``seconds``."""
         if tokens > 0 and seconds > 0:
             per_token = seconds / tokens
             # a quarter of the whole cost at least: a pass timed under its fixed part (noise) says nothing of it
             marginal = max((seconds - passes * (self.pass_s or 0.0)) / tokens, per_token / 4)
+            weight = SMOOTHING * min(1.0, tokens / FULL_WEIGHT_TOKENS)
             # Before a decode pass told the fixed part, a token's cost is its pass's share: a stand-in the first
             # observation with the fixed part known replaces instead of averaging with (it is 2-4x too high).
-            self.prompt_token_s = ewma(None if self._fixed_part_unknown else self.prompt_token_s, marginal,
-                                       SMOOTHING * min(1.0, tokens / FULL_WEIGHT_TOKENS))
+            self.prompt_token_s = ewma(None if self._fixed_part_unknown else self.prompt_token_s, marginal, weight)
+            for tenant in tenants:
+                old = None if self._fixed_part_unknown else self.tenant_token_s.pop(tenant, None)
+                self.tenant_token_s[tenant] = ewma(old, marginal, weight)  # re-inserted: the newest last
+            while len(self.tenant_token_s) > TENANTS_KEPT:
+                del self.tenant_token_s[next(iter(self.tenant_token_s))]
             self._fixed_part_unknown = self.pass_s is None
             per_pass = seconds / max(passes, 1)
             self.shortest_pass_s = min(self.shortest_pass_s or per_pass, per_pass)
@@ -61,13 +76,15 @@ class StepCost:
             self.decode_pass_s = ewma(self.decode_pass_s, seconds)
             self.pass_s = min(self.pass_s or seconds, seconds)
 
-    def prompt_tokens_within(self, seconds: float, decoding: bool) -> int | None:
+    def prompt_tokens_within(self, seconds: float, decoding: bool, tenants: Iterable[str] = ()) -> int | None:
         """How many prompt tokens fit in ``seconds`` in one prompt pass (beside one decode pass when
-        ``decoding``); None before a prompt token was measured."""
+        ``decoding``) at the dearest of ``tenants``' own token costs (the overall estimate for a tenant not measured
+        yet, or when none is named); None before a prompt token was measured."""
         if self.prompt_token_s is None:
             return None
+        token_s = max([self.tenant_token_s.get(t, self.prompt_token_s) for t in tenants] or [self.prompt_token_s])
         left = seconds - (self.pass_s or 0.0) - ((self.decode_pass_s or 0.0) if decoding else 0.0)
-        return int(max(0.0, left) / self.prompt_token_s + 1e-9)  # 0.05 / 0.001 is 49.999...
+        return int(max(0.0, left) / token_s + 1e-9)  # 0.05 / 0.001 is 49.999...
 
     def prompt_seconds(self, tokens: int, share: int, per_step: int) -> float:
         """Seconds until ``tokens`` prompt tokens are computed when each step computes ``per_step`` of them, split

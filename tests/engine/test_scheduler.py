@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferscale.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from inferscale.engine.scheduler import NEWCOMER_STEP_SHARE, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.stepcost import StepCost
 from inferscale.errors import ConfigError, EngineBusyError
 
@@ -224,7 +224,8 @@ def test_a_lone_tenants_burst_starts_in_one_step_in_passes_another_tenant_interr
         s.add(r)
     out = s.schedule()
     assert out.admitted == burst and [n for _, n in out.prefill] == [31] * 16
-    assert out.pass_tokens == 81  # (0.25 / 2 - 0.06) / 0.0008: a pass takes the newcomer's share of a step
+    # (0.25 x NEWCOMER_STEP_SHARE - 0.06) / 0.0008: a pass takes the newcomer's share of a step
+    assert out.pass_tokens == int((0.25 * NEWCOMER_STEP_SHARE - 0.06) / 0.0008 + 1e-9)
     assert not s.interrupted({"a"})
     arrival = s.expect("b")
     assert s.interrupted({"a"}) and not s.interrupted({"a", "b"})
@@ -235,22 +236,43 @@ def test_a_lone_tenants_burst_starts_in_one_step_in_passes_another_tenant_interr
 
 
 def test_steps_are_shorter_while_another_tenant_is_on_its_way():
-    """Issue 22: tenant A floods; while B is announced (fetching its memories) A's steps compute half the prompt
-    tokens, so the step B arrives during, which it waits out, is short. Once B's prompt started, they are back."""
+    """Issue 22: tenant A floods; while B is announced (fetching its memories) A's steps compute a share of the
+    prompt tokens, so the step B arrives during, which it waits out, is short. Once B's prompt started, they are
+    back."""
     s = Scheduler(SchedulerConfig(step_tokens=128, chunk_tokens=128, step_time_s=0.2, queue_timeout_s=1e6))
     s.cost.observe_prefill(100, 0.1)  # 1 ms a prompt token
+    share = int(0.2 * NEWCOMER_STEP_SHARE / 0.001 + 1e-9)  # the prompt tokens of the newcomer's share of a step
     for _ in range(4):
         s.add(ScheduledRequest("a", prompt_tokens=1000))
-    assert sum(n for _, n in s.schedule().prefill) == 100  # A alone: its first prompt, in chunks of one pass
+    assert sum(n for _, n in s.schedule().prefill) == share  # A alone: its first prompt, in chunks of one pass
     arrival = s.expect("b")
-    assert sum(n for _, n in s.schedule().prefill) == 100  # 0.1 s of prompt tokens
+    assert sum(n for _, n in s.schedule().prefill) == share  # the newcomer's share of the step
     arrival.close()
     b = ScheduledRequest("b", prompt_tokens=20)
     s.add(b)
     out = s.schedule()
     assert out.prefill[0] == (b, 20)  # the newcomer first
     run_prefill(s, out)
-    assert sum(n for _, n in s.schedule().prefill) == 100  # A alone again: a pass's chunk
+    assert sum(n for _, n in s.schedule().prefill) == share  # A alone again: a pass's chunk
+
+
+def test_a_tenants_passes_are_sized_at_its_own_token_cost():
+    """Issue 22: a prompt token's cost grows with the context it attends to. Tenant B's short questions (cheap
+    tokens) must not size tenant A's next pass of long-context prompt tokens: measured in a flood, the shared
+    estimate right after B's passes sized A's next pass at 87 tokens, 170-230 ms against the 125 ms meant, and B's
+    next request waited it out."""
+    s = Scheduler(SchedulerConfig(step_tokens=512, chunk_tokens=128, step_time_s=0.5, queue_timeout_s=1e6))
+    s.cost.observe_decode(0.045)
+    s.cost.observe_prefill(48, 0.045 + 48 * 0.0016, tenants={"a"})  # A's long-context tokens: 1.6 ms each
+    for _ in range(3):
+        s.cost.observe_prefill(31, 0.045 + 31 * 0.0008, tenants={"b"})  # B's questions: 0.8 ms a token
+    s.add(ScheduledRequest("a", prompt_tokens=2000))
+    out = s.schedule()
+    pass_s = 0.5 * NEWCOMER_STEP_SHARE
+    assert out.pass_tokens == int((pass_s - 0.045) / 0.0016 + 1e-9)  # A's own cost, not the shared estimate's
+    assert s.cost.prompt_tokens_within(0.125, False, {"b"}) == 100  # B alone: its own
+    assert s.cost.prompt_tokens_within(0.125, False, {"a", "b"}) == 50  # together: the dearer
+    assert s.cost.prompt_tokens_within(0.125, False, {"c"}) == s.cost.prompt_tokens_within(0.125, False)  # unknown
 
 
 def test_the_time_bound_never_stops_prompts():
@@ -368,10 +390,10 @@ def test_among_tenants_served_as_recently_the_shorter_next_prompt_goes_first():
 def test_a_lone_tenants_chunks_fit_one_pass():
     s = Scheduler(SchedulerConfig(step_tokens=512, chunk_tokens=128, step_time_s=0.25))
     s.cost.observe_decode(0.05)
-    s.cost.observe_prefill(100, 0.05 + 100 * 0.001)  # 1 ms a token: 75 fit in half a step beside the fixed part
+    s.cost.observe_prefill(100, 0.05 + 100 * 0.001)  # 1 ms a token: what fits in a pass beside the fixed part
     s.add(ScheduledRequest("a", prompt_tokens=1600))
     s.add(ScheduledRequest("a", prompt_tokens=1600))
-    assert [n for _, n in s.schedule().prefill] == [75]
+    assert [n for _, n in s.schedule().prefill] == [int((0.25 * NEWCOMER_STEP_SHARE - 0.05) / 0.001 + 1e-9)]
 
 
 def test_a_prompt_a_few_tokens_longer_than_a_pass_is_not_cut_into_a_sliver():
