@@ -53,8 +53,8 @@ def max_rows(blocks: int) -> int:
 
 
 def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int = 1) -> torch.Tensor:
-    """``flat @ weight.T`` for up to ``MAX_ROWS`` rows of ``flat`` [rows, in], computed with ``weight`` [out, in]
-    as the operand read in place; returns [rows, out] (a transposed view; contiguous from the AMX kernel).
+    """``flat @ weight.T`` for up to ``max_rows(blocks)`` rows of ``flat`` [rows, in], computed with ``weight``
+    [out, in] as the operand read in place; returns [rows, out] (a transposed view; contiguous from the AMX kernel).
 
     oneDNN runs one such product on ONE thread (the few activation columns give it nothing to split), so with
     ``blocks`` > 1 ``weight``'s rows are cut into that many blocks run as one ``torch.bmm``, which gives each torch
