@@ -1,4 +1,5 @@
-"""``amx_linear(weight, x)``: decode's few-row products on AMX over every torch thread (``amx_linear.cpp``).
+"""``amx_linear(weight, x)``: decode's few-row products on AMX over every torch thread (``amx_linear.cpp``); the same
+tiles in int8 screen the LM head for greedy decoding (``screen_ops``, used by ``models/greedyhead.py``).
 
 Built once per machine as a torch C++ extension (gcc and ninja; ~15 s) into InferScale's cache, keyed by the source
 and the torch version, and registered as ``torch.ops.inferscale_cpu.amx_linear``. Why our own kernel and not a
@@ -14,7 +15,6 @@ compiler), or with ``INFERSCALE_AMX_LINEAR=0``.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -22,20 +22,18 @@ from pathlib import Path
 
 import torch
 
-from inferscale.cachedir import cache_dir
 from inferscale.cpuflags import cpu_flags
+from inferscale.kernels import cppext
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("amx_linear.cpp")
 BLOCK = 32  # in-features per tile step: a weight's in-features must be a multiple
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-fopenmp"]
 
 AmxLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / "torch-extensions" / f"amx_linear-{torch.__version__}-{digest}"
+    return cppext.build_dir(SOURCE, FLAGS)
 
 
 @functools.cache
@@ -45,19 +43,17 @@ def load() -> AmxLinear | None:
         return None
     if "amx_bf16" not in cpu_flags() or not torch.backends.mkldnn.is_available():
         return None
-    from torch.utils import cpp_extension
-
-    target = build_dir()
-    target.mkdir(parents=True, exist_ok=True)
-    try:
-        # -fopenmp at link time names libgomp.so.1, the soname torch's own runtime is already loaded under: one
-        # OpenMP pool, so at::parallel_for shares torch's threads instead of starting its own.
-        cpp_extension.load(name="inferscale_amx_linear", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                           extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False)
-    except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a build error: keep oneDNN
-        log.warning("amx_linear kernel not built (%s); decode keeps oneDNN's matmul", str(e).splitlines()[0])
+    if not cppext.build(SOURCE, FLAGS):  # no compiler, no ninja, a build error: keep oneDNN
         return None
     return torch.ops.inferscale_cpu.amx_linear
+
+
+def screen_ops() -> tuple[Callable, Callable] | None:
+    """``(screen_pack, greedy_screen)`` (amx_linear.cpp: the LM head's int8 screen for greedy decoding), where the
+    kernel is built and the CPU has AMX-INT8 too; else None."""
+    if load() is None or "amx_int8" not in cpu_flags():
+        return None
+    return torch.ops.inferscale_cpu.screen_pack, torch.ops.inferscale_cpu.greedy_screen
 
 
 def fits(weight: torch.Tensor) -> bool:

@@ -103,13 +103,3 @@ def test_without_the_kernel_the_model_keeps_onednn(monkeypatch):
     assert all(m.blocks != KERNEL for m in linears)
     weight = torch.randn(64, 64).to(torch.bfloat16)
     assert weightmajor.checked_blocks(weight) in (1, 2)
-
-
-def test_the_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv("INFERSCALE_AMX_LINEAR", "0")
-    amx_linear.load.cache_clear()
-    try:
-        assert amx_linear.load() is None
-    finally:
-        monkeypatch.delenv("INFERSCALE_AMX_LINEAR")
-        amx_linear.load.cache_clear()

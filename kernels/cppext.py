@@ -1,0 +1,41 @@
+"""Our CPU kernels as torch C++ extensions: each built once per machine (gcc and ninja, on every machine of this
+kind) into InferScale's cache, keyed by its source, flags and the torch version; later processes load the build.
+
+A kernel's module (``amx_linear.py``, ``rms_norm.py``) decides whether it can run here and checks its numbers;
+this only builds and loads, and says False (the caller keeps aten's operations) where the build fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from inferscale.cachedir import cache_dir
+
+log = logging.getLogger(__name__)
+
+
+def build_dir(source: Path, flags: list[str]) -> Path:
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    return cache_dir() / "torch-extensions" / f"{source.stem}-{torch.__version__}-{digest}"
+
+
+def build(source: Path, flags: list[str]) -> bool:
+    """Build (or load the cached build of) ``source``, whose TORCH_LIBRARY registers its operators; False where it
+    cannot be built here (no compiler, no ninja, a build error)."""
+    from torch.utils import cpp_extension
+
+    target = build_dir(source, flags)
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        # -fopenmp at link time names libgomp.so.1, the soname torch's own runtime is already loaded under: one
+        # OpenMP pool, so at::parallel_for shares torch's threads instead of starting its own.
+        cpp_extension.load(name=f"inferscale_{source.stem}", sources=[str(source)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], build_directory=str(target), is_python_module=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        log.warning("%s not built (%s); aten's operations are used instead", source.name, str(e).splitlines()[0])
+        return False
+    return True

@@ -1,0 +1,145 @@
+// rms_norm(x, weight, eps): Gemma-3's RMSNorm of bf16 rows as ONE call, bit for bit what the lean layers computed
+// with aten's composite (issue 22).
+//
+// Why a kernel of our own: aten's CPU `rms_norm` is a composite of ~25 dispatched operations (to, pow, mean = sum +
+// div_, add_, rsqrt, two muls, type_as and their copies and allocations), ~50-70 us a call on the 2-core machine
+// for a 640-value row; a decode step of Gemma-3-270M calls it 91 times (~5 ms, an eighth of the step). This does
+// the same float32 operations in the same order in one pass:
+//   v = float(x); s = sum(v * v) in aten's cascade order; r = 1 / sqrt(s / n + eps); out = bf16((v * r) * w)
+// aten's inner-dimension sum (SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum) reads the row as
+// 8-float vectors, four interleaved vector accumulators each cascaded over levels of 16 steps, the accumulators
+// added in order, the tail and then the 8 lanes added one by one to a scalar. That order is reproduced below with
+// plain arrays (no intrinsics, and -ffp-contract=off: a fused multiply-add would skip the rounding of v * v that
+// aten's materialized pow makes). kernels/rms_norm.py checks the result equals aten's before anything uses it.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 8;   // aten's float vector here
+constexpr int64_t kIlp = 4;     // row_sum's interleaved accumulators
+constexpr int64_t kLevels = 4;  // multi_row_sum's cascade levels
+
+struct Vec {
+  float v[kLanes] = {};
+  void add(const Vec& o) { for (int64_t l = 0; l < kLanes; ++l) v[l] += o.v[l]; }
+};
+
+int64_t ceil_log2(int64_t x) {  // c10::utils::CeilLog2
+  if (x <= 2) return 1;
+  int64_t bits = 0;
+  for (uint64_t y = static_cast<uint64_t>(x - 1); y; y >>= 1) ++bits;
+  return bits;
+}
+
+Vec squares(const c10::BFloat16* x, int64_t vec) {
+  Vec out;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    const float f = static_cast<float>(x[vec * kLanes + l]);
+    out.v[l] = f * f;
+  }
+  return out;
+}
+
+// aten's multi_row_sum over `rows` groups of kIlp vectors (vector k of group i is vector i * kIlp + k).
+void cascade(const c10::BFloat16* x, int64_t rows, Vec (&sums)[kIlp]) {
+  const int64_t power = std::max<int64_t>(4, ceil_log2(rows) / kLevels);
+  const int64_t step = int64_t{1} << power, mask = step - 1;
+  Vec acc[kLevels][kIlp];
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int64_t k = 0; k < kIlp; ++k) acc[0][k].add(squares(x, i * kIlp + k));
+    for (int64_t j = 1; j < kLevels; ++j) {
+      for (int64_t k = 0; k < kIlp; ++k) {
+        acc[j][k].add(acc[j - 1][k]);
+        acc[j - 1][k] = Vec{};
+      }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i)
+    for (int64_t k = 0; k < kIlp; ++k) acc[0][k].add(squares(x, i * kIlp + k));
+  for (int64_t j = 1; j < kLevels; ++j)
+    for (int64_t k = 0; k < kIlp; ++k) acc[0][k].add(acc[j][k]);
+  for (int64_t k = 0; k < kIlp; ++k) sums[k] = acc[0][k];
+}
+
+float sum_of_squares(const c10::BFloat16* x, int64_t n) {  // aten's vectorized_inner_sum of x * x
+  const int64_t vecs = n / kLanes, rows = vecs / kIlp;
+  Vec sums[kIlp];
+  cascade(x, rows, sums);
+  for (int64_t v = rows * kIlp; v < vecs; ++v) sums[0].add(squares(x, v));
+  for (int64_t k = 1; k < kIlp; ++k) sums[0].add(sums[k]);
+  float total = 0.0f;
+  for (int64_t e = vecs * kLanes; e < n; ++e) {
+    const float f = static_cast<float>(x[e]);
+    total += f * f;
+  }
+  for (int64_t l = 0; l < kLanes; ++l) total += sums[0].v[l];
+  return total;
+}
+
+// Offset of row `row` (the index over every dimension of `sizes` but the last) in a tensor of these strides.
+int64_t row_offset(int64_t row, const at::IntArrayRef sizes, const std::vector<int64_t>& strides) {
+  int64_t offset = 0;
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) {
+    offset += (row % sizes[d]) * strides[d];
+    row /= sizes[d];
+  }
+  return offset;
+}
+
+// The strides of `t` read as a tensor of `sizes` (aligned on the right, size-1 dimensions broadcast), as aten's
+// mul broadcasts a weight row per head; without making an expanded view (a dispatched call) each time.
+std::vector<int64_t> broadcast_strides(const at::Tensor& t, const at::IntArrayRef sizes) {
+  const int64_t lead = static_cast<int64_t>(sizes.size()) - t.dim();
+  TORCH_CHECK(lead >= 0, "rms_norm: weight has more dimensions than x");
+  std::vector<int64_t> strides(sizes.size(), 0);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    TORCH_CHECK(t.size(d) == sizes[lead + d] || t.size(d) == 1, "rms_norm: weight of shape ", t.sizes(),
+                " does not broadcast to x's ", sizes);
+    strides[lead + d] = t.size(d) == 1 ? 0 : t.stride(d);
+  }
+  return strides;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: x must be bf16, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "rms_norm: weight must be float32, got ", weight.scalar_type());
+  // aten sums a row in this order only when its values are adjacent (another layout takes another reduction)
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "rms_norm: x's last dimension must be contiguous");
+  TORCH_CHECK(weight.stride(-1) == 1, "rms_norm: weight's last dimension must be contiguous");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.size(-1) == n, "rms_norm: weight has ", weight.size(-1), " values a row, x ", n);
+  const std::vector<int64_t> x_strides = x.strides().vec(), w_strides = broadcast_strides(weight, x.sizes());
+  at::Tensor out = at::empty_like(x);
+  const std::vector<int64_t> out_strides = out.strides().vec();
+  const int64_t rows = x.numel() / std::max<int64_t>(n, 1);
+  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+  const auto* wp = weight.data_ptr<float>();
+  auto* op = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
+  const float feps = static_cast<float>(eps), count = static_cast<float>(n);
+  for (int64_t row = 0; row < rows; ++row) {
+    const c10::BFloat16* xr = xp + row_offset(row, x.sizes(), x_strides);
+    const float* wr = wp + row_offset(row, x.sizes(), w_strides);
+    c10::BFloat16* orow = op + row_offset(row, x.sizes(), out_strides);
+    const float r = 1.0f / std::sqrt(sum_of_squares(xr, n) / count + feps);
+    for (int64_t e = 0; e < n; ++e) {
+      const float scaled = static_cast<float>(xr[e]) * r;
+      orow[e] = c10::BFloat16(scaled * wr[e]);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(inferscale_norm, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm); }
