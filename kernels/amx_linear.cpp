@@ -11,6 +11,9 @@
 // what it gets alone. Any row count works; past ~64 rows oneDNN's blocked matmul is faster (measured on the 2-core
 // machine: the 72 layer products at 1 / 16 / 32 / 64 / 128 rows 12 / 15 / 18 / 30 / 41 ms, F.linear 29 / 27 / 30 /
 // 37 / 38 ms), so weightmajor gives it decode batches and short prompt chunks only.
+//
+// The same tiles in int8 (`tdpbssd`, exact int32 sums) read an int8 copy of the LM head for greedy decoding: see
+// greedy_screen below and inferscale/models/greedyhead.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,13 +23,17 @@
 #include <torch/library.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
+#include <mutex>
+#include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kTileRows = 16;  // weight rows (outputs) per tile
-constexpr int64_t kBlock = 32;     // in-features per tile step (16 bf16 pairs)
+constexpr int64_t kBlockBytes = 64;  // in-features bytes per tile step (32 bf16 = 16 pairs, 64 int8 = 16 quads)
 constexpr int64_t kCols = 16;      // activation rows per column tile
 constexpr int64_t kAhead = 2;      // weight tiles prefetched ahead of the one being read
 
@@ -44,28 +51,54 @@ bool amx_permitted() {
   return ok;
 }
 
-// x [rows, in] as B tiles, 16 activation rows (zero-padded) a group: for group g and in-features block b, the
-// 32-bit pair p of row c sits at packed32[((g * blocks + b) * 16 + p) * 16 + c].
-void pack_x(const uint32_t* x32, int64_t rows, int64_t in, uint32_t* packed32) {
-  const int64_t pairs = in / 2, blocks = in / kBlock, groups = (rows + kCols - 1) / kCols;
+// x [rows, row_bytes] as B tiles, 16 activation rows (zero-padded) a group: for group g and 64-byte in-features
+// block b, the 32-bit word p (a bf16 pair or an int8 quad) of row c sits at packed32[((g * blocks + b) * 16 + p)
+// * 16 + c].
+void pack_x(const uint32_t* x32, int64_t rows, int64_t row_bytes, uint32_t* packed32) {
+  const int64_t pairs = row_bytes / 4, blocks = row_bytes / kBlockBytes, groups = (rows + kCols - 1) / kCols;
   at::parallel_for(0, groups * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t gb = begin; gb < end; ++gb) {
       const int64_t g = gb / blocks, b = gb % blocks;
-      uint32_t* dst = packed32 + gb * kCols * (kBlock / 2);
+      uint32_t* dst = packed32 + gb * kCols * (kBlockBytes / 4);
       for (int64_t c = 0; c < kCols; ++c) {
         const int64_t row = g * kCols + c;
-        for (int64_t p = 0; p < kBlock / 2; ++p)
-          dst[p * kCols + c] = row < rows ? x32[row * pairs + b * (kBlock / 2) + p] : 0u;
+        for (int64_t p = 0; p < kBlockBytes / 4; ++p)
+          dst[p * kCols + c] = row < rows ? x32[row * pairs + b * (kBlockBytes / 4) + p] : 0u;
       }
     }
   });
 }
 
+// One product: bf16 W and x to bf16 outputs (`tdpbf16ps`), or int8 W and x to int32 outputs (`tdpbssd`). Both
+// lay a tile row out as 64 bytes of in-features (32 bf16 pairs or 64 int8 quads, as 16 32-bit words), so packing
+// and tiling are shared; only the instruction and the stored type differ.
 struct Product {
-  const c10::BFloat16* w;
-  int64_t in, out_features, rows;
+  const char* w;              // [out_features, in] elements of `elem` bytes
+  int64_t row_bytes, out_features, rows;
   const uint32_t* packed;  // pack_x's layout
-  c10::BFloat16* out;      // [rows, out_features]
+  void* out;               // [rows, out_features]: bf16 or int32
+};
+
+// Where a finished tile's accumulators go: each task (a run of weight tiles on one thread) makes its own sink.
+// StoreSink writes them to out, as bf16 (rounded once) or int32.
+template <bool kInt8>
+struct StoreSink {
+  const Product& p;
+  void tile(const int32_t* c, int64_t o, int64_t tile_rows, int64_t group) {
+    // Row by activation row: that row's outputs o .. o + tile_rows are contiguous in out.
+    for (int64_t col = 0; col < kCols && group * kCols + col < p.rows; ++col) {
+      const int64_t at = (group * kCols + col) * p.out_features + o;
+      if constexpr (kInt8) {
+        int32_t* dst = static_cast<int32_t*>(p.out) + at;
+        for (int64_t r = 0; r < tile_rows; ++r) dst[r] = c[r * kCols + col];
+      } else {
+        const auto* cf = reinterpret_cast<const float*>(c);
+        c10::BFloat16* dst = static_cast<c10::BFloat16*>(p.out) + at;
+        for (int64_t r = 0; r < tile_rows; ++r) dst[r] = c10::BFloat16(cf[r * kCols + col]);
+      }
+    }
+  }
+  void done() {}
 };
 
 void configure(int64_t tile_rows) {
@@ -73,27 +106,20 @@ void configure(int64_t tile_rows) {
   const auto r = static_cast<uint8_t>(tile_rows);
   cfg.rows[0] = r; cfg.colsb[0] = kCols * 4;          // C0: outputs x activation rows of one group
   cfg.rows[1] = r; cfg.colsb[1] = kCols * 4;          // C1: outputs x the next group's rows
-  cfg.rows[2] = r; cfg.colsb[2] = kBlock * 2;         // A: weight rows x one in-features block
-  cfg.rows[3] = kBlock / 2; cfg.colsb[3] = kCols * 4; // B0
-  cfg.rows[4] = kBlock / 2; cfg.colsb[4] = kCols * 4; // B1
+  cfg.rows[2] = r; cfg.colsb[2] = kBlockBytes;        // A: weight rows x one in-features block
+  cfg.rows[3] = kBlockBytes / 4; cfg.colsb[3] = kCols * 4; // B0
+  cfg.rows[4] = kBlockBytes / 4; cfg.colsb[4] = kCols * 4; // B1
   _tile_loadconfig(&cfg);
-}
-
-void store(const float* c, const Product& p, int64_t o, int64_t tile_rows, int64_t group) {
-  // Row by activation row: that row's outputs o .. o + tile_rows are contiguous in out.
-  for (int64_t col = 0; col < kCols && group * kCols + col < p.rows; ++col) {
-    c10::BFloat16* dst = p.out + (group * kCols + col) * p.out_features + o;
-    for (int64_t r = 0; r < tile_rows; ++r) dst[r] = c10::BFloat16(c[r * kCols + col]);
-  }
 }
 
 // Output rows [o, o + tile_rows) for every activation row, two groups of 16 at a time (the weight tile comes
 // from memory for the first pair, from L1 for the others); the tiles are configured for tile_rows.
-void tile_product(const Product& p, int64_t o, int64_t tile_rows, bool prefetch) {
-  const int64_t blocks = p.in / kBlock, groups = (p.rows + kCols - 1) / kCols;
-  const int64_t stride = p.in * 2, group_words = blocks * kCols * (kBlock / 2);
-  const char* w = reinterpret_cast<const char*>(p.w + o * p.in);
-  alignas(64) float c0[kTileRows * kCols], c1[kTileRows * kCols];
+template <bool kInt8, typename Sink>
+void tile_product(const Product& p, int64_t o, int64_t tile_rows, bool prefetch, Sink& sink) {
+  const int64_t blocks = p.row_bytes / kBlockBytes, groups = (p.rows + kCols - 1) / kCols;
+  const int64_t stride = p.row_bytes, group_words = blocks * kCols * (kBlockBytes / 4);
+  const char* w = p.w + o * p.row_bytes;
+  alignas(64) int32_t c0[kTileRows * kCols], c1[kTileRows * kCols];  // fp32 or int32 accumulators, as stored
   for (int64_t g = 0; g < groups; g += 2) {
     const bool pair = g + 1 < groups;
     const uint32_t* b0 = p.packed + g * group_words;
@@ -102,24 +128,68 @@ void tile_product(const Product& p, int64_t o, int64_t tile_rows, bool prefetch)
     _tile_zero(1);
     for (int64_t b = 0; b < blocks; ++b) {
       if (prefetch && g == 0) {
-        const char* ahead = w + kAhead * kTileRows * stride + b * kBlock * 2;
+        const char* ahead = w + kAhead * kTileRows * stride + b * kBlockBytes;
         for (int64_t r = 0; r < kTileRows; ++r) _mm_prefetch(ahead + r * stride, _MM_HINT_T0);
       }
-      _tile_loadd(2, w + b * kBlock * 2, stride);
-      _tile_loadd(3, b0 + b * kCols * (kBlock / 2), kCols * 4);
-      _tile_dpbf16ps(0, 2, 3);
+      _tile_loadd(2, w + b * kBlockBytes, stride);
+      _tile_loadd(3, b0 + b * kCols * (kBlockBytes / 4), kCols * 4);
+      if constexpr (kInt8) _tile_dpbssd(0, 2, 3); else _tile_dpbf16ps(0, 2, 3);
       if (pair) {
-        _tile_loadd(4, b1 + b * kCols * (kBlock / 2), kCols * 4);
-        _tile_dpbf16ps(1, 2, 4);
+        _tile_loadd(4, b1 + b * kCols * (kBlockBytes / 4), kCols * 4);
+        if constexpr (kInt8) _tile_dpbssd(1, 2, 4); else _tile_dpbf16ps(1, 2, 4);
       }
     }
     _tile_stored(0, c0, kCols * 4);
-    store(c0, p, o, tile_rows, g);
+    sink.tile(c0, o, tile_rows, g);
     if (pair) {
       _tile_stored(1, c1, kCols * 4);
-      store(c1, p, o, tile_rows, g + 1);
+      sink.tile(c1, o, tile_rows, g + 1);
     }
   }
+}
+
+// x @ W.T [rows, out_features] into each task's sink (make_sink()): each thread a run of 16-row weight tiles, then
+// the rows past the last one.
+template <bool kInt8, typename MakeSink>
+void product(const Product& p, MakeSink make_sink) {
+  const int64_t tiles = p.out_features / kTileRows;
+  // At least ~64 KB of weights per task: a small layer is split once per thread, not into many hand-offs.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kTileRows * p.row_bytes));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    auto sink = make_sink();
+    configure(kTileRows);
+    for (int64_t t = begin; t < end; ++t) tile_product<kInt8>(p, t * kTileRows, kTileRows, true, sink);
+    _tile_release();
+    sink.done();
+  });
+  if (const int64_t tail = p.out_features - tiles * kTileRows) {
+    auto sink = make_sink();
+    configure(tail);
+    tile_product<kInt8>(p, tiles * kTileRows, tail, false, sink);
+    _tile_release();
+    sink.done();
+  }
+}
+
+// The product of weight [out, in] and x [rows, in] (contiguous, checked by the caller) into the sinks make_sink
+// makes from the Product; `out`, when defined, is where a StoreSink writes.
+template <bool kInt8, typename MakeSink>
+void run(const at::Tensor& weight, const at::Tensor& x, at::Tensor out, MakeSink make_sink) {
+  const int64_t rows = x.size(0), row_bytes = weight.size(1) * weight.element_size();
+  const int64_t groups = (rows + kCols - 1) / kCols;
+  at::Tensor packed = at::empty({groups * kCols * row_bytes / 4}, x.options().dtype(at::kInt));
+  auto* pk = reinterpret_cast<uint32_t*>(packed.data_ptr());
+  pack_x(reinterpret_cast<const uint32_t*>(x.data_ptr()), rows, row_bytes, pk);
+  const Product p{static_cast<const char*>(weight.data_ptr()), row_bytes, weight.size(0), rows, pk,
+                  out.defined() ? out.data_ptr() : nullptr};
+  product<kInt8>(p, [&] { return make_sink(p); });
+}
+
+template <bool kInt8>
+at::Tensor stored(const at::Tensor& weight, const at::Tensor& x, at::ScalarType out_type) {
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(out_type));
+  run<kInt8>(weight, x, out, [](const Product& p) { return StoreSink<kInt8>{p}; });
+  return out;
 }
 
 at::Tensor amx_linear(const at::Tensor& weight, const at::Tensor& x) {
@@ -128,32 +198,210 @@ at::Tensor amx_linear(const at::Tensor& weight, const at::Tensor& x) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16, "amx_linear: bf16 only");
   TORCH_CHECK(weight.is_contiguous() && x.is_contiguous(), "amx_linear: contiguous operands only");
   TORCH_CHECK(weight.size(1) == x.size(1), "amx_linear: in-features differ: ", weight.size(1), " vs ", x.size(1));
-  TORCH_CHECK(weight.size(1) % kBlock == 0, "amx_linear: in-features must be a multiple of ", kBlock);
+  TORCH_CHECK(weight.size(1) % (kBlockBytes / 2) == 0, "amx_linear: in-features must be a multiple of ",
+              kBlockBytes / 2);
   TORCH_CHECK(x.size(0) >= 1, "amx_linear: no rows");
-  const int64_t out_features = weight.size(0), in = weight.size(1), rows = x.size(0);
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  const int64_t groups = (rows + kCols - 1) / kCols;
-  at::Tensor packed = at::empty({groups * kCols * in}, x.options());
-  auto* pk = reinterpret_cast<uint32_t*>(packed.data_ptr());
-  pack_x(reinterpret_cast<const uint32_t*>(x.data_ptr()), rows, in, pk);
-  const Product p{reinterpret_cast<const c10::BFloat16*>(weight.data_ptr()), in, out_features, rows, pk,
-                  reinterpret_cast<c10::BFloat16*>(out.data_ptr())};
-  const int64_t tiles = out_features / kTileRows;
-  // At least ~64 KB of weights per task: a small layer is split once per thread, not into many hand-offs.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kTileRows * in * 2));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    configure(kTileRows);
-    for (int64_t t = begin; t < end; ++t) tile_product(p, t * kTileRows, kTileRows, true);
-    _tile_release();
+  return stored<false>(weight, x, at::kBFloat16);
+}
+
+
+at::Tensor amx_linear_int8(const at::Tensor& qweight, const at::Tensor& xq) {  // int32 [rows, out], exact
+  TORCH_CHECK(amx_permitted(), "amx_linear_int8: the kernel refused AMX tile state");
+  TORCH_CHECK(qweight.dim() == 2 && xq.dim() == 2, "amx_linear_int8: weight [out, in] and x [rows, in] expected");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && xq.scalar_type() == at::kChar, "amx_linear_int8: int8 only");
+  TORCH_CHECK(qweight.is_contiguous() && xq.is_contiguous(), "amx_linear_int8: contiguous operands only");
+  TORCH_CHECK(qweight.size(1) == xq.size(1), "amx_linear_int8: in-features differ: ", qweight.size(1), " vs ",
+              xq.size(1));
+  TORCH_CHECK(qweight.size(1) % kBlockBytes == 0, "amx_linear_int8: in-features must be a multiple of ", kBlockBytes);
+  TORCH_CHECK(xq.size(0) >= 1, "amx_linear_int8: no rows");
+  return stored<true>(qweight, xq, at::kInt);
+}
+
+// ---- The LM head's int8 screen (greedy decoding): which vocabulary rows can hold the argmax ------------------
+//
+// A greedy step needs only the argmax of the bf16 logits W @ x. screen_pack stores W once as int8 rows q with a
+// scale each (w ~ s q) and, per row, rigorous bounds: the largest |w - s q|, the L1 norm of s q and the largest |w|
+// (float32, rounded up). A step quantizes x into two int8 rows (x ~ a p1 + b p2, the second the first's residual),
+// reads the int8 head once (half the bytes of the bf16 head) through the same tiles (`tdpbssd`), and estimates each
+// logit as s (a q.p1 + b q.p2) with a bound on |estimate - the kernel's fp32 logit|:
+//   max|w - s q| * |x|_1  +  |s q|_1 * max|x - a p1 - b p2|  +  max|w| * |x|_1 * D * 2^-23  (fp32 summation, gamma_D)
+// Every row whose estimate + bound reaches the best estimate - bound (less a margin of two bf16 steps there, so a
+// row left out cannot even round to a tie) is a candidate; the caller computes those rows exactly with amx_linear
+// and takes their first maximum: the full head's argmax, bit for bit.
+
+// screen_pack's per-row numbers, as four float32 rows [4, out] (one vector load per field in the screen's loops)
+enum Stat { kScale = 0, kErr = 1, kL1 = 2, kWmax = 3 };
+
+float round_up(double v) {
+  float f = static_cast<float>(v);
+  return static_cast<double>(f) < v ? std::nextafter(f, INFINITY) : f;
+}
+
+std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "screen_pack: a contiguous bf16 [out, in] weight expected");
+  TORCH_CHECK(weight.size(1) % kBlockBytes == 0, "screen_pack: in-features must be a multiple of ", kBlockBytes);
+  const int64_t out = weight.size(0), in = weight.size(1);
+  at::Tensor q = at::empty({out, in}, weight.options().dtype(at::kChar));
+  at::Tensor stats = at::empty({4, out}, weight.options().dtype(at::kFloat));
+  const auto* w = reinterpret_cast<const c10::BFloat16*>(weight.data_ptr());
+  auto* qp = q.data_ptr<int8_t>();
+  float* st = stats.data_ptr<float>();
+  at::parallel_for(0, out, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* row = w + r * in;
+      double wmax = 0.0;
+      for (int64_t i = 0; i < in; ++i) wmax = std::max(wmax, std::fabs(static_cast<double>(float(row[i]))));
+      const float scale = wmax > 0.0 ? static_cast<float>(wmax / 127.0) : 1.0f;
+      double err = 0.0, l1 = 0.0;
+      for (int64_t i = 0; i < in; ++i) {
+        const double v = static_cast<double>(float(row[i]));
+        const double qi = std::clamp(std::nearbyint(v / scale), -127.0, 127.0);
+        qp[r * in + i] = static_cast<int8_t>(qi);
+        err = std::max(err, std::fabs(v - scale * qi));  // exact in double: bf16 v, float scale, |qi| <= 127
+        l1 += std::fabs(scale * qi);
+      }
+      st[kScale * out + r] = scale;
+      st[kErr * out + r] = round_up(err);
+      st[kL1 * out + r] = round_up(l1 * (1.0 + 1e-12));
+      st[kWmax * out + r] = round_up(wmax);
+    }
   });
-  if (const int64_t tail = out_features - tiles * kTileRows) {  // the rows past the last full tile
-    configure(tail);
-    tile_product(p, tiles * kTileRows, tail, false);
-    _tile_release();
+  return {q, stats};
+}
+
+struct Quantized {  // one row of x as a p1 + b p2 (int8 rows), with the bound's ingredients
+  double a = 1.0, b = 1.0, rest = 0.0, l1 = 0.0;
+};
+
+Quantized quantize(const c10::BFloat16* x, int64_t in, int8_t* p1, int8_t* p2) {
+  Quantized z;
+  double top = 0.0;
+  for (int64_t i = 0; i < in; ++i) {
+    const double v = float(x[i]);
+    top = std::max(top, std::fabs(v));
+    z.l1 += std::fabs(v);
   }
-  return out;
+  z.a = top > 0.0 ? top / 127.0 : 1.0;
+  std::vector<double> residual(in);
+  double rtop = 0.0;
+  for (int64_t i = 0; i < in; ++i) {
+    const double q = std::clamp(std::nearbyint(float(x[i]) / z.a), -127.0, 127.0);
+    p1[i] = static_cast<int8_t>(q);
+    residual[i] = float(x[i]) - z.a * q;
+    rtop = std::max(rtop, std::fabs(residual[i]));
+  }
+  z.b = rtop > 0.0 ? rtop / 127.0 : 1.0;
+  for (int64_t i = 0; i < in; ++i) {
+    const double q = std::clamp(std::nearbyint(residual[i] / z.b), -127.0, 127.0);
+    p2[i] = static_cast<int8_t>(q);
+    z.rest = std::max(z.rest, std::fabs(residual[i] - z.b * q));
+  }
+  z.l1 *= 1.0 + 1e-12;    // double rounding of the sums above, generously
+  z.rest *= 1.0 + 1e-12;
+  return z;
+}
+
+// What every task of the screen adds to: the best lower bound per row of x and the vocabulary rows kept so far.
+struct ScreenResult {
+  std::mutex lock;
+  std::vector<float> best;          // per row of x
+  std::vector<std::array<float, 3>> kept;  // (row of x, vocabulary row, upper bound), as floats for the sort below
+};
+
+float margin_floor(float lb) { return lb - (std::fabs(lb) * 0.03125f + 1e-30f); }  // two bf16 steps: 2^-5 |lb|
+
+// A task's sink: each tile's int32 accumulators (columns 2r and 2r + 1 are row r's p1 and p2) become estimates and
+// bounds in float32 (the slack covers float32's own rounding here a hundred times over); a vocabulary row is kept
+// while its upper bound reaches the task's running best lower bound less the margin (the final best is at least
+// as high, so nothing the final filter keeps is dropped), and no int32 logits are written anywhere.
+struct ScreenSink {
+  const float* st;  // [4, vocab]
+  int64_t vocab;
+  const std::vector<Quantized>& z;
+  float gamma;      // fp32 summation over the in-features: D * 2^-23
+  ScreenResult& result;
+  std::vector<float> best;
+  std::vector<std::array<float, 3>> kept;
+
+  void tile(const int32_t* c, int64_t o, int64_t tile_rows, int64_t group) {
+    const int64_t rows = static_cast<int64_t>(z.size());
+    for (int64_t col = 0; col + 1 < kCols; col += 2) {
+      const int64_t r = (group * kCols + col) / 2;
+      if (r >= rows) break;
+      const float a = static_cast<float>(z[r].a), b = static_cast<float>(z[r].b);
+      const float x_l1 = static_cast<float>(z[r].l1) * (1.0f + 1e-6f);
+      const float rest = static_cast<float>(z[r].rest) * (1.0f + 1e-6f), g = x_l1 * gamma;
+      float lo[kTileRows], hi[kTileRows], lb = best[r];
+      for (int64_t i = 0; i < tile_rows; ++i) {
+        const int64_t v = o + i;
+        const float t1 = a * static_cast<float>(c[i * kCols + col]), t2 = b * static_cast<float>(c[i * kCols + col + 1]);
+        const float scale = st[kScale * vocab + v];
+        const float est = scale * (t1 + t2);
+        const float slack = 1e-5f * scale * (std::fabs(t1) + std::fabs(t2)) + 1e-30f;
+        const float bound = (st[kErr * vocab + v] * x_l1 + st[kL1 * vocab + v] * rest + st[kWmax * vocab + v] * g) *
+                            (1.0f + 1e-5f) + slack;
+        lo[i] = est - bound;
+        hi[i] = est + bound;
+        lb = std::max(lb, lo[i]);
+      }
+      best[r] = lb;
+      const float floor = margin_floor(lb);
+      for (int64_t i = 0; i < tile_rows; ++i)
+        if (hi[i] >= floor) kept.push_back({static_cast<float>(r), static_cast<float>(o + i), hi[i]});
+    }
+  }
+
+  void done() {
+    std::lock_guard<std::mutex> guard(result.lock);
+    for (size_t r = 0; r < best.size(); ++r) result.best[r] = std::max(result.best[r], best[r]);
+    result.kept.insert(result.kept.end(), kept.begin(), kept.end());
+  }
+};
+
+at::Tensor greedy_screen(const at::Tensor& qweight, const at::Tensor& stats, const at::Tensor& x) {
+  TORCH_CHECK(amx_permitted(), "greedy_screen: the kernel refused AMX tile state");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              "greedy_screen: screen_pack's int8 weight expected");
+  TORCH_CHECK(qweight.size(0) < (int64_t{1} << 24), "greedy_screen: more vocabulary rows than float32 counts exactly");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 4 && stats.size(1) == qweight.size(0) &&
+              stats.scalar_type() == at::kFloat && stats.is_contiguous(), "greedy_screen: screen_pack's stats expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(0) >= 1,
+              "greedy_screen: contiguous bf16 rows x [rows, in] expected");
+  TORCH_CHECK(x.size(1) == qweight.size(1), "greedy_screen: in-features differ: ", x.size(1), " vs ", qweight.size(1));
+  const int64_t rows = x.size(0), in = x.size(1), vocab = qweight.size(0);
+  at::Tensor xq = at::empty({2 * rows, in}, x.options().dtype(at::kChar));
+  std::vector<Quantized> z(rows);
+  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+  auto* xqp = xq.data_ptr<int8_t>();
+  for (int64_t r = 0; r < rows; ++r) z[r] = quantize(xp + r * in, in, xqp + 2 * r * in, xqp + (2 * r + 1) * in);
+  ScreenResult result;
+  result.best.assign(rows, -INFINITY);
+  const float gamma = static_cast<float>(static_cast<double>(in) * std::ldexp(1.0, -23));
+  const float* st = stats.data_ptr<float>();
+  run<true>(qweight, xq, at::Tensor(), [&](const Product&) {
+    return ScreenSink{st, vocab, z, gamma, result, std::vector<float>(rows, -INFINITY), {}};
+  });
+  std::vector<std::array<float, 3>> hits;
+  for (const auto& k : result.kept)
+    if (k[2] >= margin_floor(result.best[static_cast<int64_t>(k[0])])) hits.push_back(k);
+  std::sort(hits.begin(), hits.end(), [](const auto& p, const auto& q) {
+    return p[0] != q[0] ? p[0] < q[0] : p[1] < q[1];
+  });
+  at::Tensor out = at::empty({static_cast<int64_t>(hits.size()), 2}, x.options().dtype(at::kLong));
+  auto* op = out.data_ptr<int64_t>();
+  for (const auto& h : hits) {
+    *op++ = static_cast<int64_t>(h[0]);
+    *op++ = static_cast<int64_t>(h[1]);
+  }
+  return out;  // [candidates, 2]: (row of x, vocabulary row), by row, then vocabulary order
 }
 
 }  // namespace
 
-TORCH_LIBRARY(inferscale_cpu, m) { m.def("amx_linear(Tensor weight, Tensor x) -> Tensor", &amx_linear); }
+TORCH_LIBRARY(inferscale_cpu, m) {
+  m.def("amx_linear(Tensor weight, Tensor x) -> Tensor", &amx_linear);
+  m.def("amx_linear_int8(Tensor qweight, Tensor xq) -> Tensor", &amx_linear_int8);
+  m.def("screen_pack(Tensor weight) -> Tensor[]", &screen_pack);
+  m.def("greedy_screen(Tensor qweight, Tensor stats, Tensor x) -> Tensor", &greedy_screen);
+}

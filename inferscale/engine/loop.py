@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,6 +38,7 @@ from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, Sc
 from inferscale.engine.slots import SlotCache
 from inferscale.engine.threads import tuned_choices
 from inferscale.engine.threadtuner import ThreadTuner
+from inferscale.models.greedyhead import Head
 from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongError
 from inferscale.kvformat import KVBlock
 
@@ -283,7 +284,7 @@ class ServingLoop:
         width = max(map(len, chunks))
         ids = torch.tensor([c + c[-1:] * (width - len(c)) for c in chunks])
         try:
-            logits = self._forward([r.slot for r, _ in batch], [r.length for r, _ in batch], ids,
+            head = self._last_rows([r.slot for r, _ in batch], [r.length for r, _ in batch], ids,
                                    [len(c) - 1 for c in chunks])
         except Exception:  # noqa: BLE001 - one chunk may have broken the pass: each chunk again, alone
             log.warning("batched prompt pass of %d chunks failed; retrying each alone", len(batch), exc_info=True)
@@ -292,18 +293,19 @@ class ServingLoop:
         # a move copies a row's first ``length`` tokens.
         for (req, _), chunk in zip(batch, chunks):
             self._computed(req, chunk)
-        for (req, _), lg in zip(batch, logits):
-            if not req.pending:
-                self._guarded(req, self._prompt_done, lg)
+        done = [not req.pending for req, _ in batch]
+        for (req, _), finished, (lg, g) in zip(batch, done, self._choices(head, [r for (r, _), d in zip(batch, done) if d])):
+            if finished:
+                self._guarded(req, self._prompt_done, lg, g)
         return sum(map(len, chunks))
 
     def _prefill_chunk(self, req: GenRequest, n: int) -> int:
         """Compute the next ``n`` prompt tokens of ``req`` alone; returns how many were computed."""
         ids = req.pending[:n]
-        logits = self._forward([req.slot], [req.length], torch.tensor([ids]))[0]
+        head = self._last_rows([req.slot], [req.length], torch.tensor([ids]))
         self._computed(req, ids)
         if not req.pending:
-            self._prompt_done(req, logits)
+            self._prompt_done(req, *self._choices(head, [req])[0])
         return len(ids)
 
     def _computed(self, req: GenRequest, ids: list[int]) -> None:
@@ -312,7 +314,7 @@ class ServingLoop:
         req.length += len(ids)
         self.scheduler.computed(req.sched, len(ids))
 
-    def _prompt_done(self, req: GenRequest, logits: torch.Tensor) -> None:
+    def _prompt_done(self, req: GenRequest, logits: torch.Tensor | None, greedy: int | None = None) -> None:
         if req.sched.remaining_prompt > 0:  # kv-recompute computed it all at once
             self.scheduler.computed(req.sched, req.sched.remaining_prompt)
         else:
@@ -323,17 +325,17 @@ class ServingLoop:
         req.span.set_attribute("inferscale.query_tokens", len(req.ids))
         req.span.end()
         req.span = request_span(req, "decode")
-        if req.keep_first_logits:
+        if req.keep_first_logits:  # _choices computed them (_needs_logits)
             req.first_logits = logits.detach().float().cpu().clone()
         # It decodes from now on: move it to the end of the decoding rows.
         self._swap(req, self.decoding)
         self.decoding += 1
-        self._postprocess(req, logits)
+        self._postprocess(req, logits, greedy)
 
     def _decode(self, reqs: list[GenRequest]) -> None:
         reqs = sorted(reqs, key=lambda r: r.slot)
         try:
-            logits = self._forward([r.slot for r in reqs], [r.length for r in reqs],
+            head = self._last_rows([r.slot for r in reqs], [r.length for r in reqs],
                                    torch.tensor([[r.last] for r in reqs]))
         except Exception:  # noqa: BLE001 - one row may have broken the pass: each row again, alone
             log.warning("batched decode of %d rows failed; retrying each row alone", len(reqs), exc_info=True)
@@ -341,43 +343,65 @@ class ServingLoop:
                 if r.slot >= 0:
                     self._guarded(r, self._decode_alone)
             return
-        # One argmax over the batch's logits serves every greedy row (no per-row fp32 copy of the vocabulary). As
-        # max(dim).indices: the same index (the first maximum, documented for both) at 2.5x the speed of bf16
-        # argmax on the CPU (8 vs 20 ms for 16 x 262k logits).
-        greedy = logits.max(dim=-1).indices.tolist()
         for r in reqs:
             r.length += 1
-        for r, lg, g in zip(reqs, logits, greedy):
+        for r, (lg, g) in zip(reqs, self._choices(head, reqs)):
             self._guarded(r, self._postprocess, lg, g)
 
-    def _decode_alone(self, req: GenRequest) -> None:
-        logits = self._forward([req.slot], [req.length], torch.tensor([[req.last]]))[0]
-        req.length += 1
-        self._postprocess(req, logits)
+    def _choices(self, head: Head, deciding: list[GenRequest]) -> list[tuple[torch.Tensor | None, int]]:
+        """Each row of ``head``'s logits (None where the LM head's screen answered without them) and its argmax.
+        Only tokens are needed when every request ``deciding`` a token from it takes the argmax: the head may then
+        be screened (models/greedyhead.py). Else one argmax over the batch's logits serves every greedy row (no
+        per-row fp32 copy of the vocabulary); as max(dim).indices: the same index (the first maximum, documented
+        for both) at 2.5x the speed of bf16 argmax on the CPU (8 vs 20 ms for 16 x 262k logits)."""
+        if not any(self._needs_logits(r) for r in deciding):
+            greedy = head.argmax()
+            logits = head.computed if head.computed is not None else [None] * len(greedy)
+        else:
+            logits = head.logits()
+            greedy = logits.max(dim=-1).indices.tolist()
+        return list(zip(logits, greedy))
 
-    def _forward(self, rows: list[int], starts: list[int], ids: torch.Tensor,
-                 last: list[int] | None = None) -> torch.Tensor:
-        """Rows' tokens ``ids`` [B, q] at positions starts[b]..; the logits [B, vocab] of each row's token at index
-        last[b] (default: its last), in the model's dtype (converting them is the sampler's business: argmax needs
-        no fp32 copy). Only those positions reach the LM head (a [B, 1] ``logits_to_keep``: the model's own path,
-        final soft-capping included)."""
+    def _needs_logits(self, req: GenRequest) -> bool:
+        """``req``'s next token is not the plain argmax (it samples, or stop tokens are banned now), or its first
+        token's logits are to be kept."""
+        return not self._greedy(req) or (req.keep_first_logits and req.first_token is None)
+
+    def _decode_alone(self, req: GenRequest) -> None:
+        head = self._last_rows([req.slot], [req.length], torch.tensor([[req.last]]))
+        req.length += 1
+        self._postprocess(req, *self._choices(head, [req])[0])
+
+    def _last_rows(self, rows: list[int], starts: list[int], ids: torch.Tensor,
+                   last: list[int] | None = None) -> Head:
+        """Rows' tokens ``ids`` [B, q] at positions starts[b].. through the model, stopped before the LM head at
+        each row's token at index last[b] (default: its last): ``Head.logits()`` [B, vocab] in the model's dtype
+        (converting them is the sampler's business: argmax needs no fp32 copy), or ``Head.argmax()``. Only those
+        positions reach the LM head (a [B, 1] ``logits_to_keep``: the model's own path, final soft-capping
+        included)."""
         q = ids.shape[1]
         dev = self.engine.device
         cache = self.slots.view(rows, starts, q)
         pos = torch.tensor(starts)[:, None] + torch.arange(q)[None]
         keep = 1 if last is None else torch.tensor(last, device=dev)[:, None]
-        logits = self.engine.loaded.logits(ids.to(dev), pos.to(dev), self.slots.mask(starts, q), cache, keep)
-        return logits[:, -1]
+        return self.engine.loaded.last_rows(ids.to(dev), pos.to(dev), self.slots.mask(starts, q), cache, keep)
 
-    def _postprocess(self, req: GenRequest, logits: torch.Tensor, greedy: int | None = None) -> None:
-        """Sample the next token (``greedy``: the argmax of ``logits``, when already known), emit its text, and stop
-        or keep the request running."""
+    def _greedy(self, req: GenRequest) -> bool:
+        """Whether ``req``'s next token is the argmax of its logits (greedy, no stop token banned now)."""
+        return req.sampling.temperature <= 0 and not self._banned(req)
+
+    def _banned(self, req: GenRequest) -> Collection[int]:
+        """Tokens ``req`` may not choose now: the stop tokens, until ``min_tokens`` were said."""
+        return self.engine.stop_ids if len(req.output) < req.sampling.min_tokens else ()
+
+    def _postprocess(self, req: GenRequest, logits: torch.Tensor | None, greedy: int | None = None) -> None:
+        """Sample the next token (``greedy``: the argmax of ``logits``, when already known; ``logits`` may then be
+        None for a ``_greedy`` request), emit its text, and stop or keep the request running."""
         eng, sampling = self.engine, req.sampling
-        banned = eng.stop_ids if len(req.output) < sampling.min_tokens else ()
-        if greedy is not None and sampling.temperature <= 0 and not banned:
+        if greedy is not None and self._greedy(req):
             token = greedy  # what sample() would choose: argmax is exact in any dtype (bf16 -> fp32 is lossless)
         else:
-            token = sample(logits.float(), sampling, req.generator, banned)
+            token = sample(logits.float(), sampling, req.generator, self._banned(req))
         if req.first_token is None:
             req.first_token = token
         if not sampling.ignore_eos and token in eng.stop_ids:

@@ -50,13 +50,22 @@ class LeanGemma3Model:
                  attention_mask: torch.Tensor | dict[str, torch.Tensor], cache,
                  logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """Logits [B, kept, vocab] of rows ``input_ids`` [B, q] at ``position_ids``; ``cache`` takes their K/V."""
+        return self.head_logits(self.hidden(input_ids, position_ids, attention_mask, cache, logits_to_keep))
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | dict[str, torch.Tensor], cache,
+               logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The kept rows' final hidden states [B, kept, hidden] (after the final norm): what the LM head reads."""
         h = torch.nn.functional.embedding(input_ids, self.embed) * self.embed_scale
         rotary = {t: rotary_tables(*self.rotary(h, position_ids, t)) for t in set(self.layer_types)}
         masks = attention_mask if isinstance(attention_mask, dict) else None
         for layer, layer_type in zip(self.layers, self.layer_types):
             h = layer.lean_step(h, rotary[layer_type], attention_mask if masks is None else masks[layer_type], cache)
-        h = slice_logits_to_keep(lean_rms(h, self.norm, self.eps), logits_to_keep)
-        logits = self.head(h)
+        return slice_logits_to_keep(lean_rms(h, self.norm, self.eps), logits_to_keep)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``hidden`` [..., hidden], with the final soft-capping where the config has one."""
+        logits = self.head(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

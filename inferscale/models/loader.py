@@ -16,6 +16,7 @@ from inferscale.cpuflags import cpu_flags
 from inferscale.errors import ModelLoadError
 from inferscale.models.fingerprint import file_digest, fingerprint, weights_digest_from_tensors
 from inferscale.models.layout import ModelLayout, read_layout
+from inferscale.models.greedyhead import GreedyHead, Head, install_greedy_head
 from inferscale.models.leanlayers import install_lean_layers
 from inferscale.models.leanmodel import LeanGemma3Model, install_lean_model, model_logits
 from inferscale.models.weightmajor import install_weight_major_linears
@@ -32,6 +33,7 @@ class LoadedModel:
     layout: ModelLayout
     fingerprint: str
     lean: LeanGemma3Model | None = None  # the same logits as ``model(...)`` with fewer Python operations
+    greedy: GreedyHead | None = None  # the lean pass's argmax without reading the bf16 LM head (greedyhead.py)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | dict[str, torch.Tensor], cache,
@@ -41,6 +43,17 @@ class LoadedModel:
         if self.lean is not None and self.lean.usable:
             return self.lean(input_ids, position_ids, attention_mask, cache, logits_to_keep)
         return model_logits(self.model, input_ids, position_ids, attention_mask, cache, logits_to_keep)
+
+    def last_rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | dict[str, torch.Tensor], cache,
+                  logits_to_keep: int | torch.Tensor = 1) -> Head:
+        """A pass as ``logits`` keeping one position a row (``logits_to_keep``: 1, the last, or [B, 1] indices),
+        stopped before the LM head: ``Head.argmax`` screens it (``greedy``) where that is possible, ``Head.logits``
+        computes the [B, vocab] logits."""
+        if self.lean is not None and self.lean.usable:
+            hidden = self.lean.hidden(input_ids, position_ids, attention_mask, cache, logits_to_keep)[:, -1]
+            return Head(hidden, self.lean.head_logits, self.greedy)
+        return Head(None, computed=self.logits(input_ids, position_ids, attention_mask, cache, logits_to_keep)[:, -1])
 
     @property
     def device(self) -> torch.device:
@@ -98,7 +111,9 @@ def from_model(model: torch.nn.Module, tokenizer, *, name: str = "in-memory", we
     install_weight_major_linears(model)  # the same outputs, without repacking every weight every decode step
     install_lean_layers(model)  # the same outputs again, with fewer operations per token (Gemma-3)
     lean = install_lean_model(model)  # and the whole pass without the model's per-call machinery
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, layout=layout, fingerprint=fp, lean=lean)
+    greedy = install_greedy_head(lean.head, lean.softcap) if lean is not None else None  # greedy: half the head
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, layout=layout, fingerprint=fp, lean=lean,
+                       greedy=greedy)
 
 
 def torch_dtype_for(dtype: str | None, device: str | None) -> torch.dtype:

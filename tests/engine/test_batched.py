@@ -35,9 +35,11 @@ def reference_logits(engine, q, blocks, mode) -> list[torch.Tensor]:
 
 
 def loop_logits(loop: ServingLoop, requests: list[GenRequest]) -> dict[int, list[torch.Tensor]]:
-    """Run the requests together; record the logits each one's tokens were sampled from."""
+    """Run the requests together; record the logits each one's tokens were sampled from (the full head's: the LM
+    head's greedy screen, which computes no logits, is set aside meanwhile)."""
     seen: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
     original = loop._postprocess
+    screen, loop.engine.loaded.greedy = loop.engine.loaded.greedy, None
 
     def spy(req, logits, *greedy):
         seen[id(req)].append(logits.float().clone())
@@ -47,6 +49,7 @@ def loop_logits(loop: ServingLoop, requests: list[GenRequest]) -> dict[int, list
     for r in requests:
         loop.add(r)
     loop.run_until_done()
+    loop.engine.loaded.greedy = screen
     return seen
 
 
@@ -136,14 +139,14 @@ def test_ragged_prompt_chunks_in_one_padded_pass_give_each_its_own_logits(engine
              (engine.question_ids(QUESTIONS[2]), [blocks[3], blocks[0]])]
     loop = ServingLoop(engine, SchedulerConfig(chunk_tokens=11, step_tokens=64))
     passes = []
-    real = loop._forward
+    real = loop._last_rows
 
     def forward(rows, starts, ids, last=None):
         if last is not None:
             passes.append(sorted(last))
         return real(rows, starts, ids, last)
 
-    loop._forward = forward
+    loop._last_rows = forward
     reqs = [request(engine, q, b, mode) for q, b in cases]
     got = loop_logits(loop, reqs)
     assert any(len(set(p)) > 1 for p in passes)  # some pass did hold chunks of different lengths

@@ -61,7 +61,7 @@ def _assert_only_broken_failed(out: dict[str, list], clean: dict[str, list], bro
 
 
 def test_a_sampling_error_fails_that_request_alone(engine, monkeypatch):
-    clean = _run(engine)
+    clean = _run(engine, temperature=0.7, seed=3)  # requests that sample: a greedy token is an argmax, no sampler
     real = loop_mod.sample
 
     def sample(logits, sampling, generator, banned=()):
@@ -71,7 +71,8 @@ def test_a_sampling_error_fails_that_request_alone(engine, monkeypatch):
 
     monkeypatch.setattr(loop_mod, "sample", sample)
     loop = ServingLoop(engine)
-    reqs = [_req(engine, q, f"t{i}", tokens=5 if i == 1 else 6) for i, q in enumerate(QUESTIONS)]
+    reqs = [_req(engine, q, f"t{i}", tokens=5 if i == 1 else 6, temperature=0.7, seed=3)
+            for i, q in enumerate(QUESTIONS)]
     for r, _ in reqs:
         loop.add(r)
     loop.run_until_done()
@@ -109,7 +110,7 @@ def test_a_prefill_error_fails_that_request_alone(engine, monkeypatch):
 
 def test_a_failed_batched_prompt_pass_is_retried_chunk_by_chunk(engine, monkeypatch):
     clean = _run(engine)
-    real = ServingLoop._forward
+    real = ServingLoop._last_rows
     passes = []
 
     def forward(self, rows, starts, ids, *last):
@@ -119,7 +120,7 @@ def test_a_failed_batched_prompt_pass_is_retried_chunk_by_chunk(engine, monkeypa
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
         return real(self, rows, starts, ids, *last)
 
-    monkeypatch.setattr(ServingLoop, "_forward", forward)
+    monkeypatch.setattr(ServingLoop, "_last_rows", forward)
     _assert_only_broken_failed(_run(engine, QUESTIONS[0]), clean, QUESTIONS[0])
     n = len(QUESTIONS)
     assert passes[0] == n and passes[1:n + 1] == [1] * n  # together, then each alone
@@ -127,7 +128,7 @@ def test_a_failed_batched_prompt_pass_is_retried_chunk_by_chunk(engine, monkeypa
 
 def test_a_failed_batched_decode_is_retried_without_the_row_that_broke_it(engine, monkeypatch):
     clean = _run(engine)
-    real = ServingLoop._forward
+    real = ServingLoop._last_rows
     batched = []
 
     def forward(self, rows, starts, ids, *last):
@@ -136,7 +137,7 @@ def test_a_failed_batched_decode_is_retried_without_the_row_that_broke_it(engine
             raise RuntimeError("device-side assert triggered (simulated)")
         return real(self, rows, starts, ids, *last)
 
-    monkeypatch.setattr(ServingLoop, "_forward", forward)
+    monkeypatch.setattr(ServingLoop, "_last_rows", forward)
     out = _run(engine, QUESTIONS[1])
     _assert_only_broken_failed(out, clean, QUESTIONS[1])
     assert batched[0] >= 2 and 1 in batched  # a batch with others failed, then the row alone

@@ -121,12 +121,15 @@ def test_other_families_and_a_mismatch_keep_the_models_own_pass(monkeypatch):
 
 
 class _Counting:
+    """The lean pass, counting the loop's passes through it (``hidden``: every pass stops before the LM head)."""
+
     def __init__(self, lean, calls: list) -> None:
         self.lean, self.calls, self.usable = lean, calls, True
+        self.head_logits = lean.head_logits
 
-    def __call__(self, *args):
+    def hidden(self, *args):
         self.calls.append(args[0].shape)
-        return self.lean(*args)
+        return self.lean.hidden(*args)
 
 
 def leanmodel_cache(prior):

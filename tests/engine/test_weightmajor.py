@@ -98,9 +98,11 @@ QUESTIONS = ["where did caroline go?", "what did melanie paint at the beach in j
 
 
 def decode(loop: ServingLoop, cases) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Run ``cases`` (ids, blocks, mode) together; each one's tokens and the logits each was chosen from."""
+    """Run ``cases`` (ids, blocks, mode) together; each one's tokens and the logits each was chosen from (the
+    full head's: the LM head's greedy screen, which computes no logits, is set aside meanwhile)."""
     seen: dict[int, list[torch.Tensor]] = {}
     original = loop._postprocess
+    screen, loop.engine.loaded.greedy = loop.engine.loaded.greedy, None
 
     def spy(req, logits, *greedy):
         seen.setdefault(id(req), []).append(logits.clone())
@@ -116,6 +118,7 @@ def decode(loop: ServingLoop, cases) -> list[tuple[list[int], list[torch.Tensor]
         loop.add(reqs[-1])
     loop.run_until_done()
     loop._postprocess = original
+    loop.engine.loaded.greedy = screen
     return [([e.token_id for e in ev if isinstance(e, TokenEvent) and e.token_id is not None], seen[id(r)])
             for r, ev in zip(reqs, events)]
 

@@ -136,13 +136,13 @@ def test_graceful_shutdown_completes_within_its_grace_with_a_stream_open(tmp_pat
     monkeypatch.setenv("INFERSCALE_SHUTDOWN_GRACE_S", "1")
     serving = Serving(tmp_path, monkeypatch, tiny_engine, embedder)
     loop = serving.worker.loop
-    real_forward = loop._forward
+    real_forward = loop._last_rows
 
     def slow_forward(rows, starts, ids, *last):  # a long answer: about 13 s of decoding
         time.sleep(0.2)
         return real_forward(rows, starts, ids, *last)
 
-    loop._forward = slow_forward
+    loop._last_rows = slow_forward
     with httpx.stream("POST", serving.url + "/v1/chat/completions", timeout=30,
                       headers={"Authorization": f"Bearer {KEYS['acme']}"},
                       json={"model": MODEL, "stream": True, "max_tokens": 64, "ignore_eos": True,

@@ -1,0 +1,103 @@
+"""A greedy decode step's token without reading the bf16 LM head: an int8 screen, then the few rows it leaves.
+
+The LM head of Gemma-3-270M is 335 MB of bf16, 62 % of the bytes a decode step reads (issue 22), yet a greedy
+step needs only the argmax of its logits. ``GreedyHead`` keeps an int8 copy of the head (half the bytes, one scale
+a row) and per-row error bounds; ``kernels/amx_linear.cpp``'s ``greedy_screen`` reads the int8 copy once, bounds
+every logit, and returns the few vocabulary rows whose bound reaches the best (median 2, p99 ~100 of 262,144 on
+LoCoMo text); those rows are then computed exactly by the same kernel as the full head and the first maximum is
+taken. The bounds are rigorous (quantization error of the weights and of the activations, float32 summation, and
+a margin of two bf16 steps so that a row left out cannot even tie), so the token is the full head's argmax bit for
+bit; the screen checks that at install time too. Rows that need logits (sampling, a banned stop token, the first
+logits kept for fidelity) take the full head (``Head.logits``).
+
+Used only where the head's logits come from the AMX kernel (so the rescored rows are those logits bit for bit),
+the CPU has AMX-INT8, there is no final soft-capping or bias, and for up to ``MAX_ROWS`` rows: past that the
+screen's per-row work costs more than the bf16 rows it saves (16 rows 30 vs 23 ms; 1 row 10 vs 19 ms).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from inferscale.kernels import amx_linear
+from inferscale.models.weightmajor import KERNEL
+
+log = logging.getLogger(__name__)
+MAX_ROWS = 4  # rows a screen takes (1 row 10 vs 19 ms, 4 rows 13 vs 20 ms, 8 rows 17 vs 22 ms, 16 rows 30 vs 23)
+MAX_CANDIDATES = 4096  # per call: past it (a flat distribution) the full head is cheaper than the rescoring
+CHECK_ROWS = 8  # rows of each scale checked against the full head at install
+
+
+class GreedyHead:
+    """The LM head's int8 screen (``screen_pack``'s weight and bounds) beside the bf16 head it stands in for."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        ops = amx_linear.screen_ops()
+        assert ops is not None, "GreedyHead needs amx_linear's screen (install_greedy_head checks)"
+        pack, self._screen = ops
+        self.weight = weight  # the bf16 head [vocab, in]: the candidates' rows are read from it
+        self.qweight, self.stats = pack(weight)
+
+    def argmax(self, hidden: torch.Tensor) -> list[int] | None:
+        """The full head's argmax for each row of ``hidden`` [rows, in] (bf16), or None where the screen does not
+        apply (too many rows, a non-finite value, too many candidates): the caller computes the logits then."""
+        if hidden.shape[0] > MAX_ROWS or not bool(torch.isfinite(hidden).all()):
+            return None
+        hidden = hidden.contiguous()
+        candidates = self._screen(self.qweight, self.stats, hidden)  # [n, 2]: (row, vocabulary row), sorted
+        if candidates.shape[0] > MAX_CANDIDATES:
+            return None
+        exact = amx_linear.load()(self.weight.index_select(0, candidates[:, 1]), hidden)  # [rows, n]
+        mine = candidates[:, 0][None, :] == torch.arange(hidden.shape[0])[:, None]
+        first = exact.masked_fill(~mine, float("-inf")).max(dim=-1).indices  # the first maximum, as argmax takes
+        return candidates[first, 1].tolist()
+
+
+def install_greedy_head(head: torch.nn.Module, softcap: float | None) -> GreedyHead | None:
+    """A ``GreedyHead`` for ``head`` (a ``WeightMajorLinear`` on the AMX kernel) once its argmax is checked equal
+    to the full head's on random rows; None where it cannot stand in (see the module's docstring)."""
+    weight = getattr(head, "weight", None)
+    if (softcap is not None or getattr(head, "bias", None) is not None or getattr(head, "blocks", None) != KERNEL
+            or weight is None or not amx_linear.fits(weight) or weight.shape[1] % 64 or weight.shape[0] >= 2**24
+            or amx_linear.screen_ops() is None):
+        return None
+    with torch.inference_mode():
+        greedy = GreedyHead(weight.detach())
+        gen = torch.Generator().manual_seed(0)
+        for scale in (1.0, 10.0, 100.0):
+            rows = (torch.randn(CHECK_ROWS, weight.shape[1], generator=gen) * scale).to(weight.dtype)
+            full = head(rows).max(dim=-1).indices.tolist()
+            if any(greedy.argmax(rows[i:i + MAX_ROWS]) not in (None, full[i:i + MAX_ROWS])
+                   for i in range(0, CHECK_ROWS, MAX_ROWS)):
+                log.warning("the LM head's int8 screen disagrees with the full head here; greedy steps read it all")
+                return None
+    return greedy
+
+
+@dataclass
+class Head:
+    """A pass's last hidden rows [rows, in] before the LM head: their logits, or only their argmax (cheaper where a
+    ``GreedyHead`` stands in). ``logits`` set means the pass computed them already (the model's own forward)."""
+
+    hidden: torch.Tensor | None
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None  # hidden -> logits [rows, vocab]
+    greedy: GreedyHead | None = None
+    computed: torch.Tensor | None = field(default=None, repr=False)
+
+    def logits(self) -> torch.Tensor:
+        if self.computed is None:
+            self.computed = self.project(self.hidden)
+        return self.computed
+
+    def argmax(self) -> list[int]:
+        """Each row's greedy token: the first maximum of its logits (as ``max(dim).indices`` gives it); ``computed``
+        stays None when the screen answered."""
+        if self.computed is None and self.greedy is not None:
+            tokens = self.greedy.argmax(self.hidden)
+            if tokens is not None:
+                return tokens
+        return self.logits().max(dim=-1).indices.tolist()

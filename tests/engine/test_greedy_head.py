@@ -1,0 +1,149 @@
+"""The LM head's int8 screen for greedy decoding (``models/greedyhead.py``, ``kernels/amx_linear.cpp``, issue 22):
+the token is the full bf16 head's argmax bit for bit (ties to the first maximum included), the int8 product is
+exact, the screen stands aside where it cannot apply, and a greedy decode says the same tokens with and without
+it. Skipped where the AMX kernel or AMX-INT8 is missing (the full head is used there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as tm
+from inferscale.engine.loop import GenRequest
+from inferscale.engine.sampling import Sampling
+from inferscale.kernels import amx_linear
+from inferscale.models import greedyhead
+from inferscale.models.greedyhead import MAX_ROWS, GreedyHead, install_greedy_head
+from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if amx_linear.screen_ops() is None:
+        pytest.skip("no AMX-BF16/INT8 here, or the kernel could not be built: greedy steps read the whole head")
+    return torch.ops.inferscale_cpu
+
+
+def _head(weight: torch.Tensor) -> WeightMajorLinear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return WeightMajorLinear(linear, KERNEL, transposed_out=True)
+
+
+def _full_argmax(weight: torch.Tensor, x: torch.Tensor) -> list[int]:
+    return amx_linear.load()(weight, x).max(dim=-1).indices.tolist()
+
+
+def test_the_int8_product_is_exact(ops):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (1000, 640), generator=gen, dtype=torch.int8)
+    for rows in (1, 2, 15, 16, 17, 33):
+        x = torch.randint(-127, 128, (rows, 640), generator=gen, dtype=torch.int8)
+        assert torch.equal(ops.amx_linear_int8(q, x), x.int() @ q.int().T), rows
+
+
+def test_the_screened_token_is_the_full_heads_argmax(ops):
+    """Random heads and hidden rows of every scale, 1 to MAX_ROWS rows a call: the same token as the bf16 head."""
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(20000, 640, generator=gen) * 0.05).to(torch.bfloat16)
+    greedy = GreedyHead(weight)
+    with torch.inference_mode():
+        for scale in (0.01, 1.0, 30.0, 1000.0):
+            for rows in range(1, MAX_ROWS + 1):
+                x = (torch.randn(rows, 640, generator=gen) * scale).to(torch.bfloat16)
+                x[:, 7] *= 50  # an outlier channel, as Gemma's hidden states have
+                assert greedy.argmax(x) == _full_argmax(weight, x), (scale, rows)
+
+
+def test_ties_go_to_the_first_maximum(ops):
+    """Rows equal to the winner (the same logit to the bit) placed before and after it: argmax's first maximum."""
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(5000, 640, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(1, 640, generator=gen).to(torch.bfloat16)
+    best = _full_argmax(weight, x)[0]
+    weight[4000] = weight[best]
+    weight[17] = weight[best]
+    weight[18] = -weight[best]
+    assert _full_argmax(weight, x) == [17]
+    with torch.inference_mode():
+        assert GreedyHead(weight).argmax(x) == [17]
+
+
+def test_near_ties_in_bf16_keep_the_first_maximum(ops):
+    """Rows whose logits differ from the winner's by less than a bf16 step (so the bf16 logits tie): the screen
+    keeps them all and the earliest wins, as in the full head."""
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(3000, 640, generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(1, 640, generator=gen).to(torch.bfloat16)
+    best = _full_argmax(weight, x)[0]
+    for row in (5, 6, 2999):  # the winner with one value nudged by one bf16 step
+        weight[row] = weight[best]
+        weight[row, row % 640] = torch.nextafter(weight[best, row % 640].float(), torch.tensor(1.0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert GreedyHead(weight).argmax(x) == _full_argmax(weight, x)
+
+
+def test_candidates_rescored_alone_are_the_heads_own_logits(ops):
+    """The exact pass over the gathered candidate rows gives the full head's logits at those rows, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(4099, 640, generator=gen) * 0.05).to(torch.bfloat16)
+    greedy = GreedyHead(weight)
+    x = torch.randn(3, 640, generator=gen).to(torch.bfloat16)
+    candidates = ops.greedy_screen(greedy.qweight, greedy.stats, x)
+    assert candidates.shape[1] == 2 and set(candidates[:, 0].tolist()) == {0, 1, 2}
+    full = amx_linear.load()(weight, x)
+    rows = amx_linear.load()(weight.index_select(0, candidates[:, 1]), x)
+    assert torch.equal(rows, full[:, candidates[:, 1]])
+
+
+def test_where_the_screen_cannot_apply_it_stands_aside(ops):
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(2000, 640, generator=gen) * 0.05).to(torch.bfloat16)
+    greedy = GreedyHead(weight)
+    assert greedy.argmax(torch.randn(MAX_ROWS + 1, 640).to(torch.bfloat16)) is None  # too many rows
+    bad = torch.randn(1, 640).to(torch.bfloat16)
+    bad[0, 3] = float("nan")
+    assert greedy.argmax(bad) is None
+    assert install_greedy_head(_head(weight), softcap=30.0) is None  # soft-capped logits: not screened
+    plain = torch.nn.Linear(640, 2000, bias=False).to(torch.bfloat16)
+    assert install_greedy_head(plain, softcap=None) is None  # a head not on the AMX kernel
+    assert isinstance(install_greedy_head(_head(weight), softcap=None), GreedyHead)
+
+
+def test_a_screen_that_disagrees_with_the_head_is_not_installed(ops, monkeypatch):
+    monkeypatch.setattr(GreedyHead, "argmax", lambda self, hidden: [0] * hidden.shape[0])
+    weight = (torch.randn(2000, 640) * 0.05).to(torch.bfloat16)
+    assert install_greedy_head(_head(weight), softcap=None) is None
+
+
+def _greedy_decode(engine, screen: bool) -> list[int]:
+    loaded = engine.loaded
+    saved = loaded.greedy
+    if not screen:
+        loaded.greedy = None
+    try:
+        loop = engine.serving_loop()
+        out = []
+        for q in ("where did caroline go?", "what is the plan for the weekend"):
+            req = GenRequest(ids=engine.question_ids(q), blocks=[], mode="none", emit=lambda e: None,
+                             sampling=Sampling(max_new_tokens=24, ignore_eos=True))
+            loop.add(req)
+            loop.run_until_done()
+            out.append(req.output)
+        return out
+    finally:
+        loaded.greedy = saved
+
+
+def test_a_greedy_decode_says_the_same_tokens_screened(ops):
+    engine = tm.engine("gemma3", dtype=torch.bfloat16, sliding_window=8)
+    assert engine.loaded.greedy is not None, "a bf16 Gemma-3 on the AMX kernel gets the screen"
+    calls = []
+    original = greedyhead.GreedyHead.argmax
+    greedyhead.GreedyHead.argmax = lambda self, hidden: calls.append(1) or original(self, hidden)
+    try:
+        screened = _greedy_decode(engine, screen=True)
+    finally:
+        greedyhead.GreedyHead.argmax = original
+    assert calls, "decode steps went through the screen"
+    assert screened == _greedy_decode(engine, screen=False)
