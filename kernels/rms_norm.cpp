@@ -12,6 +12,7 @@
 // plain arrays (no intrinsics, and -ffp-contract=off: a fused multiply-add would skip the rounding of v * v that
 // aten's materialized pow makes). kernels/rms_norm.py checks the result equals aten's before anything uses it.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -140,6 +141,63 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// q and k of a Gemma-3 layer in one call: each head's row normalized (as rms_norm, its head's weight row), then
+// rotated, (n * cos) + (roll(n, D/2) * signed_sin) with each bf16 product and the sum rounded to bf16 as aten's
+// bf16 operations round them, and written out as contiguous query [B, heads, q, D] and key [B, G - heads, q, D].
+// qk [B, q, G, D] (any strides, values of a row adjacent), weight float32 [G, 1, D], cos and signed_sin bf16
+// [B or 1, 1, q, D]. The lean layer ran ~10 dispatched operations for this (transpose, norm, mul, roll, mul, add, two
+// slices, two copies) 18 times a decode step.
+std::vector<at::Tensor> qk_norm_rope(const at::Tensor& qk, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                                     const at::Tensor& signed_sin, int64_t heads) {
+  TORCH_CHECK(qk.dim() == 4 && qk.scalar_type() == at::kBFloat16 && qk.stride(3) == 1,
+              "qk_norm_rope: qk must be bf16 [B, q, G, D] with each row's values adjacent");
+  const int64_t batch = qk.size(0), len = qk.size(1), groups = qk.size(2), n = qk.size(3);
+  TORCH_CHECK(n % 2 == 0, "qk_norm_rope: head size ", n, " is odd");
+  TORCH_CHECK(heads >= 0 && heads <= groups, "qk_norm_rope: ", heads, " query heads of ", groups);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == groups * n,
+              "qk_norm_rope: weight must be float32 [G, 1, D], contiguous");
+  for (const at::Tensor* t : {&cos, &signed_sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && (t->size(0) == batch || t->size(0) == 1) &&
+                t->size(1) == 1 && t->size(2) == len && t->size(3) == n && t->stride(3) == 1,
+                "qk_norm_rope: cos and signed_sin must be bf16 [B or 1, 1, q, D]");
+  }
+  at::Tensor query = at::empty({batch, heads, len, n}, qk.options());
+  at::Tensor key = at::empty({batch, groups - heads, len, n}, qk.options());
+  const auto* qp = reinterpret_cast<const c10::BFloat16*>(qk.data_ptr());
+  const auto* cp = reinterpret_cast<const c10::BFloat16*>(cos.data_ptr());
+  const auto* sp = reinterpret_cast<const c10::BFloat16*>(signed_sin.data_ptr());
+  const float* wp = weight.data_ptr<float>();
+  auto* outq = reinterpret_cast<c10::BFloat16*>(query.data_ptr());
+  auto* outk = reinterpret_cast<c10::BFloat16*>(key.data_ptr());
+  const float feps = static_cast<float>(eps), count = static_cast<float>(n);
+  std::vector<c10::BFloat16> normed(n);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t s = 0; s < len; ++s) {
+      // one table row for every sequence where the tables were made for one (broadcast, as aten's mul does)
+      const c10::BFloat16* c = cp + (cos.size(0) == 1 ? 0 : b * cos.stride(0)) + s * cos.stride(2);
+      const c10::BFloat16* sn =
+          sp + (signed_sin.size(0) == 1 ? 0 : b * signed_sin.stride(0)) + s * signed_sin.stride(2);
+      for (int64_t g = 0; g < groups; ++g) {
+        const c10::BFloat16* row = qp + b * qk.stride(0) + s * qk.stride(1) + g * qk.stride(2);
+        const float* w = wp + g * n;
+        const float r = 1.0f / std::sqrt(sum_of_squares(row, n) / count + feps);
+        for (int64_t e = 0; e < n; ++e) normed[e] = c10::BFloat16((static_cast<float>(row[e]) * r) * w[e]);
+        c10::BFloat16* out = g < heads ? outq + ((b * heads + g) * len + s) * n
+                                       : outk + ((b * (groups - heads) + g - heads) * len + s) * n;
+        for (int64_t e = 0; e < n; ++e) {
+          const c10::BFloat16 a(static_cast<float>(normed[e]) * static_cast<float>(c[e]));
+          const c10::BFloat16 t(static_cast<float>(normed[(e + n / 2) % n]) * static_cast<float>(sn[e]));
+          out[e] = c10::BFloat16(static_cast<float>(a) + static_cast<float>(t));
+        }
+      }
+    }
+  return {query, key};
+}
+
 }  // namespace
 
-TORCH_LIBRARY(inferscale_norm, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm); }
+TORCH_LIBRARY(inferscale_norm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("qk_norm_rope(Tensor qk, Tensor weight, float eps, Tensor cos, Tensor signed_sin, int heads) -> Tensor[]",
+        &qk_norm_rope);
+}

@@ -1,4 +1,5 @@
-"""``rms_norm(x, weight, eps)``: Gemma-3's RMSNorm of bf16 rows in one call, aten's numbers (``rms_norm.cpp``).
+"""``rms_norm(x, weight, eps)``: Gemma-3's RMSNorm of bf16 rows in one call, aten's numbers (``rms_norm.cpp``);
+``qk_norm_rope``: a layer's q and k normalized, rotated and split in one call, the lean layer's numbers.
 
 ``torch.nn.functional.rms_norm`` on the CPU is a composite of ~25 dispatched operations, ~50-70 us a call on the
 2-core machine; a decode step of Gemma-3-270M makes 91 of them (issue 22). The kernel runs the same float32
@@ -51,6 +52,58 @@ def agrees(op: RmsNorm, rows: int = 64) -> bool:
         if not torch.equal(op(heads, per_head, 1e-6), reference(heads, per_head, 1e-6)):
             return False
     return True
+
+
+def qk_reference(qk: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lean layer's q/k step through aten: ``qk`` [B, q, G, D] (q's heads, then k's) normalized per head
+    (``weight`` [G, 1, D]), rotated (``roll(x, D/2) * signed_sin`` is ``rotate_half(x) * sin``), split into
+    contiguous query [B, heads, q, D] and key [B, G - heads, q, D] (SDPA takes another path for strided inputs)."""
+    x = qk.transpose(1, 2)
+    fused = load()
+    x = fused(x, weight, eps) if fused is not None and x.dtype == torch.bfloat16 else reference(x, weight, eps)
+    x = (x * cos) + (torch.roll(x, x.shape[-1] // 2, -1) * signed_sin)
+    return x[:, :heads].contiguous(), x[:, heads:].contiguous()
+
+
+def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_reference``'s numbers, in one call of ``rms_norm.cpp`` where it is built and agrees here (bf16)."""
+    fused = load_qk()
+    if fused is not None and qk.dtype == torch.bfloat16 and qk.stride(-1) == 1 and cos.dim() == 4:
+        query, key = fused(qk, weight, eps, cos, signed_sin, heads)
+        return query, key
+    return qk_reference(qk, weight, eps, cos, signed_sin, heads)
+
+
+def qk_agrees(op: Callable) -> bool:
+    """``op`` gives ``qk_reference``'s outputs on random q/k rows: Gemma-3-270M's head size and a small one, one
+    and several tokens, two sequences, q/k as a slice of a wider q/k/v product (as the lean layer hands them)."""
+    gen = torch.Generator().manual_seed(1)
+    for batch, length, groups, heads, d in ((1, 1, 5, 4, 256), (2, 5, 5, 4, 256), (3, 7, 6, 4, 64)):
+        wide = (torch.randn(batch, length, (groups + 2) * d, generator=gen) * 3).to(torch.bfloat16)
+        qk = wide[..., : groups * d].reshape(batch, length, groups, d)
+        weight = 1.0 + torch.randn(groups, 1, d, generator=gen) * 0.1
+        tables = 1 if batch == 3 else batch  # one table row for every sequence, as the model's own forward has it
+        cos = torch.randn(tables, 1, length, d, generator=gen).to(torch.bfloat16)
+        sin = torch.randn(tables, 1, length, d, generator=gen).to(torch.bfloat16)
+        got, want = op(qk, weight, 1e-6, cos, sin, heads), qk_reference(qk, weight, 1e-6, cos, sin, heads)
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            return False
+    return True
+
+
+@functools.cache
+def load_qk() -> Callable | None:
+    """``rms_norm.cpp``'s ``qk_norm_rope``, where ``load()`` gives the norm and the q/k step agrees here too."""
+    if load() is None:
+        return None
+    op = torch.ops.inferscale_norm.qk_norm_rope
+    with torch.inference_mode():
+        if not qk_agrees(op):
+            log.warning("qk_norm_rope kernel differs from the lean layer's operations here; those are used")
+            return None
+    return op
 
 
 @functools.cache

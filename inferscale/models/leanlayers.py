@@ -11,7 +11,8 @@ computes the same numbers with fewer of them:
   over it): every operation there is elementwise or a reduction over one head's own values, so each value is what
   the separate q and k operations give;
 - each RMSNorm's ``1 + weight`` in float32 is kept instead of being converted on every call, and the norm is ONE
-  call of aten's ``rms_norm`` (the same float32 operations in the same order, run from C++);
+  call (``kernels/rms_norm.cpp``, else aten's ``rms_norm``: the same float32 operations in the same order); q and
+  k are normalized, rotated and split into query and key in one call too (``kernels/rms_norm.qk_norm_rope``);
 - ``rotate_half(x) * sin`` is ``roll(x, D/2) * signed_sin`` (``rotary_tables``: sin's first half negated once per
   pass), one operation instead of four; the activation's own function is called, not its module.
 
@@ -129,14 +130,11 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         else:
             qk = torch.cat([attn.q_proj(h), attn.k_proj(h)], dim=-1)
             v = attn.v_proj(h)
-        qk = qk.reshape(batch, q_len, -1, d).transpose(1, 2)  # [B, H + H_kv, q, D]
         v = v.reshape(batch, q_len, -1, d).transpose(1, 2)
-        qk = lean_rms(qk, lean.qk_norm, lean.eps)
-        cos, signed_sin = rotary
-        qk = (qk * cos) + (torch.roll(qk, qk.shape[-1] // 2, -1) * signed_sin)  # = rotate_half(qk) * sin
-        heads = attn.config.num_attention_heads
-        # contiguous as the separate q and k are: SDPA takes another kernel path for strided inputs (other bits)
-        query, key = qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
+        # q and k normalized per head, rotated and split into contiguous [B, heads, q, D] tensors, as the separate
+        # q and k are (SDPA takes another kernel path for strided inputs: other bits); one call where it can be
+        query, key = rms_norm.qk_norm_rope(qk.reshape(batch, q_len, -1, d), lean.qk_norm, lean.eps, *rotary,
+                                           attn.config.num_attention_heads)
         if cache is not None:
             key, v = cache.update(key, v, attn.layer_idx)
         out, _ = sdpa_attention_forward(attn, query, key, v, attention_mask, dropout=0.0, scaling=attn.scaling,

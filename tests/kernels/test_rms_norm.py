@@ -64,6 +64,33 @@ def test_the_lean_norm_takes_the_kernel_and_keeps_aten_for_other_rows(kernel):
             assert torch.equal(lean_rms(rows, w, 1e-6), rms_norm.reference(rows, w, 1e-6))
 
 
+def test_q_and_k_in_one_call_give_the_lean_layers_numbers(kernel):
+    """Normalized per head, rotated and split: qk_reference's query and key bit for bit, from a slice of a wider
+    q/k/v product, with tables per sequence or one for all."""
+    op = rms_norm.load_qk()
+    assert op is not None
+    gen = torch.Generator().manual_seed(7)
+    for batch, length, tables in ((1, 1, 1), (4, 3, 4), (2, 33, 1)):
+        wide = (torch.randn(batch, length, 7 * 256, generator=gen) * 5).to(torch.bfloat16)
+        qk = wide[..., : 5 * 256].reshape(batch, length, 5, 256)
+        weight = 1.0 + torch.randn(5, 1, 256, generator=gen) * 0.1
+        cos, sin = (torch.randn(tables, 1, length, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
+        with torch.inference_mode():
+            query, key = op(qk, weight, 1e-6, cos, sin, 4)
+            want_q, want_k = rms_norm.qk_reference(qk, weight, 1e-6, cos, sin, 4)
+        assert query.shape == (batch, 4, length, 256) and key.shape == (batch, 1, length, 256)
+        assert query.is_contiguous() and key.is_contiguous()
+        assert torch.equal(query, want_q) and torch.equal(key, want_k), (batch, length, tables)
+    with pytest.raises(RuntimeError, match="cos and signed_sin must be bf16"):
+        op(qk, weight, 1e-6, cos.float(), sin, 4)
+    with pytest.raises(RuntimeError, match="9 query heads of 5"):
+        op(qk, weight, 1e-6, cos, sin, 9)
+    # float32 rows take aten's operations (the lean layer of a float32 model)
+    with torch.inference_mode():
+        q32, k32 = rms_norm.qk_norm_rope(qk.float(), weight, 1e-6, cos.float(), sin.float(), 4)
+    assert q32.dtype == torch.float32 and k32.shape == (2, 1, 33, 256)
+
+
 @pytest.mark.parametrize("kernel_module, switch", [(rms_norm, "INFERSCALE_RMS_NORM"),
                                                    (amx_linear, "INFERSCALE_AMX_LINEAR")])
 def test_the_switch_turns_a_kernel_off(monkeypatch, kernel_module, switch):
