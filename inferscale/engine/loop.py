@@ -22,6 +22,7 @@ decode reads contiguous rows (a view, no gather). Rows move only when a sequence
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -125,8 +126,11 @@ class GenRequest:
 class ServingLoop:
     def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
         self.engine = engine
-        self.scheduler = Scheduler(config)
         loaded = engine.loaded
+        config = config or SchedulerConfig()
+        if config.max_pass_tokens is None:  # timed passes stay on the model's decode-path products
+            config = dataclasses.replace(config, max_pass_tokens=loaded.pass_rows)
+        self.scheduler = Scheduler(config)
         self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device)
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
@@ -293,10 +297,11 @@ class ServingLoop:
         # a move copies a row's first ``length`` tokens.
         for (req, _), chunk in zip(batch, chunks):
             self._computed(req, chunk)
-        done = [not req.pending for req, _ in batch]
-        for (req, _), finished, (lg, g) in zip(batch, done, self._choices(head, [r for (r, _), d in zip(batch, done) if d])):
-            if finished:
-                self._guarded(req, self._prompt_done, lg, g)
+        finishing = [req for req, _ in batch if not req.pending]
+        if finishing:  # a pass of chunks that all go on needs no LM head (the screen's 10 ms, the head's 18)
+            for (req, _), (lg, g) in zip(batch, self._choices(head, finishing)):
+                if not req.pending:
+                    self._guarded(req, self._prompt_done, lg, g)
         return sum(map(len, chunks))
 
     def _prefill_chunk(self, req: GenRequest, n: int) -> int:

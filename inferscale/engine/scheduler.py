@@ -97,6 +97,11 @@ class SchedulerConfig:
     # A step's target wall time: its prompt tokens are cut to what fits beside its decode pass (at least
     # ``min_chunk_tokens``, so prompts always progress). What a request arriving mid-step waits for.
     step_time_s: float = 0.25
+    # The most prompt tokens a timed pass holds (None: no limit): the rows the model's decode-path products take
+    # (``LoadedModel.pass_rows``; the serving loop sets it). Past them a pass changes kernel, and its cost per token
+    # with it, so the time bound, sized on the passes measured so far, missed: in a flood, passes of 66-74 tokens
+    # took 118-140 ms against the 87 ms meant, and the other tenant waited them out.
+    max_pass_tokens: int | None = None
 
     @property
     def min_chunk_tokens(self) -> int:
@@ -311,10 +316,16 @@ class Scheduler:
         5.9x and 1.8x. Once decode's products ran on the AMX kernel (B's own question pass 60-70 ms instead of ~95),
         half of it gave B 2.2x [1.5, 2.6] (each probe follows the last, so it arrives ~40 ms into one of A's passes
         and waits out the rest), 0.35 of it 1.8x [1.4, 2.6], 16 streams 6.6x and 6.2x, both with each tenant's own
-        token cost (2026-12-02)."""
+        token cost (2026-12-02). With the norm kernels and the LM head's screen B's idle TTFT fell to ~100 ms and
+        the same passes gave 2.35x [1.39, 2.77]; capped at ``max_pass_tokens`` (64 on the AMX kernel) 1.95x [1.53,
+        2.08], 16 streams 5.6x (4.7x uncapped) the same hour."""
         fit = self.cost.prompt_tokens_within(self.config.step_time_s * NEWCOMER_STEP_SHARE, decoding=False,
                                              tenants=self._prompt_tenants())
-        return None if fit is None else max(fit, self.config.min_chunk_tokens)
+        if fit is None:
+            return None
+        if self.config.max_pass_tokens is not None:
+            fit = min(fit, self.config.max_pass_tokens)
+        return max(fit, self.config.min_chunk_tokens)
 
     def _next_prompt(self, tenant: str) -> int:
         """The prompt tokens left of the request ``tenant``'s next turn computes (its oldest started, else its next

@@ -19,7 +19,7 @@ from inferscale.models.layout import ModelLayout, read_layout
 from inferscale.models.greedyhead import GreedyHead, Head, install_greedy_head
 from inferscale.models.leanlayers import install_lean_layers
 from inferscale.models.leanmodel import LeanGemma3Model, install_lean_model, model_logits
-from inferscale.models.weightmajor import install_weight_major_linears
+from inferscale.models.weightmajor import WeightMajorLinear, install_weight_major_linears
 
 DEFAULT_MODEL = "gemma-3-270m"
 log = logging.getLogger(__name__)
@@ -54,6 +54,13 @@ class LoadedModel:
             hidden = self.lean.hidden(input_ids, position_ids, attention_mask, cache, logits_to_keep)[:, -1]
             return Head(hidden, self.lean.head_logits, self.greedy)
         return Head(None, computed=self.logits(input_ids, position_ids, attention_mask, cache, logits_to_keep)[:, -1])
+
+    @property
+    def pass_rows(self) -> int | None:
+        """The most rows (tokens) one pass computes on the decode-path products (``weightmajor``: 64 on the AMX
+        kernel, else 32); past them the products change kernel. None where the model has none of them."""
+        rows = [m.max_rows for m in self.model.modules() if isinstance(m, WeightMajorLinear)]
+        return min(rows) if rows else None
 
     @property
     def device(self) -> torch.device:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from inferscale.engine.scheduler import NEWCOMER_STEP_SHARE, ScheduledRequest, Scheduler, SchedulerConfig
@@ -433,3 +435,17 @@ def test_queued_requests_are_shed_between_a_long_steps_passes_not_after_it():
     shed = s.shed_queued()
     assert shed and shed == queued[-len(shed):] and s.num_waiting == 8 - len(shed)
     assert s.schedule().shed == []  # refused once
+
+
+def test_a_timed_pass_stays_within_the_models_fast_path_rows():
+    """Passes sized by time hold at most ``max_pass_tokens`` (the rows the model's decode-path products take):
+    past them a pass changes kernel and costs more a token than the estimate learned (in a flood, 66-74-token
+    passes took 118-140 ms against 87 ms meant). The estimate alone would allow 80 here."""
+    cost_per_token, fixed = 0.001, 0.0075  # (0.0875 - 0.0075) / 0.001 = 80 tokens in the newcomer's share
+    config = SchedulerConfig(step_tokens=512, chunk_tokens=128, step_time_s=0.25)
+    for cap, want in ((None, 80), (64, 64), (16, 32)):  # never under min_chunk_tokens: prompts always progress
+        s = Scheduler(dataclasses.replace(config, max_pass_tokens=cap))
+        s.cost.observe_decode(fixed)
+        s.cost.observe_prefill(32, fixed + 32 * cost_per_token)
+        s.add(ScheduledRequest("a", prompt_tokens=300))
+        assert s.schedule().pass_tokens == want, cap
