@@ -54,14 +54,21 @@ def agrees(op: RmsNorm, rows: int = 64) -> bool:
     return True
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``reference``'s numbers: through the kernel where it takes ``x`` (bf16, each row's values adjacent: aten
+    sums another layout in another order) and is used here, else aten's composite."""
+    fused = load()
+    if fused is not None and x.dtype == torch.bfloat16 and x.stride(-1) == 1:
+        return fused(x, weight, eps)
+    return reference(x, weight, eps)
+
+
 def qk_reference(qk: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
                  heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The lean layer's q/k step through aten: ``qk`` [B, q, G, D] (q's heads, then k's) normalized per head
     (``weight`` [G, 1, D]), rotated (``roll(x, D/2) * signed_sin`` is ``rotate_half(x) * sin``), split into
     contiguous query [B, heads, q, D] and key [B, G - heads, q, D] (SDPA takes another path for strided inputs)."""
-    x = qk.transpose(1, 2)
-    fused = load()
-    x = fused(x, weight, eps) if fused is not None and x.dtype == torch.bfloat16 else reference(x, weight, eps)
+    x = norm(qk.transpose(1, 2), weight, eps)
     x = (x * cos) + (torch.roll(x, x.shape[-1] // 2, -1) * signed_sin)
     return x[:, :heads].contiguous(), x[:, heads:].contiguous()
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
+from inferscale.engine import tokenchoice
 from inferscale.engine.cache import injected_groups
 from inferscale.engine.promptbatch import padded_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
@@ -330,7 +331,7 @@ class ServingLoop:
         req.span.set_attribute("inferscale.query_tokens", len(req.ids))
         req.span.end()
         req.span = request_span(req, "decode")
-        if req.keep_first_logits:  # _choices computed them (_needs_logits)
+        if req.keep_first_logits:  # _choices computed them (tokenchoice.needs_logits)
             req.first_logits = logits.detach().float().cpu().clone()
         # It decodes from now on: move it to the end of the decoding rows.
         self._swap(req, self.decoding)
@@ -354,23 +355,7 @@ class ServingLoop:
             self._guarded(r, self._postprocess, lg, g)
 
     def _choices(self, head: Head, deciding: list[GenRequest]) -> list[tuple[torch.Tensor | None, int]]:
-        """Each row of ``head``'s logits (None where the LM head's screen answered without them) and its argmax.
-        Only tokens are needed when every request ``deciding`` a token from it takes the argmax: the head may then
-        be screened (models/greedyhead.py). Else one argmax over the batch's logits serves every greedy row (no
-        per-row fp32 copy of the vocabulary); as max(dim).indices: the same index (the first maximum, documented
-        for both) at 2.5x the speed of bf16 argmax on the CPU (8 vs 20 ms for 16 x 262k logits)."""
-        if not any(self._needs_logits(r) for r in deciding):
-            greedy = head.argmax()
-            logits = head.computed if head.computed is not None else [None] * len(greedy)
-        else:
-            logits = head.logits()
-            greedy = logits.max(dim=-1).indices.tolist()
-        return list(zip(logits, greedy))
-
-    def _needs_logits(self, req: GenRequest) -> bool:
-        """``req``'s next token is not the plain argmax (it samples, or stop tokens are banned now), or its first
-        token's logits are to be kept."""
-        return not self._greedy(req) or (req.keep_first_logits and req.first_token is None)
+        return tokenchoice.choices(head, deciding, self.engine.stop_ids)
 
     def _decode_alone(self, req: GenRequest) -> None:
         head = self._last_rows([req.slot], [req.length], torch.tensor([[req.last]]))
@@ -391,22 +376,14 @@ class ServingLoop:
         keep = 1 if last is None else torch.tensor(last, device=dev)[:, None]
         return self.engine.loaded.last_rows(ids.to(dev), pos.to(dev), self.slots.mask(starts, q), cache, keep)
 
-    def _greedy(self, req: GenRequest) -> bool:
-        """Whether ``req``'s next token is the argmax of its logits (greedy, no stop token banned now)."""
-        return req.sampling.temperature <= 0 and not self._banned(req)
-
-    def _banned(self, req: GenRequest) -> Collection[int]:
-        """Tokens ``req`` may not choose now: the stop tokens, until ``min_tokens`` were said."""
-        return self.engine.stop_ids if len(req.output) < req.sampling.min_tokens else ()
-
     def _postprocess(self, req: GenRequest, logits: torch.Tensor | None, greedy: int | None = None) -> None:
         """Sample the next token (``greedy``: the argmax of ``logits``, when already known; ``logits`` may then be
-        None for a ``_greedy`` request), emit its text, and stop or keep the request running."""
+        None for a ``tokenchoice.greedy`` request), emit its text, and stop or keep the request running."""
         eng, sampling = self.engine, req.sampling
-        if greedy is not None and self._greedy(req):
+        if greedy is not None and tokenchoice.greedy(req, eng.stop_ids):
             token = greedy  # what sample() would choose: argmax is exact in any dtype (bf16 -> fp32 is lossless)
         else:
-            token = sample(logits.float(), sampling, req.generator, self._banned(req))
+            token = sample(logits.float(), sampling, req.generator, tokenchoice.banned(req, eng.stop_ids))
         if req.first_token is None:
             req.first_token = token
         if not sampling.ignore_eos and token in eng.stop_ids:

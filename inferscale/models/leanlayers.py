@@ -74,10 +74,7 @@ def lean_rms(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor
     with the rest of the layer). A weight of one row per head (q and k normalized together) is applied after it.
     bf16 rows of adjacent values go through ``kernels/rms_norm.cpp`` where it is built and agrees with aten here:
     the same numbers in one operation instead of ~25 (``kernels/rms_norm.reference`` is the composite path)."""
-    fused = rms_norm.load()
-    if fused is not None and x.dtype == torch.bfloat16 and x.stride(-1) == 1:  # rms_norm.cpp's rows
-        return fused(x, weight1, eps)
-    return rms_norm.reference(x, weight1, eps)
+    return rms_norm.norm(x, weight1, eps)
 
 
 def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

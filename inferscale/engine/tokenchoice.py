@@ -1,0 +1,54 @@
+"""What a pass's rows choose their next token from: the argmax, or logits to sample (issue 22).
+
+A greedy row needs only the argmax of its logits, which the LM head's int8 screen gives without reading the bf16
+head (``models/greedyhead.py``); logits are computed only where a row samples, has stop tokens banned (before
+``min_tokens``) or keeps its first token's logits. The serving loop asks these rules; no model here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Protocol
+
+import torch
+
+from inferscale.engine.sampling import Sampling
+from inferscale.models.greedyhead import Head
+
+
+class GenRequest(Protocol):
+    """What these rules read of a request (``loop.GenRequest`` has it)."""
+
+    sampling: Sampling
+    output: list[int]
+    keep_first_logits: bool
+    first_token: int | None
+
+
+def banned(req: GenRequest, stop_ids: Collection[int]) -> Collection[int]:
+    """Tokens ``req`` may not choose now: the stop tokens, until ``min_tokens`` were said."""
+    return stop_ids if len(req.output) < req.sampling.min_tokens else ()
+
+
+def greedy(req: GenRequest, stop_ids: Collection[int]) -> bool:
+    """Whether ``req``'s next token is the argmax of its logits (greedy, no stop token banned now)."""
+    return req.sampling.temperature <= 0 and not banned(req, stop_ids)
+
+
+def needs_logits(req: GenRequest, stop_ids: Collection[int]) -> bool:
+    """``req``'s next token is not the plain argmax, or its first token's logits are to be kept."""
+    return not greedy(req, stop_ids) or (req.keep_first_logits and req.first_token is None)
+
+
+def choices(head: Head, deciding: list[GenRequest],
+            stop_ids: Collection[int]) -> list[tuple[torch.Tensor | None, int]]:
+    """Each row of ``head``'s logits (None where the LM head's screen answered without them) and its argmax.
+    Only tokens are needed when every request ``deciding`` a token from it takes the argmax: the head may then be
+    screened. Else one argmax over the batch's logits serves every greedy row (no per-row fp32 copy of the
+    vocabulary); as max(dim).indices: the same index (the first maximum, documented for both) at 2.5x the speed of
+    bf16 argmax on the CPU (8 vs 20 ms for 16 x 262k logits)."""
+    if not any(needs_logits(r, stop_ids) for r in deciding):
+        tokens = head.argmax()
+        return list(zip(head.computed if head.computed is not None else [None] * len(tokens), tokens))
+    logits = head.logits()
+    return list(zip(logits, logits.max(dim=-1).indices.tolist()))
