@@ -81,7 +81,8 @@ def install_greedy_head(head: torch.nn.Module, softcap: float | None) -> GreedyH
 @dataclass
 class Head:
     """A pass's last hidden rows [rows, in] before the LM head: their logits, or only their argmax (cheaper where a
-    ``GreedyHead`` stands in). ``logits`` set means the pass computed them already (the model's own forward)."""
+    ``GreedyHead`` stands in). ``computed`` set means the pass computed the logits already (the model's own
+    forward), or ``logits()`` did."""
 
     hidden: torch.Tensor | None
     project: Callable[[torch.Tensor], torch.Tensor] | None = None  # hidden -> logits [rows, vocab]

@@ -69,11 +69,9 @@ def norm_weight(norm: torch.nn.Module) -> torch.Tensor:
 
 
 def lean_rms(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma3RMSNorm's arithmetic with its ``1 + weight`` precomputed, as ONE call: aten's ``rms_norm`` runs the
-    same float32 operations in the same order (x * rsqrt(mean(x^2) + eps) * w), from C++ (checked equal at load
-    with the rest of the layer). A weight of one row per head (q and k normalized together) is applied after it.
-    bf16 rows of adjacent values go through ``kernels/rms_norm.cpp`` where it is built and agrees with aten here:
-    the same numbers in one operation instead of ~25 (``kernels/rms_norm.reference`` is the composite path)."""
+    """Gemma3RMSNorm's arithmetic with its ``1 + weight`` precomputed, as ONE call (``kernels/rms_norm.norm``: the
+    kernel where it takes the rows, else aten's ``rms_norm``, the same float32 operations in the same order, checked
+    equal at load with the rest of the layer). A weight of one row per head is applied after the normalization."""
     return rms_norm.norm(x, weight1, eps)
 
 
