@@ -21,6 +21,9 @@ the weight's rows split over every torch thread and prefetched. oneDNN reads a l
 ~10-12 GB/s; the kernel reads them at ~20 GB/s, the machine's reduction bandwidth (issue 22: the 72 layer
 products of a Gemma-3-270M decode step 10 ms instead of 17-22 ms; 16 rows 14 instead of 21 ms). With it, inputs of
 up to ``KERNEL_MAX_ROWS`` rows take the path; past F.linear's 32 each row gets what it gets among fewer rows.
+On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the kernel is ``kernels/bf16_linear.cpp`` (``decode_linear`` picks):
+oneDNN's ``vdpbf16ps`` arithmetic there, checked the same way (Gemma-3-270M's decode step on the 2-core Zen 4
+machine 68 -> 47 ms through the server, the LM head 30-35 -> 17 ms).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import logging
 
 import torch
 
-from inferscale.kernels import amx_linear
+from inferscale.kernels import decode_linear
 
 log = logging.getLogger(__name__)
 # Up to 32 rows F.linear itself gives each row what one row alone gets (above, oneDNN picks another kernel and
@@ -61,9 +64,9 @@ def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int =
     thread its own blocks: every core reads weights (worth it for a weight read from memory: SPLIT_MIN_BYTES).
     Measured on the 2-core AMX machine, LM head [262144, 640], batch 1: ``mv`` 24 ms = 13-14 GB/s at one and at
     two threads; 2 blocks 15 ms = 22 GB/s, the float32 read bandwidth of the machine. ``checked_blocks`` says which
-    count gives F.linear's numbers; ``KERNEL`` runs ``kernels/amx_linear.cpp`` instead."""
+    count gives F.linear's numbers; ``KERNEL`` runs ``decode_linear``'s kernel instead."""
     if blocks == KERNEL:
-        return amx_linear.load()(weight, flat.contiguous())  # [rows, out], contiguous
+        return decode_linear.load()(weight, flat.contiguous())  # [rows, out], contiguous
     if blocks > 1:
         out_rows = weight.shape[0]
         parts = torch.bmm(weight.view(blocks, out_rows // blocks, weight.shape[1]),
@@ -83,7 +86,7 @@ def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
     big = weight.numel() * weight.element_size() >= SPLIT_MIN_BYTES
     candidates = [threads, 1] if big and threads > 1 and weight.shape[0] % threads == 0 and weight.is_contiguous() \
         else [1]
-    if amx_linear.fits(weight) and amx_linear.load() is not None:
+    if decode_linear.fits(weight) and decode_linear.load() is not None:
         candidates.insert(0, KERNEL)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():

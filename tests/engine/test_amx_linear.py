@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from inferscale.kernels import amx_linear
+from inferscale.kernels import amx_linear, decode_linear
 from inferscale.models import weightmajor
 from inferscale.models.loader import from_model
 from inferscale.models.weightmajor import KERNEL, MAX_ROWS, WeightMajorLinear
@@ -97,7 +97,7 @@ def test_a_bf16_model_runs_its_products_on_the_kernel(kernel):
 
 
 def test_without_the_kernel_the_model_keeps_onednn(monkeypatch):
-    monkeypatch.setattr(amx_linear, "load", lambda: None)  # no AMX here, or the build failed
+    monkeypatch.setattr(decode_linear, "load", lambda: None)  # no AMX or AVX512-BF16 here, or the build failed
     loaded = from_model(tm.model("gemma3", dtype=torch.bfloat16, sliding_window=8), tm.tokenizer())
     linears = [m for m in loaded.model.modules() if isinstance(m, WeightMajorLinear)]
     assert all(m.blocks != KERNEL for m in linears)

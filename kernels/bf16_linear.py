@@ -1,0 +1,78 @@
+"""``bf16_linear(weight, x)``: decode's few-row products on AVX512-BF16 CPUs without AMX (``bf16_linear.cpp``).
+
+oneDNN's kernel for these shapes there (``W @ x.T``, the weight read in place) runs on one thread at ~10 GB/s; the
+LM head of Gemma-3-270M alone took 30-35 ms of a 68 ms decode step on the 2-core Zen 4 machine, which reads 34 GB/s.
+This kernel does oneDNN's arithmetic (``vdpbf16ps`` pair by pair, in chains of in-features added in order) over every
+torch thread. oneDNN's chain length depends on the in-features and on whether there is one row or more (512 for
+640 and 1024 in-features; for 2048, 512 with one row and 1024 with more): ``chains`` finds it per in-features by
+comparing with F.linear on random rows, and ``weightmajor`` uses the kernel for a weight only after checking it
+gives F.linear's outputs bit for bit on that weight.
+Built once per machine as a torch C++ extension into InferScale's cache (``cppext``).
+
+``load()`` returns None, and the model keeps oneDNN, on a CPU without AVX512-BF16, where the build fails, or with
+``INFERSCALE_BF16_LINEAR=0``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from inferscale.cpuflags import cpu_flags
+from inferscale.kernels import cppext
+
+SOURCE = Path(__file__).with_name("bf16_linear.cpp")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+CHAINS = (512, 1024, 256, 2048)  # chain lengths tried, most common first
+CHECK_ROWS = (2, 3, 17, 32)  # row counts a chain length for "more than one row" is checked at
+
+
+def build_dir() -> Path:
+    return cppext.build_dir(SOURCE, FLAGS)
+
+
+@functools.cache
+def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``product(weight, x)``, the kernel built on first use (later processes load the cached build); None where it
+    cannot run here."""
+    if os.environ.get("INFERSCALE_BF16_LINEAR", "1") == "0" or "avx512_bf16" not in cpu_flags():
+        return None
+    if not cppext.build(SOURCE, FLAGS):
+        return None
+    return product
+
+
+def product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` [rows, out] (bf16, contiguous) for a bf16 ``weight`` [out, in] and ``x`` [rows, in]."""
+    one, many = chains(weight.shape[1])
+    return torch.ops.inferscale_bf16.bf16_linear(weight, x, one if x.shape[0] == 1 else many)
+
+
+@functools.cache
+def chains(in_features: int) -> tuple[int, int]:
+    """oneDNN's chain lengths for ``in_features`` here: (one row, more rows), each the first of ``CHAINS`` (and the
+    whole row) whose outputs equal F.linear's on a random weight; 512 where none does (weightmajor's check on the
+    real weight then keeps oneDNN)."""
+    gen = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(256, in_features, generator=gen).to(torch.bfloat16)
+    xs = [torch.randn(rows, in_features, generator=gen).to(torch.bfloat16) for rows in (1, *CHECK_ROWS)]
+    op = torch.ops.inferscale_bf16.bf16_linear
+    candidates = [c for c in (*CHAINS, in_features) if c <= in_features]
+
+    def first(rows_xs: list[torch.Tensor]) -> int:
+        with torch.inference_mode():
+            refs = [torch.nn.functional.linear(x, weight) for x in rows_xs]
+            return next((c for c in candidates if all(torch.equal(op(weight, x, c), ref)
+                                                      for x, ref in zip(rows_xs, refs))), CHAINS[0])
+
+    return first(xs[:1]), first(xs[1:])
+
+
+if __name__ == "__main__":  # scripts/setup.sh builds it ahead of the first model load
+    logging.basicConfig(level=logging.INFO)
+    print("bf16_linear:", "built" if load() is not None else "not available here (oneDNN is used)", build_dir())

@@ -1,0 +1,20 @@
+"""The decode-path product kernel for this CPU (issue 22): ``amx_linear`` where the CPU has AMX-BF16 (Intel Sapphire
+Rapids and later), else ``bf16_linear`` where it has AVX512-BF16 (AMD Zen 4 and later), else None (oneDNN stays).
+
+Both compute ``x @ weight.T`` [rows, out] for a bf16 ``weight`` [out, in] with in-features a multiple of 32, each
+output row depending only on its own input row; ``weightmajor`` checks either against F.linear before using it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from inferscale.kernels import amx_linear, bf16_linear
+
+fits = amx_linear.fits  # the same operand rule for both kernels
+
+
+def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    return amx_linear.load() or bf16_linear.load()

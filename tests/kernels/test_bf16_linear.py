@@ -1,0 +1,87 @@
+"""The AVX512-BF16 decode kernel (``kernels/bf16_linear.cpp``, issue 22: CPUs without AMX, such as AMD Zen 4):
+F.linear's numbers bit for bit at the model's shapes and decode's row counts, a row's result independent of the rows
+beside it (for a given chain length), a clear error on bad input, and the model's products on it. Skipped on a CPU
+without AVX512-BF16 or where it cannot be built; on an AMX CPU ``decode_linear`` picks ``amx_linear`` instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as tm
+from inferscale.kernels import amx_linear, bf16_linear, decode_linear
+from inferscale.models.loader import from_model
+from inferscale.models.weightmajor import KERNEL, KERNEL_MAX_ROWS, WeightMajorLinear
+
+F = torch.nn.functional
+# Gemma-3-270M's products: fused q/k/v, o, fused gate/up, down; and a slice of the LM head's rows (a ragged tail)
+SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048), (8192 + 7, 640)]
+
+
+@pytest.fixture(scope="module")
+def product():
+    op = bf16_linear.load()
+    if op is None:
+        pytest.skip("no AVX512-BF16 here, or the kernel could not be built")
+    return op
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernel_gives_f_linear_numbers_bit_for_bit(product, shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    weight = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 8, 9, 16, 17, 32, KERNEL_MAX_ROWS):
+            x = (torch.randn(rows, shape[1], generator=gen) * rows).to(torch.bfloat16)
+            out = product(weight, x)
+            assert out.shape == (rows, shape[0]) and out.is_contiguous()
+            assert torch.equal(out, F.linear(x, weight)), (shape, rows)
+
+
+def test_cancelling_weights_show_the_chains_are_onednns(product):
+    """+2^24 at in-feature 0, -2^24 at the last, 1 at c: c survives only where it sits in another chain than the
+    +2^24 (a 1 added to 2^24 in fp32 is lost). Random rows rarely tell chain lengths apart; these do, per c."""
+    for in_features in (640, 2048):
+        weight = torch.zeros(in_features - 2, in_features)
+        weight[:, 0], weight[:, -1] = 2.0 ** 24, -(2.0 ** 24)
+        weight[torch.arange(in_features - 2), torch.arange(1, in_features - 1)] = 1.0
+        weight = weight.to(torch.bfloat16)
+        with torch.inference_mode():
+            for rows in (1, 3):
+                x = torch.ones(rows, in_features).to(torch.bfloat16)
+                out, ref = product(weight, x), F.linear(x, weight)
+                assert torch.equal(out, ref), (in_features, rows)
+                assert 0 < int((out[0] == 0).sum()) < in_features - 2  # both kinds of c occur
+
+
+def test_a_row_gets_the_same_numbers_whatever_rides_along(product):
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(1000, 640, generator=gen).to(torch.bfloat16)
+    x = torch.randn(100, 640, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([product(weight, x[i: i + 1]) for i in range(100)])
+        for rows in (2, 16, 33, 100):
+            assert torch.equal(product(weight, x[:rows]), alone[:rows]), rows
+
+
+def test_bad_input_is_refused_with_an_error_naming_it(product):
+    op = torch.ops.inferscale_bf16.bf16_linear
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="in-features differ"):
+        op(weight, torch.randn(1, 32).to(torch.bfloat16), 512)
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        op(weight, torch.randn(1, 64), 512)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.randn(64, 48).to(torch.bfloat16), torch.randn(1, 48).to(torch.bfloat16), 512)
+    with pytest.raises(RuntimeError, match="chain must be"):
+        op(weight, torch.randn(1, 64).to(torch.bfloat16), 3)
+
+
+def test_a_bf16_model_runs_its_products_on_the_decode_kernel(product):
+    if amx_linear.load() is not None:
+        pytest.skip("AMX here: decode_linear picks amx_linear (tests/engine/test_amx_linear.py)")
+    assert decode_linear.load() is product
+    loaded = from_model(tm.model("gemma3", dtype=torch.bfloat16, sliding_window=8), tm.tokenizer())
+    linears = [m for m in loaded.model.modules() if isinstance(m, WeightMajorLinear)]
+    assert linears and all(m.blocks == KERNEL for m in linears)
+    assert loaded.pass_rows == KERNEL_MAX_ROWS
