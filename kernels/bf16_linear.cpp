@@ -6,9 +6,11 @@
 // is fed the in-features pair by pair in order by `vdpbf16ps` (the odd element of a pair first, each sum rounded to
 // fp32), in chains of `chain` in-features that start from zero (512 for most shapes; bf16_linear.py finds the
 // length per in-features and row count), the chains added in order, the sum rounded to bf16 once.
-// This kernel does exactly that, with 16 outputs a vector: W's rows are transposed 16 x 16 words at a time (a word is
-// one in-features pair) so that a vector holds one pair of 16 outputs, and x's pair is broadcast. The output rows
-// are split over torch's own thread pool (at::parallel_for) and the next unit's weights prefetched. The loader uses
+// This kernel does exactly that, with 16 outputs a vector: the weight is packed once (bf16_pack: W's rows transposed
+// 16 x 16 words at a time, a word being one in-features pair) so that a vector holds one pair of 16 outputs, and
+// x's pair is broadcast. The packed copy costs the weight's bytes again, once; transposing on the fly instead held
+// one core to ~10 GB/s (shuffles and a round trip through L2), under a third of what it reads. The output rows are
+// split over torch's own thread pool (at::parallel_for). The loader uses
 // it only for a weight shape where its outputs are bit for bit F.linear's (checked at load: oneDNN splits the
 // in-features differently for some shapes and row counts).
 //
@@ -54,110 +56,120 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// W [out, in] as vectors of 16 outputs: packed[v][pair][lane] is in-features pair `pair` of output 16 v + lane,
+// zero past out_features; the number of vectors is rounded up to kUnit / kLanes.
+at::Tensor bf16_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "bf16_pack: a contiguous bf16 weight [out, in] expected");
+  TORCH_CHECK(weight.size(1) % 32 == 0, "bf16_pack: in-features must be a multiple of 32");
+  const int64_t out_features = weight.size(0), pairs = weight.size(1) / 2;
+  const int64_t vectors = (out_features + kUnit - 1) / kUnit * (kUnit / kLanes);
+  at::Tensor packed = at::empty({vectors, pairs, kLanes}, weight.options().dtype(at::kInt));
+  const auto* w = reinterpret_cast<const uint32_t*>(weight.data_ptr());
+  auto* pk = reinterpret_cast<uint32_t*>(packed.data_ptr());
+  const uint32_t zero[kLanes] = {};
+  at::parallel_for(0, vectors, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end; ++v) {
+      for (int64_t c = 0; c < pairs; c += kLanes) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) {
+          const int64_t row = v * kLanes + j;
+          r[j] = _mm512_loadu_si512(row < out_features ? w + row * pairs + c : zero);
+        }
+        transpose16(r);
+        for (int q = 0; q < 16; ++q) _mm512_storeu_si512(pk + (v * pairs + c + q) * kLanes, r[q]);
+      }
+    }
+  });
+  return packed;
+}
+
 struct Product {
-  const uint32_t* w;  // [out_features, pairs] bf16 pairs
-  const uint32_t* x;  // [rows, pairs]
-  c10::BFloat16* out;  // [rows, out_features]
+  const uint32_t* packed;  // bf16_pack's layout
+  const uint32_t* x;       // [rows, pairs]
+  c10::BFloat16* out;      // [rows, out_features]
   int64_t pairs, out_features, rows;
   int64_t chain_pairs;  // in-features pairs per chain
 };
 
-// Outputs [o, o + kUnit) as [pairs][kUnit] words in tw (rows past out_features read as zero), prefetching the
-// next unit's weights as it goes.
-void transpose_unit(const Product& p, int64_t o, uint32_t* tw) {
-  const uint32_t zero[kLanes] = {};
-  const int64_t next = o + kUnit;
-  for (int64_t g = 0; g < kUnit / kLanes; ++g) {
-    for (int64_t c = 0; c < p.pairs; c += kLanes) {
-      __m512i r[16];
-      for (int j = 0; j < 16; ++j) {
-        const int64_t row = o + g * kLanes + j;
-        r[j] = _mm512_loadu_si512(row < p.out_features ? p.w + row * p.pairs + c : zero);
-        const int64_t ahead = next + g * kLanes + j;
-        if (ahead < p.out_features) _mm_prefetch(reinterpret_cast<const char*>(p.w + ahead * p.pairs + c), _MM_HINT_T0);
-      }
-      transpose16(r);
-      for (int q = 0; q < 16; ++q) _mm512_storeu_si512(tw + (c + q) * kUnit + g * kLanes, r[q]);
-    }
-  }
-}
-
-// G vectors of outputs (starting at vector v0 of the unit) for R activation rows starting at row r0.
+// G vectors of outputs from vector v for R activation rows from row r0: a chain per (vector, row) in registers,
+// the chains' running sums on the stack (touched once a chain).
 template <int G, int R>
-void block(const Product& p, const uint32_t* tw, int64_t o, int64_t v0, int64_t r0) {
-  __m512 sum[G][R], chain[G][R];
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) sum[g][r] = _mm512_setzero_ps();
+void block(const Product& p, int64_t v, int64_t r0) {
+  alignas(64) float sum[G][R][kLanes] = {};
+  const uint32_t* w = p.packed + v * p.pairs * kLanes;
   for (int64_t c0 = 0; c0 < p.pairs; c0 += p.chain_pairs) {
     const int64_t c1 = std::min(p.pairs, c0 + p.chain_pairs);
+    __m512 chain[G][R];
     for (int g = 0; g < G; ++g)
       for (int r = 0; r < R; ++r) chain[g][r] = _mm512_setzero_ps();
     for (int64_t c = c0; c < c1; ++c) {
       __m512bh xb[R];
       for (int r = 0; r < R; ++r) xb[r] = (__m512bh)_mm512_set1_epi32(p.x[(r0 + r) * p.pairs + c]);
       for (int g = 0; g < G; ++g) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(tw + c * kUnit + (v0 + g) * kLanes);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (g * p.pairs + c) * kLanes);
         for (int r = 0; r < R; ++r) chain[g][r] = _mm512_dpbf16_ps(chain[g][r], wv, xb[r]);
       }
     }
     for (int g = 0; g < G; ++g)
-      for (int r = 0; r < R; ++r) sum[g][r] = _mm512_add_ps(sum[g][r], chain[g][r]);
+      for (int r = 0; r < R; ++r)
+        _mm512_store_ps(sum[g][r], _mm512_add_ps(_mm512_load_ps(sum[g][r]), chain[g][r]));
   }
   for (int g = 0; g < G; ++g) {
-    const int64_t first = o + (v0 + g) * kLanes;
+    const int64_t first = (v + g) * kLanes;
     if (first >= p.out_features) break;
     const __mmask16 keep = static_cast<__mmask16>(
         p.out_features - first >= kLanes ? 0xFFFF : (1u << (p.out_features - first)) - 1);
     for (int r = 0; r < R; ++r) {
-      const __m256i b = (__m256i)_mm512_cvtneps_pbh(sum[g][r]);  // round to nearest even, as oneDNN stores
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sum[g][r]));  // nearest even, as oneDNN stores
       _mm256_mask_storeu_epi16(p.out + (r0 + r) * p.out_features + first, keep, b);
     }
   }
 }
 
-// Every activation row for the unit's outputs: few rows take several vectors at once (independent chains keep
-// the dpbf16 pipeline busy), more rows one vector at a time.
+// Every activation row for the unit of kUnit outputs from vector v: up to 4 rows four vectors at once (independent
+// chains keep the dpbf16 pipeline busy), more rows two vectors at once, 8 rows a block.
 template <int R>
-void rows_block(const Product& p, const uint32_t* tw, int64_t o, int64_t r0) {
-  constexpr int G = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
-  for (int64_t v = 0; v < kUnit / kLanes; v += G) block<G, R>(p, tw, o, v, r0);
+void rows_block(const Product& p, int64_t v, int64_t r0) {
+  constexpr int G = R <= 4 ? 4 : 2;
+  for (int64_t g = 0; g < kUnit / kLanes; g += G) block<G, R>(p, v + g, r0);
 }
 
-void unit_product(const Product& p, const uint32_t* tw, int64_t o) {
+void unit_product(const Product& p, int64_t v) {
   for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, p.rows - r0)) {
-      case 1: rows_block<1>(p, tw, o, r0); break;
-      case 2: rows_block<2>(p, tw, o, r0); break;
-      case 3: rows_block<3>(p, tw, o, r0); break;
-      case 4: rows_block<4>(p, tw, o, r0); break;
-      case 5: rows_block<5>(p, tw, o, r0); break;
-      case 6: rows_block<6>(p, tw, o, r0); break;
-      case 7: rows_block<7>(p, tw, o, r0); break;
-      default: rows_block<8>(p, tw, o, r0); break;
+      case 1: rows_block<1>(p, v, r0); break;
+      case 2: rows_block<2>(p, v, r0); break;
+      case 3: rows_block<3>(p, v, r0); break;
+      case 4: rows_block<4>(p, v, r0); break;
+      case 5: rows_block<5>(p, v, r0); break;
+      case 6: rows_block<6>(p, v, r0); break;
+      case 7: rows_block<7>(p, v, r0); break;
+      default: rows_block<8>(p, v, r0); break;
     }
   }
 }
 
-at::Tensor bf16_linear(const at::Tensor& weight, const at::Tensor& x, int64_t chain) {
-  TORCH_CHECK(weight.dim() == 2 && x.dim() == 2, "bf16_linear: weight [out, in] and x [rows, in] expected");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16, "bf16_linear: bf16 only");
-  TORCH_CHECK(weight.is_contiguous() && x.is_contiguous(), "bf16_linear: contiguous operands only");
-  TORCH_CHECK(weight.size(1) == x.size(1), "bf16_linear: in-features differ: ", weight.size(1), " vs ", x.size(1));
-  TORCH_CHECK(weight.size(1) % 32 == 0, "bf16_linear: in-features must be a multiple of 32");
+at::Tensor bf16_linear(const at::Tensor& packed, const at::Tensor& x, int64_t chain, int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kLanes &&
+              packed.size(0) % (kUnit / kLanes) == 0 && packed.is_contiguous(),
+              "bf16_linear: a weight packed by bf16_pack expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "bf16_linear: contiguous bf16 x [rows, in] expected");
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1), "bf16_linear: in-features differ: ", packed.size(1) * 2, " vs ",
+              x.size(1));
+  TORCH_CHECK(out_features > packed.size(0) * kLanes - kUnit && out_features <= packed.size(0) * kLanes,
+              "bf16_linear: out_features ", out_features, " does not match the packed weight");
   TORCH_CHECK(x.size(0) >= 1, "bf16_linear: no rows");
   TORCH_CHECK(chain >= 2 && chain % 2 == 0, "bf16_linear: chain must be a positive even number of in-features");
-  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  const Product p{reinterpret_cast<const uint32_t*>(weight.data_ptr()), reinterpret_cast<const uint32_t*>(x.data_ptr()),
-                  out.data_ptr<c10::BFloat16>(), weight.size(1) / 2, weight.size(0), x.size(0), chain / 2};
-  const int64_t units = (p.out_features + kUnit - 1) / kUnit;
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  const Product p{reinterpret_cast<const uint32_t*>(packed.data_ptr()), reinterpret_cast<const uint32_t*>(x.data_ptr()),
+                  out.data_ptr<c10::BFloat16>(), x.size(1) / 2, out_features, x.size(0), chain / 2};
+  const int64_t units = packed.size(0) / (kUnit / kLanes);
   // At least ~64 KB of weights per task: a small layer is split once per thread, not into many hand-offs.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kUnit * p.pairs * 4));
   at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> tw(static_cast<size_t>(p.pairs * kUnit));
-    for (int64_t u = begin; u < end; ++u) {
-      transpose_unit(p, u * kUnit, tw.data());
-      unit_product(p, tw.data(), u * kUnit);
-    }
+    for (int64_t u = begin; u < end; ++u) unit_product(p, u * (kUnit / kLanes));
   });
   return out;
 }
@@ -165,5 +177,6 @@ at::Tensor bf16_linear(const at::Tensor& weight, const at::Tensor& x, int64_t ch
 }  // namespace
 
 TORCH_LIBRARY(inferscale_bf16, m) {
-  m.def("bf16_linear(Tensor weight, Tensor x, int chain) -> Tensor", &bf16_linear);
+  m.def("bf16_pack(Tensor weight) -> Tensor", &bf16_pack);
+  m.def("bf16_linear(Tensor packed, Tensor x, int chain, int out_features) -> Tensor", &bf16_linear);
 }

@@ -50,7 +50,20 @@ def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
 def product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` [rows, out] (bf16, contiguous) for a bf16 ``weight`` [out, in] and ``x`` [rows, in]."""
     one, many = chains(weight.shape[1])
-    return torch.ops.inferscale_bf16.bf16_linear(weight, x, one if x.shape[0] == 1 else many)
+    return torch.ops.inferscale_bf16.bf16_linear(packed(weight), x, one if x.shape[0] == 1 else many, weight.shape[0])
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in the kernel's layout (``bf16_pack``: vectors of 16 outputs, pair by pair): packed once and kept
+    on the tensor object, packed again once the tensor is written in place (its version moves). A tensor made in
+    inference mode has no version to watch: packed on every call (tests' random weights, never the model's)."""
+    if weight.is_inference():
+        return torch.ops.inferscale_bf16.bf16_pack(weight)
+    held = getattr(weight, "_inferscale_bf16_packed", None)
+    if held is None or held[0] != weight._version:
+        held = (weight._version, torch.ops.inferscale_bf16.bf16_pack(weight))
+        weight._inferscale_bf16_packed = held
+    return held[1]
 
 
 @functools.cache
@@ -61,7 +74,11 @@ def chains(in_features: int) -> tuple[int, int]:
     gen = torch.Generator().manual_seed(in_features)
     weight = torch.randn(256, in_features, generator=gen).to(torch.bfloat16)
     xs = [torch.randn(rows, in_features, generator=gen).to(torch.bfloat16) for rows in (1, *CHECK_ROWS)]
-    op = torch.ops.inferscale_bf16.bf16_linear
+    packed_weight = torch.ops.inferscale_bf16.bf16_pack(weight)
+
+    def op(weight: torch.Tensor, x: torch.Tensor, chain: int) -> torch.Tensor:
+        return torch.ops.inferscale_bf16.bf16_linear(packed_weight, x, chain, weight.shape[0])
+
     candidates = [c for c in (*CHAINS, in_features) if c <= in_features]
 
     def first(rows_xs: list[torch.Tensor]) -> int:

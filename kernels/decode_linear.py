@@ -18,3 +18,10 @@ fits = amx_linear.fits  # the same operand rule for both kernels
 
 def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     return amx_linear.load() or bf16_linear.load()
+
+
+def prepare(weight: torch.Tensor) -> None:
+    """Ready ``weight`` for the kernel now rather than at its first product: ``bf16_linear`` packs a copy (kept on
+    the tensor); the AMX kernel reads the weight as it is."""
+    if load() is bf16_linear.product:
+        bf16_linear.packed(weight)

@@ -31,8 +31,8 @@ import logging
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from inferscale.kernels import rms_norm
-from inferscale.models.weightmajor import checked_blocks, max_rows, weight_major_product
+from inferscale.kernels import decode_linear, rms_norm
+from inferscale.models.weightmajor import KERNEL, checked_blocks, max_rows, weight_major_product
 
 log = logging.getLogger(__name__)
 CHECKS = ((1, 1, 5), (3, 1, 9), (2, 7, 7), (1, 40, 40))  # (batch, new tokens, cache length) checked equal
@@ -52,6 +52,9 @@ class _FusedWeights:
         # 0 (no block count gives F.linear's numbers) runs the plain product: the layer's own check decides
         self.qkv_blocks, self.gate_up_blocks = checked_blocks(self.qkv), checked_blocks(self.gate_up)
         self.max_rows = min(max_rows(self.qkv_blocks), max_rows(self.gate_up_blocks))  # rows the fused reads take
+        for weight, blocks in ((self.qkv, self.qkv_blocks), (self.gate_up, self.gate_up_blocks)):
+            if blocks == KERNEL:
+                decode_linear.prepare(weight)
 
 
 def _joined(params: list[torch.nn.Parameter]) -> torch.Tensor:

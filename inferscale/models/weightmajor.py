@@ -155,4 +155,6 @@ def install_weight_major_linears(model: torch.nn.Module) -> int:
         parent, _, attr = name.rpartition(".")
         blocks = checked[(mod.out_features, mod.in_features, mod.bias is not None)]
         setattr(model.get_submodule(parent) if parent else model, attr, WeightMajorLinear(mod, blocks, mod is head))
+        if blocks == KERNEL:
+            decode_linear.prepare(mod.weight)
     return len(linears)

@@ -65,16 +65,33 @@ def test_a_row_gets_the_same_numbers_whatever_rides_along(product):
 
 
 def test_bad_input_is_refused_with_an_error_naming_it(product):
-    op = torch.ops.inferscale_bf16.bf16_linear
+    pack, op = torch.ops.inferscale_bf16.bf16_pack, torch.ops.inferscale_bf16.bf16_linear
     weight = torch.randn(64, 64).to(torch.bfloat16)
+    packed = pack(weight)
     with pytest.raises(RuntimeError, match="in-features differ"):
-        op(weight, torch.randn(1, 32).to(torch.bfloat16), 512)
-    with pytest.raises(RuntimeError, match="bf16 only"):
-        op(weight, torch.randn(1, 64), 512)
+        op(packed, torch.randn(1, 32).to(torch.bfloat16), 512, 64)
+    with pytest.raises(RuntimeError, match="bf16 x"):
+        op(packed, torch.randn(1, 64), 512, 64)
+    with pytest.raises(RuntimeError, match="packed by bf16_pack"):
+        op(weight, torch.randn(1, 64).to(torch.bfloat16), 512, 64)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        op(packed, torch.randn(1, 64).to(torch.bfloat16), 512, 65)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        op(torch.randn(64, 48).to(torch.bfloat16), torch.randn(1, 48).to(torch.bfloat16), 512)
+        pack(torch.randn(64, 48).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="chain must be"):
-        op(weight, torch.randn(1, 64).to(torch.bfloat16), 3)
+        op(packed, torch.randn(1, 64).to(torch.bfloat16), 3, 64)
+
+
+def test_a_weight_written_in_place_is_packed_again(product):
+    """The packed copy is kept on the weight; a write (a state dict loaded into the model) makes a new one."""
+    weight = torch.randn(128, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = product(weight, x)
+    with torch.no_grad():
+        weight.mul_(2)
+    with torch.inference_mode():
+        assert torch.equal(product(weight, x), F.linear(x, weight)) and not torch.equal(product(weight, x), first)
 
 
 def test_a_bf16_model_runs_its_products_on_the_decode_kernel(product):
