@@ -217,147 +217,7 @@ at::Tensor amx_linear_int8(const at::Tensor& qweight, const at::Tensor& xq) {  /
   return stored<true>(qweight, xq, at::kInt);
 }
 
-// ---- The LM head's int8 screen (greedy decoding): which vocabulary rows can hold the argmax ------------------
-//
-// A greedy step needs only the argmax of the bf16 logits W @ x. screen_pack stores W once as int8 rows q with a
-// scale each (w ~ s q) and, per row, rigorous bounds: the largest |w - s q|, the L1 norm of s q and the largest |w|
-// (float32, rounded up). A step quantizes x into two int8 rows (x ~ a p1 + b p2, the second the first's residual),
-// reads the int8 head once (half the bytes of the bf16 head) through the same tiles (`tdpbssd`), and estimates each
-// logit as s (a q.p1 + b q.p2) with a bound on |estimate - the kernel's fp32 logit|:
-//   max|w - s q| * |x|_1  +  |s q|_1 * max|x - a p1 - b p2|  +  max|w| * |x|_1 * D * 2^-23  (fp32 summation, gamma_D)
-// Every row whose estimate + bound reaches the best estimate - bound (less a margin of two bf16 steps there, so a
-// row left out cannot even round to a tie) is a candidate; the caller computes those rows exactly with amx_linear
-// and takes their first maximum: the full head's argmax, bit for bit.
-
-// screen_pack's per-row numbers, as four float32 rows [4, out] (one vector load per field in the screen's loops)
-enum Stat { kScale = 0, kErr = 1, kL1 = 2, kWmax = 3 };
-
-float round_up(double v) {
-  float f = static_cast<float>(v);
-  return static_cast<double>(f) < v ? std::nextafter(f, INFINITY) : f;
-}
-
-std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-              "screen_pack: a contiguous bf16 [out, in] weight expected");
-  TORCH_CHECK(weight.size(1) % kBlockBytes == 0, "screen_pack: in-features must be a multiple of ", kBlockBytes);
-  const int64_t out = weight.size(0), in = weight.size(1);
-  at::Tensor q = at::empty({out, in}, weight.options().dtype(at::kChar));
-  at::Tensor stats = at::empty({4, out}, weight.options().dtype(at::kFloat));
-  const auto* w = reinterpret_cast<const c10::BFloat16*>(weight.data_ptr());
-  auto* qp = q.data_ptr<int8_t>();
-  float* st = stats.data_ptr<float>();
-  at::parallel_for(0, out, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const c10::BFloat16* row = w + r * in;
-      double wmax = 0.0;
-      for (int64_t i = 0; i < in; ++i) wmax = std::max(wmax, std::fabs(static_cast<double>(float(row[i]))));
-      const float scale = wmax > 0.0 ? static_cast<float>(wmax / 127.0) : 1.0f;
-      double err = 0.0, l1 = 0.0;
-      for (int64_t i = 0; i < in; ++i) {
-        const double v = static_cast<double>(float(row[i]));
-        const double qi = std::clamp(std::nearbyint(v / scale), -127.0, 127.0);
-        qp[r * in + i] = static_cast<int8_t>(qi);
-        err = std::max(err, std::fabs(v - scale * qi));  // exact in double: bf16 v, float scale, |qi| <= 127
-        l1 += std::fabs(scale * qi);
-      }
-      st[kScale * out + r] = scale;
-      st[kErr * out + r] = round_up(err);
-      st[kL1 * out + r] = round_up(l1 * (1.0 + 1e-12));
-      st[kWmax * out + r] = round_up(wmax);
-    }
-  });
-  return {q, stats};
-}
-
-struct Quantized {  // one row of x as a p1 + b p2 (int8 rows), with the bound's ingredients
-  double a = 1.0, b = 1.0, rest = 0.0, l1 = 0.0;
-};
-
-Quantized quantize(const c10::BFloat16* x, int64_t in, int8_t* p1, int8_t* p2) {
-  Quantized z;
-  double top = 0.0;
-  for (int64_t i = 0; i < in; ++i) {
-    const double v = float(x[i]);
-    top = std::max(top, std::fabs(v));
-    z.l1 += std::fabs(v);
-  }
-  z.a = top > 0.0 ? top / 127.0 : 1.0;
-  std::vector<double> residual(in);
-  double rtop = 0.0;
-  for (int64_t i = 0; i < in; ++i) {
-    const double q = std::clamp(std::nearbyint(float(x[i]) / z.a), -127.0, 127.0);
-    p1[i] = static_cast<int8_t>(q);
-    residual[i] = float(x[i]) - z.a * q;
-    rtop = std::max(rtop, std::fabs(residual[i]));
-  }
-  z.b = rtop > 0.0 ? rtop / 127.0 : 1.0;
-  for (int64_t i = 0; i < in; ++i) {
-    const double q = std::clamp(std::nearbyint(residual[i] / z.b), -127.0, 127.0);
-    p2[i] = static_cast<int8_t>(q);
-    z.rest = std::max(z.rest, std::fabs(residual[i] - z.b * q));
-  }
-  z.l1 *= 1.0 + 1e-12;    // double rounding of the sums above, generously
-  z.rest *= 1.0 + 1e-12;
-  return z;
-}
-
-// What every task of the screen adds to: the best lower bound per row of x and the vocabulary rows kept so far.
-struct ScreenResult {
-  std::mutex lock;
-  std::vector<float> best;          // per row of x
-  std::vector<std::array<float, 3>> kept;  // (row of x, vocabulary row, upper bound), as floats for the sort below
-};
-
-float margin_floor(float lb) { return lb - (std::fabs(lb) * 0.03125f + 1e-30f); }  // two bf16 steps: 2^-5 |lb|
-
-// A task's sink: each tile's int32 accumulators (columns 2r and 2r + 1 are row r's p1 and p2) become estimates and
-// bounds in float32 (the slack covers float32's own rounding here a hundred times over); a vocabulary row is kept
-// while its upper bound reaches the task's running best lower bound less the margin (the final best is at least
-// as high, so nothing the final filter keeps is dropped), and no int32 logits are written anywhere.
-struct ScreenSink {
-  const float* st;  // [4, vocab]
-  int64_t vocab;
-  const std::vector<Quantized>& z;
-  float gamma;      // fp32 summation over the in-features: D * 2^-23
-  ScreenResult& result;
-  std::vector<float> best;
-  std::vector<std::array<float, 3>> kept;
-
-  void tile(const int32_t* c, int64_t o, int64_t tile_rows, int64_t group) {
-    const int64_t rows = static_cast<int64_t>(z.size());
-    for (int64_t col = 0; col + 1 < kCols; col += 2) {
-      const int64_t r = (group * kCols + col) / 2;
-      if (r >= rows) break;
-      const float a = static_cast<float>(z[r].a), b = static_cast<float>(z[r].b);
-      const float x_l1 = static_cast<float>(z[r].l1) * (1.0f + 1e-6f);
-      const float rest = static_cast<float>(z[r].rest) * (1.0f + 1e-6f), g = x_l1 * gamma;
-      float lo[kTileRows], hi[kTileRows], lb = best[r];
-      for (int64_t i = 0; i < tile_rows; ++i) {
-        const int64_t v = o + i;
-        const float t1 = a * static_cast<float>(c[i * kCols + col]), t2 = b * static_cast<float>(c[i * kCols + col + 1]);
-        const float scale = st[kScale * vocab + v];
-        const float est = scale * (t1 + t2);
-        const float slack = 1e-5f * scale * (std::fabs(t1) + std::fabs(t2)) + 1e-30f;
-        const float bound = (st[kErr * vocab + v] * x_l1 + st[kL1 * vocab + v] * rest + st[kWmax * vocab + v] * g) *
-                            (1.0f + 1e-5f) + slack;
-        lo[i] = est - bound;
-        hi[i] = est + bound;
-        lb = std::max(lb, lo[i]);
-      }
-      best[r] = lb;
-      const float floor = margin_floor(lb);
-      for (int64_t i = 0; i < tile_rows; ++i)
-        if (hi[i] >= floor) kept.push_back({static_cast<float>(r), static_cast<float>(o + i), hi[i]});
-    }
-  }
-
-  void done() {
-    std::lock_guard<std::mutex> guard(result.lock);
-    for (size_t r = 0; r < best.size(); ++r) result.best[r] = std::max(result.best[r], best[r]);
-    result.kept.insert(result.kept.end(), kept.begin(), kept.end());
-  }
-};
+#include "greedy_screen.h"  // screen_pack, the bounds and the candidates' filter
 
 at::Tensor greedy_screen(const at::Tensor& qweight, const at::Tensor& stats, const at::Tensor& x) {
   TORCH_CHECK(amx_permitted(), "greedy_screen: the kernel refused AMX tile state");
@@ -371,30 +231,15 @@ at::Tensor greedy_screen(const at::Tensor& qweight, const at::Tensor& stats, con
   TORCH_CHECK(x.size(1) == qweight.size(1), "greedy_screen: in-features differ: ", x.size(1), " vs ", qweight.size(1));
   const int64_t rows = x.size(0), in = x.size(1), vocab = qweight.size(0);
   at::Tensor xq = at::empty({2 * rows, in}, x.options().dtype(at::kChar));
-  std::vector<Quantized> z(rows);
-  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
-  auto* xqp = xq.data_ptr<int8_t>();
-  for (int64_t r = 0; r < rows; ++r) z[r] = quantize(xp + r * in, in, xqp + 2 * r * in, xqp + (2 * r + 1) * in);
+  const std::vector<Quantized> z = quantize_rows(x, xq);
   ScreenResult result;
   result.best.assign(rows, -INFINITY);
-  const float gamma = static_cast<float>(static_cast<double>(in) * std::ldexp(1.0, -23));
+  const float gamma = screen_gamma(in);
   const float* st = stats.data_ptr<float>();
   run<true>(qweight, xq, at::Tensor(), [&](const Product&) {
     return ScreenSink{st, vocab, z, gamma, result, std::vector<float>(rows, -INFINITY), {}};
   });
-  std::vector<std::array<float, 3>> hits;
-  for (const auto& k : result.kept)
-    if (k[2] >= margin_floor(result.best[static_cast<int64_t>(k[0])])) hits.push_back(k);
-  std::sort(hits.begin(), hits.end(), [](const auto& p, const auto& q) {
-    return p[0] != q[0] ? p[0] < q[0] : p[1] < q[1];
-  });
-  at::Tensor out = at::empty({static_cast<int64_t>(hits.size()), 2}, x.options().dtype(at::kLong));
-  auto* op = out.data_ptr<int64_t>();
-  for (const auto& h : hits) {
-    *op++ = static_cast<int64_t>(h[0]);
-    *op++ = static_cast<int64_t>(h[1]);
-  }
-  return out;  // [candidates, 2]: (row of x, vocabulary row), by row, then vocabulary order
+  return screen_candidates(result, x.options());  // [candidates, 2]: (row of x, vocabulary row)
 }
 
 }  // namespace

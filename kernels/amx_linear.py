@@ -50,7 +50,8 @@ def load() -> AmxLinear | None:
 
 def screen_ops() -> tuple[Callable, Callable] | None:
     """``(screen_pack, greedy_screen)`` (amx_linear.cpp: the LM head's int8 screen for greedy decoding), where the
-    kernel is built and the CPU has AMX-INT8 too; else None."""
+    kernel is built and the CPU has AMX-INT8 too; else None. ``screen_pack(weight)`` -> [int8 head, stats],
+    ``greedy_screen(*packed, x)``."""
     if load() is None or "amx_int8" not in cpu_flags():
         return None
     return torch.ops.inferscale_cpu.screen_pack, torch.ops.inferscale_cpu.greedy_screen

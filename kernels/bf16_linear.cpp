@@ -23,8 +23,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -174,9 +177,139 @@ at::Tensor bf16_linear(const at::Tensor& packed, const at::Tensor& x, int64_t ch
   return out;
 }
 
+
+// ---- The LM head's int8 screen on AVX512-VNNI (greedy_screen.h has the method and its bounds) ------------------
+
+#include "greedy_screen.h"  // screen_pack, the bounds and the candidates' filter
+
+// screen_pack's int8 head as vectors of 16 rows, quad by quad (packed[v][quad][lane]: in-features 4 quad .. 4 quad
+// + 3 of row 16 v + lane; zero rows past the vocabulary), its stats, and each row's sum of q (`vpdpbusd` multiplies
+// unsigned by signed bytes: x's rows go in as p + 128, and 128 times the row sum comes off).
+std::vector<at::Tensor> screen_pack_vnni(const at::Tensor& weight) {
+  std::vector<at::Tensor> qs = screen_pack(weight);
+  const at::Tensor& q = qs[0];
+  const int64_t out = q.size(0), quads = q.size(1) / 4, vectors = (out + kLanes - 1) / kLanes;
+  at::Tensor packed = at::empty({vectors, quads, kLanes}, q.options().dtype(at::kInt));
+  at::Tensor sums = at::empty({out}, q.options().dtype(at::kInt));
+  const auto* w = reinterpret_cast<const uint32_t*>(q.data_ptr());
+  const int8_t* qb = q.data_ptr<int8_t>();
+  auto* pk = reinterpret_cast<uint32_t*>(packed.data_ptr());
+  int32_t* sp = sums.data_ptr<int32_t>();
+  const uint32_t zero[kLanes] = {};
+  at::parallel_for(0, vectors, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end; ++v) {
+      for (int64_t c = 0; c < quads; c += kLanes) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) {
+          const int64_t row = v * kLanes + j;
+          r[j] = _mm512_loadu_si512(row < out ? w + row * quads + c : zero);
+        }
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(pk + (v * quads + c + i) * kLanes, r[i]);
+      }
+      for (int64_t row = v * kLanes; row < std::min(out, (v + 1) * kLanes); ++row) {
+        int32_t total = 0;
+        for (int64_t i = 0; i < 4 * quads; ++i) total += qb[row * 4 * quads + i];
+        sp[row] = total;
+      }
+    }
+  });
+  return {packed, qs[1], sums};
+}
+
+// Vocabulary vectors [v, v + G) against every column (p1 and p2 of each row of x, as u8 quads): exact int32 sums,
+// two accumulators a column and vector (int32 addition is exact in any order) so the adds overlap.
+template <int G, int C>
+void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t vocab,
+                  int64_t v, int32_t (*c)[kScreenRows * kScreenCols]) {
+  __m512i acc[G][C][2];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < C; ++k) acc[g][k][0] = acc[g][k][1] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < quads; ++q) {
+    __m512i xb[C];
+    for (int k = 0; k < C; ++k) xb[k] = _mm512_set1_epi32(static_cast<int>(xu[k * quads + q]));
+    for (int g = 0; g < G; ++g) {
+      const __m512i wv = _mm512_loadu_si512(packed + ((v + g) * quads + q) * kLanes);
+      for (int k = 0; k < C; ++k) acc[g][k][q & 1] = _mm512_dpbusd_epi32(acc[g][k][q & 1], xb[k], wv);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(64) int32_t lanes[kLanes], bias[kLanes] = {};
+    for (int64_t i = 0; i < kLanes && (v + g) * kLanes + i < vocab; ++i) bias[i] = 128 * sums[(v + g) * kLanes + i];
+    const __m512i b = _mm512_load_si512(bias);
+    for (int k = 0; k < C; ++k) {
+      _mm512_store_si512(lanes, _mm512_sub_epi32(_mm512_add_epi32(acc[g][k][0], acc[g][k][1]), b));
+      for (int64_t i = 0; i < kLanes; ++i) c[g][i * kScreenCols + k] = lanes[i];
+    }
+  }
+}
+
+template <int C>
+void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t vocab,
+                    int64_t v, int64_t count, int32_t (*c)[kScreenRows * kScreenCols]) {
+  constexpr int G = C <= 4 ? 4 : 2;
+  for (int64_t g = 0; g < count; g += G) {
+    if (count - g >= G) screen_block<G, C>(packed, quads, xu, sums, vocab, v + g, c + g);
+    else for (int64_t h = g; h < count; ++h) screen_block<1, C>(packed, quads, xu, sums, vocab, v + h, c + h);
+  }
+}
+
+at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats, const at::Tensor& sums,
+                              const at::Tensor& x) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kLanes &&
+              packed.is_contiguous(), "greedy_screen: screen_pack's packed int8 weight expected");
+  const int64_t vocab = sums.numel(), quads = packed.size(1);
+  TORCH_CHECK(vocab < (int64_t{1} << 24), "greedy_screen: more vocabulary rows than float32 counts exactly");
+  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() && packed.size(0) == (vocab + kLanes - 1) / kLanes,
+              "greedy_screen: screen_pack's row sums expected");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 4 && stats.size(1) == vocab &&
+              stats.scalar_type() == at::kFloat && stats.is_contiguous(), "greedy_screen: screen_pack's stats expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(0) >= 1,
+              "greedy_screen: contiguous bf16 rows x [rows, in] expected");
+  TORCH_CHECK(x.size(1) == 4 * quads, "greedy_screen: in-features differ: ", x.size(1), " vs ", 4 * quads);
+  TORCH_CHECK(x.size(0) <= kScreenCols / 2, "greedy_screen: at most ", kScreenCols / 2, " rows of x");
+  const int64_t rows = x.size(0), in = x.size(1);
+  at::Tensor xq = at::empty({2 * rows, in}, x.options().dtype(at::kChar));
+  const std::vector<Quantized> z = quantize_rows(x, xq);
+  at::Tensor xu = at::empty({2 * rows, in}, x.options().dtype(at::kByte));
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  uint8_t* xup = xu.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < 2 * rows * in; ++i) xup[i] = static_cast<uint8_t>(xqp[i] + 128);
+  ScreenResult result;
+  result.best.assign(rows, -INFINITY);
+  const float gamma = screen_gamma(in);
+  const float* st = stats.data_ptr<float>();
+  const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  const auto* xw = reinterpret_cast<const uint32_t*>(xup);
+  const int32_t* sp = sums.data_ptr<int32_t>();
+  constexpr int64_t kStep = 4;  // vectors a sink call set
+  const int64_t steps = (packed.size(0) + kStep - 1) / kStep;
+  at::parallel_for(0, steps, 64, [&](int64_t begin, int64_t end) {
+    ScreenSink sink{st, vocab, z, gamma, result, std::vector<float>(rows, -INFINITY), {}};
+    alignas(64) int32_t c[kStep][kScreenRows * kScreenCols];
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t v = s * kStep, count = std::min(kStep, packed.size(0) - v);
+      switch (2 * rows) {
+        case 2: screen_vectors<2>(pk, quads, xw, sp, vocab, v, count, c); break;
+        case 4: screen_vectors<4>(pk, quads, xw, sp, vocab, v, count, c); break;
+        case 6: screen_vectors<6>(pk, quads, xw, sp, vocab, v, count, c); break;
+        default: screen_vectors<8>(pk, quads, xw, sp, vocab, v, count, c); break;
+      }
+      for (int64_t g = 0; g < count; ++g) {
+        const int64_t o = (v + g) * kLanes;
+        sink.tile(c[g], o, std::min(kScreenRows, vocab - o), 0);
+      }
+    }
+    sink.done();
+  });
+  return screen_candidates(result, x.options());  // [candidates, 2]: (row of x, vocabulary row)
+}
+
 }  // namespace
 
 TORCH_LIBRARY(inferscale_bf16, m) {
   m.def("bf16_pack(Tensor weight) -> Tensor", &bf16_pack);
   m.def("bf16_linear(Tensor packed, Tensor x, int chain, int out_features) -> Tensor", &bf16_linear);
+  m.def("screen_pack(Tensor weight) -> Tensor[]", &screen_pack_vnni);
+  m.def("greedy_screen(Tensor packed, Tensor stats, Tensor sums, Tensor x) -> Tensor", &greedy_screen_vnni);
 }

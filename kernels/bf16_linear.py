@@ -9,8 +9,11 @@ comparing with F.linear on random rows, and ``weightmajor`` uses the kernel for 
 gives F.linear's outputs bit for bit on that weight.
 Built once per machine as a torch C++ extension into InferScale's cache (``cppext``).
 
-``load()`` returns None, and the model keeps oneDNN, on a CPU without AVX512-BF16, where the build fails, or with
-``INFERSCALE_BF16_LINEAR=0``.
+The same source screens the LM head in int8 for greedy steps (``screen_ops``: ``vpdpbusd``, exact int32 sums; the
+method and its bounds are ``greedy_screen.h``'s, shared with the AMX kernel; used by ``models/greedyhead.py``).
+
+``load()`` returns None, and the model keeps oneDNN, on a CPU without AVX512-BF16 and AVX512-VNNI, where the build
+fails, or with ``INFERSCALE_BF16_LINEAR=0``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from inferscale.cpuflags import cpu_flags
 from inferscale.kernels import cppext
 
 SOURCE = Path(__file__).with_name("bf16_linear.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
 CHAINS = (512, 1024, 256, 2048)  # chain lengths tried, most common first
 CHECK_ROWS = (2, 3, 17, 32)  # row counts a chain length for "more than one row" is checked at
 
@@ -40,11 +43,20 @@ def build_dir() -> Path:
 def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """``product(weight, x)``, the kernel built on first use (later processes load the cached build); None where it
     cannot run here."""
-    if os.environ.get("INFERSCALE_BF16_LINEAR", "1") == "0" or "avx512_bf16" not in cpu_flags():
+    if os.environ.get("INFERSCALE_BF16_LINEAR", "1") == "0" or not {"avx512_bf16", "avx512_vnni"} <= cpu_flags():
         return None
     if not cppext.build(SOURCE, FLAGS):
         return None
     return product
+
+
+def screen_ops() -> tuple[Callable, Callable] | None:
+    """``(screen_pack, greedy_screen)`` on AVX512-VNNI (``bf16_linear.cpp``; the method is ``greedy_screen.h``'s, as
+    on AMX): ``screen_pack(weight)`` -> [packed int8 head, stats, row sums], ``greedy_screen(*packed, x)``; None
+    where the kernel is not built here."""
+    if load() is None:
+        return None
+    return torch.ops.inferscale_bf16.screen_pack, torch.ops.inferscale_bf16.greedy_screen
 
 
 def product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

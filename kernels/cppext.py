@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -19,7 +20,11 @@ log = logging.getLogger(__name__)
 
 
 def build_dir(source: Path, flags: list[str]) -> Path:
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    """Keyed by the source, the headers of ours it includes (``#include "x.h"``, beside it) and the flags."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    digest = hashlib.sha256(b"".join([text, *((source.parent / h.decode()).read_bytes() for h in headers)])
+                            + " ".join(flags).encode()).hexdigest()[:16]
     return cache_dir() / "torch-extensions" / f"{source.stem}-{torch.__version__}-{digest}"
 
 

@@ -20,6 +20,14 @@ def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     return amx_linear.load() or bf16_linear.load()
 
 
+def screen_ops() -> tuple[Callable, Callable] | None:
+    """The LM head's int8 screen (``greedy_screen.h``) on the same kernel as the products: ``screen_pack(weight)`` ->
+    a list of tensors, ``greedy_screen(*packed, x)`` -> [n, 2] candidates; None where that kernel has none."""
+    if amx_linear.load() is not None:
+        return amx_linear.screen_ops()
+    return bf16_linear.screen_ops() if bf16_linear.load() is not None else None
+
+
 def prepare(weight: torch.Tensor) -> None:
     """Ready ``weight`` for the kernel now rather than at its first product: ``bf16_linear`` packs a copy (kept on
     the tensor); the AMX kernel reads the weight as it is."""

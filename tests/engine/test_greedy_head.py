@@ -1,7 +1,8 @@
-"""The LM head's int8 screen for greedy decoding (``models/greedyhead.py``, ``kernels/amx_linear.cpp``, issue 22):
+"""The LM head's int8 screen for greedy decoding (``models/greedyhead.py``, ``kernels/greedy_screen.h`` on AMX in
+``amx_linear.cpp`` or AVX512-VNNI in ``bf16_linear.cpp``, whichever ``decode_linear`` picks here; issue 22):
 the token is the full bf16 head's argmax bit for bit (ties to the first maximum included), the int8 product is
 exact, the screen stands aside where it cannot apply, and a greedy decode says the same tokens with and without
-it. Skipped where the AMX kernel or AMX-INT8 is missing (the full head is used there)."""
+it. Skipped where neither kernel's screen runs (the full head is used there)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import tiny_models as tm
 from inferscale.engine.loop import GenRequest
 from inferscale.engine.sampling import Sampling
-from inferscale.kernels import amx_linear
+from inferscale.kernels import amx_linear, decode_linear
 from inferscale.models import greedyhead
 from inferscale.models.greedyhead import MAX_ROWS, GreedyHead, install_greedy_head
 from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
@@ -19,9 +20,9 @@ from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
 
 @pytest.fixture(scope="module")
 def ops():
-    if amx_linear.screen_ops() is None:
-        pytest.skip("no AMX-BF16/INT8 here, or the kernel could not be built: greedy steps read the whole head")
-    return torch.ops.inferscale_cpu
+    if decode_linear.screen_ops() is None:
+        pytest.skip("no AMX-INT8 or AVX512-VNNI kernel here: greedy steps read the whole head")
+    return decode_linear.screen_ops()
 
 
 def _head(weight: torch.Tensor) -> WeightMajorLinear:
@@ -31,10 +32,13 @@ def _head(weight: torch.Tensor) -> WeightMajorLinear:
 
 
 def _full_argmax(weight: torch.Tensor, x: torch.Tensor) -> list[int]:
-    return amx_linear.load()(weight, x).max(dim=-1).indices.tolist()
+    return decode_linear.load()(weight, x).max(dim=-1).indices.tolist()
 
 
 def test_the_int8_product_is_exact(ops):
+    if amx_linear.screen_ops() is None:
+        pytest.skip("AMX's int8 product (the AVX512-VNNI screen's sums are checked through its candidates)")
+    ops = torch.ops.inferscale_cpu
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (1000, 640), generator=gen, dtype=torch.int8)
     for rows in (1, 2, 15, 16, 17, 33):
@@ -89,10 +93,10 @@ def test_candidates_rescored_alone_are_the_heads_own_logits(ops):
     weight = (torch.randn(4099, 640, generator=gen) * 0.05).to(torch.bfloat16)
     greedy = GreedyHead(weight)
     x = torch.randn(3, 640, generator=gen).to(torch.bfloat16)
-    candidates = ops.greedy_screen(greedy.qweight, greedy.stats, x)
+    candidates = ops[1](*greedy.packed, x)
     assert candidates.shape[1] == 2 and set(candidates[:, 0].tolist()) == {0, 1, 2}
-    full = amx_linear.load()(weight, x)
-    rows = amx_linear.load()(weight.index_select(0, candidates[:, 1]), x)
+    full = decode_linear.load()(weight, x)
+    rows = decode_linear.load()(weight.index_select(0, candidates[:, 1]), x)
     assert torch.equal(rows, full[:, candidates[:, 1]])
 
 
@@ -106,7 +110,7 @@ def test_where_the_screen_cannot_apply_it_stands_aside(ops):
     assert greedy.argmax(bad) is None
     assert install_greedy_head(_head(weight), softcap=30.0) is None  # soft-capped logits: not screened
     plain = torch.nn.Linear(640, 2000, bias=False).to(torch.bfloat16)
-    assert install_greedy_head(plain, softcap=None) is None  # a head not on the AMX kernel
+    assert install_greedy_head(plain, softcap=None) is None  # a head not on the decode kernel
     assert isinstance(install_greedy_head(_head(weight), softcap=None), GreedyHead)
 
 
@@ -137,7 +141,7 @@ def _greedy_decode(engine, screen: bool) -> list[int]:
 
 def test_a_greedy_decode_says_the_same_tokens_screened(ops):
     engine = tm.engine("gemma3", dtype=torch.bfloat16, sliding_window=8)
-    assert engine.loaded.greedy is not None, "a bf16 Gemma-3 on the AMX kernel gets the screen"
+    assert engine.loaded.greedy is not None, "a bf16 Gemma-3 on the decode kernel gets the screen"
     calls = []
     original = greedyhead.GreedyHead.argmax
     greedyhead.GreedyHead.argmax = lambda self, hidden: calls.append(1) or original(self, hidden)
