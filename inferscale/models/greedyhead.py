@@ -13,8 +13,8 @@ logits kept for fidelity) take the full head (``Head.logits``).
 
 Used only where the head's logits come from the decode kernel (``decode_linear``: so the rescored rows are those
 logits bit for bit) and it has a screen (AMX-INT8, or AVX512-VNNI beside AVX512-BF16), there is no final
-soft-capping or bias, and for up to ``MAX_ROWS`` rows: past that the screen's per-row work costs more than the bf16
-rows it saves (AMX machine: 16 rows 30 vs 23 ms; 1 row 10 vs 19 ms. AMD Zen 4: 1 row 6.3 vs 8.5-10 ms, 11 candidates
+soft-capping or bias, and for up to ``decode_linear.screen_rows()`` rows (at most ``MAX_ROWS``): past that the
+screen's per-row work costs more than the bf16 rows it saves (AMX machine: 16 rows 30 vs 23 ms; 1 row 10 vs 19 ms. AMD Zen 4: 1 row 6.3 vs 8.5-10 ms, 11 candidates
 at the median of 85 LoCoMo positions, a decode step in process 21.6 -> 19.0 ms).
 """
 
@@ -30,7 +30,7 @@ from inferscale.kernels import decode_linear
 from inferscale.models.weightmajor import KERNEL
 
 log = logging.getLogger(__name__)
-MAX_ROWS = 4  # rows a screen takes (1 row 10 vs 19 ms, 4 rows 13 vs 20 ms, 8 rows 17 vs 22 ms, 16 rows 30 vs 23)
+MAX_ROWS = 4  # the most rows a screen takes on any kernel (decode_linear.screen_rows: where it pays, per kernel)
 MAX_CANDIDATES = 4096  # per call: past it (a flat distribution) the full head is cheaper than the rescoring
 CHECK_ROWS = 8  # rows of each scale checked against the full head at install
 
@@ -44,11 +44,12 @@ class GreedyHead:
         pack, self._screen = ops
         self.weight = weight  # the bf16 head [vocab, in]: the candidates' rows are read from it
         self.packed: list[torch.Tensor] = pack(weight)  # the int8 head and its bounds, as the kernel reads them
+        self.max_rows = min(MAX_ROWS, decode_linear.screen_rows())  # past them the full head is cheaper
 
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """The full head's argmax for each row of ``hidden`` [rows, in] (bf16), or None where the screen does not
         apply (too many rows, a non-finite value, too many candidates): the caller computes the logits then."""
-        if hidden.shape[0] > MAX_ROWS or not bool(torch.isfinite(hidden).all()):
+        if hidden.shape[0] > self.max_rows or not bool(torch.isfinite(hidden).all()):
             return None
         hidden = hidden.contiguous()
         candidates = self._screen(*self.packed, hidden)  # [n, 2]: (row, vocabulary row), sorted
@@ -74,8 +75,8 @@ def install_greedy_head(head: torch.nn.Module, softcap: float | None) -> GreedyH
         for scale in (1.0, 10.0, 100.0):
             rows = (torch.randn(CHECK_ROWS, weight.shape[1], generator=gen) * scale).to(weight.dtype)
             full = head(rows).max(dim=-1).indices.tolist()
-            if any(greedy.argmax(rows[i:i + MAX_ROWS]) not in (None, full[i:i + MAX_ROWS])
-                   for i in range(0, CHECK_ROWS, MAX_ROWS)):
+            step = greedy.max_rows
+            if any(greedy.argmax(rows[i:i + step]) not in (None, full[i:i + step]) for i in range(0, CHECK_ROWS, step)):
                 log.warning("the LM head's int8 screen disagrees with the full head here; greedy steps read it all")
                 return None
     return greedy

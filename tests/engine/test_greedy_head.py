@@ -47,10 +47,12 @@ def test_the_int8_product_is_exact(ops):
 
 
 def test_the_screened_token_is_the_full_heads_argmax(ops):
-    """Random heads and hidden rows of every scale, 1 to MAX_ROWS rows a call: the same token as the bf16 head."""
+    """Random heads and hidden rows of every scale, 1 to MAX_ROWS rows a call (the kernel's screen at every row
+    count it may be given, past where it pays here too): the same token as the bf16 head."""
     gen = torch.Generator().manual_seed(1)
     weight = (torch.randn(20000, 640, generator=gen) * 0.05).to(torch.bfloat16)
     greedy = GreedyHead(weight)
+    greedy.max_rows = MAX_ROWS
     with torch.inference_mode():
         for scale in (0.01, 1.0, 30.0, 1000.0):
             for rows in range(1, MAX_ROWS + 1):
@@ -104,7 +106,7 @@ def test_where_the_screen_cannot_apply_it_stands_aside(ops):
     gen = torch.Generator().manual_seed(5)
     weight = (torch.randn(2000, 640, generator=gen) * 0.05).to(torch.bfloat16)
     greedy = GreedyHead(weight)
-    assert greedy.argmax(torch.randn(MAX_ROWS + 1, 640).to(torch.bfloat16)) is None  # too many rows
+    assert greedy.argmax(torch.randn(greedy.max_rows + 1, 640).to(torch.bfloat16)) is None  # too many rows
     bad = torch.randn(1, 640).to(torch.bfloat16)
     bad[0, 3] = float("nan")
     assert greedy.argmax(bad) is None
