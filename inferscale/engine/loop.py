@@ -260,24 +260,32 @@ class ServingLoop:
 
     def _prefill(self, chunks: list[tuple[GenRequest, int]], pass_tokens: int | None) -> None:
         """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch)
-        of at most ``pass_tokens`` padded tokens; once another tenant comes, the rest wait for the next step
-        (where it goes first). Each pass's time is reported to the scheduler's cost model with the tenants it
-        computed for."""
-        groups = padded_groups([min(n, len(r.pending)) for r, n in chunks], max_tokens=pass_tokens)
-        tenants = {r.sched.tenant for r, _ in chunks}
-        for run, group in enumerate(groups):
-            if run:
-                if self.scheduler.interrupted(tenants):
-                    return
-                self._refuse(self.scheduler.shed_queued())
-            batch = [chunks[i] for i in group if chunks[i][0].slot >= 0]  # not failed by an earlier group
-            t0 = time.perf_counter()
-            if len(batch) == 1:
-                computed = self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
-            else:
-                computed = self._prefill_batch(batch) if batch else 0
-            self.scheduler.cost.observe_prefill(computed, time.perf_counter() - t0, 1,
-                                                {r.sched.tenant for r, _ in batch})
+        of at most ``pass_tokens`` padded tokens, a longer chunk in pieces over successive passes (one 123-token
+        chunk was a 145 ms pass a newcomer waited out); once another tenant's request waits, the rest wait for the
+        next step (where it goes first). Each pass's time goes to the cost model with the tenants it computed for."""
+        chunks = [(r, min(n, len(r.pending))) for r, n in chunks]
+        first = True
+        while chunks:
+            pieces = [(r, min(n, pass_tokens or n)) for r, n in chunks]
+            groups = padded_groups([n for _, n in pieces], max_tokens=pass_tokens)
+            going_on = {r.sched.tenant for (r, n), (_, m) in zip(chunks, pieces) if n > m}
+            for k, group in enumerate(groups):
+                if not first:
+                    # the tenants the rest of the step computes for: another's request waiting goes first
+                    tenants = going_on | {pieces[i][0].sched.tenant for g in groups[k:] for i in g}
+                    if self.scheduler.interrupted(tenants):
+                        return
+                    self._refuse(self.scheduler.shed_queued())
+                first = False
+                batch = [pieces[i] for i in group if pieces[i][0].slot >= 0]  # not failed by an earlier group
+                t0 = time.perf_counter()
+                if len(batch) == 1:
+                    computed = self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
+                else:
+                    computed = self._prefill_batch(batch) if batch else 0
+                self.scheduler.cost.observe_prefill(computed, time.perf_counter() - t0, 1,
+                                                    {r.sched.tenant for r, _ in batch})
+            chunks = [(r, n - m) for (r, n), (_, m) in zip(chunks, pieces) if n > m and r.slot >= 0 and r.pending]
 
     def _prefill_batch(self, batch: list[tuple[GenRequest, int]]) -> int:
         """One forward pass over several requests' next prompt chunks: each a row, padded to the longest with

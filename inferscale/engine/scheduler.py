@@ -283,8 +283,8 @@ class Scheduler:
             return self._shed()
 
     def interrupted(self, tenants: set[str]) -> bool:
-        """A tenant not among ``tenants`` (those this step computes prompts of) is announced or queued: the step's
-        remaining prompt passes wait for the next step, in which it has the first turn."""
+        """A tenant not among ``tenants`` (those the step's remaining prompt passes compute for) is announced or
+        queued: those passes wait for the next step, in which it has the first turn."""
         with self._lock:
             return any(t not in tenants for t in self._arriving) or any(
                 q and t not in tenants for t, q in self._waiting.items())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import tiny_models as tm
@@ -82,3 +84,62 @@ def test_min_tokens_bans_stop_tokens_until_reached(engine):
     loop.add(r)
     loop.run_until_done()
     assert events[-1].completion_tokens == 7
+
+
+
+def test_a_chunk_longer_than_a_pass_runs_in_passes_and_another_tenant_cuts_in_between(engine, monkeypatch):
+    """Issue 22: a flooding tenant's 123-token chunk ran as one 145 ms pass while a newcomer waited it out. A chunk
+    runs in pieces of at most the step's ``pass_tokens``; another tenant on its way stops the rest after the piece
+    in progress, and the request goes on in a later step with the same answer."""
+    loop = ServingLoop(engine, SchedulerConfig(chunk_tokens=128))
+    prompt = list(range(3, 93))
+    alone = req(engine, [], ids=prompt, tokens=3)
+    loop.add(alone)
+    loop.run_until_done()
+    schedule = loop.scheduler.schedule
+    monkeypatch.setattr(loop.scheduler, "schedule", lambda: dataclasses.replace(schedule(), pass_tokens=32))
+    passes: list[int] = []
+    chunk = loop._prefill_chunk
+    monkeypatch.setattr(loop, "_prefill_chunk", lambda r, n: passes.append(n) or chunk(r, n))
+    pieced = req(engine, [], ids=prompt, tokens=3)
+    loop.add(pieced)
+    loop.step()
+    assert passes == [32, 32, 26]
+    passes.clear()
+    cut = req(engine, [], ids=prompt, tokens=3)
+    loop.add(cut)
+    arrival = loop.scheduler.expect("b")
+    loop.step()
+    assert passes == [32], "the rest waits: tenant b is on its way"
+    arrival.close()
+    loop.run_until_done()
+    assert passes == [32, 32, 26] and cut.output == pieced.output == alone.output
+
+
+def test_a_tenants_next_request_is_not_held_behind_another_tenants_pieces(engine, monkeypatch):
+    """Issue 22 (traced in the flood): tenant B's question ran in a step beside A's long chunk; B's next request,
+    arriving during B's pass, waited for all of A's pieces, because B counted among the step's tenants. It counts
+    only while the rest of the step computes for B: A's pieces wait for the next step."""
+    loop = ServingLoop(engine, SchedulerConfig(chunk_tokens=128))
+    schedule = loop.scheduler.schedule
+    monkeypatch.setattr(loop.scheduler, "schedule", lambda: dataclasses.replace(schedule(), pass_tokens=48))
+    long = req(engine, [], ids=list(range(3, 93)), tokens=2, tenant="a")
+    first, second = (req(engine, [], tokens=2, tenant="b") for _ in range(2))
+    passes: list[tuple[str, int]] = []
+    chunk = loop._prefill_chunk
+
+    def traced(r, n):
+        passes.append((r.tenant, n))
+        if r is first:
+            loop.add(second)  # arrives while B's pass runs
+        return chunk(r, n)
+
+    monkeypatch.setattr(loop, "_prefill_chunk", traced)
+    loop.add(long)
+    loop.add(first)
+    loop.step()
+    assert passes == [("b", len(first.ids))], "A's pieces wait for the next step"
+    loop.step()
+    assert passes[1] == ("b", len(second.ids))
+    loop.run_until_done()
+    assert sum(n for t, n in passes if t == "a") == len(long.ids) and long.output and second.output
