@@ -34,7 +34,7 @@ import torch
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine import tokenchoice
 from inferscale.engine.cache import injected_groups
-from inferscale.engine.promptbatch import padded_groups
+from inferscale.engine.promptbatch import next_piece, padded_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
@@ -261,12 +261,12 @@ class ServingLoop:
     def _prefill(self, chunks: list[tuple[GenRequest, int]], pass_tokens: int | None) -> None:
         """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch)
         of at most ``pass_tokens`` padded tokens, a longer chunk in pieces over successive passes (one 123-token
-        chunk was a 145 ms pass a newcomer waited out); once another tenant's request waits, the rest wait for the
-        next step (where it goes first). Each pass's time goes to the cost model with the tenants it computed for."""
+        chunk was a 145 ms pass a newcomer waited out); once another tenant's request waits, the rest waits for the
+        next step, where it goes first. Each pass's time goes to the cost model with the tenants it computed for."""
         chunks = [(r, min(n, len(r.pending))) for r, n in chunks]
         first = True
         while chunks:
-            pieces = [(r, min(n, pass_tokens or n)) for r, n in chunks]
+            pieces = [(r, next_piece(n, pass_tokens, self.scheduler.config.min_chunk_tokens)) for r, n in chunks]
             groups = padded_groups([n for _, n in pieces], max_tokens=pass_tokens)
             going_on = {r.sched.tenant for (r, n), (_, m) in zip(chunks, pieces) if n > m}
             for k, group in enumerate(groups):

@@ -34,3 +34,12 @@ def padded_groups(lengths: list[int], max_padding: float = MAX_PADDING,
     for group in groups:
         group.sort()
     return sorted(groups, key=lambda g: g[0])
+
+
+def next_piece(n: int, pass_tokens: int | None, sliver: int) -> int:
+    """The tokens of an n-token chunk the next pass computes: at most ``pass_tokens`` (a chunk longer than a pass
+    runs over several), unless the rest would be fewer than ``sliver``, a pass of its own for a few tokens (a
+    34-token question cut 33 + 1 paid a second ~30 ms pass)."""
+    if pass_tokens is None or n - pass_tokens < sliver:
+        return n
+    return pass_tokens

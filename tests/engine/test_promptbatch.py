@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inferscale.engine.promptbatch import MAX_PADDING, padded_groups
+from inferscale.engine.promptbatch import MAX_PADDING, next_piece, padded_groups
 
 
 def _padding(lengths: list[int], group: list[int]) -> float:
@@ -43,3 +43,9 @@ def test_a_pass_holds_at_most_max_tokens_padded():
     assert [len(g) for g in groups] == [3, 3, 3, 3, 3, 1]
     assert sorted(i for g in groups for i in g) == list(range(16))
     assert padded_groups([128, 20], max_tokens=64) == [[0], [1]]  # a longer chunk is a pass of its own
+
+
+def test_a_chunk_longer_than_a_pass_is_cut_without_leaving_a_sliver():
+    assert next_piece(90, 32, 8) == 32 and next_piece(58, 32, 8) == 32 and next_piece(26, 32, 8) == 26
+    assert next_piece(34, 33, 8) == 34  # 33 + 1 would be a pass for one token
+    assert next_piece(90, None, 8) == 90
