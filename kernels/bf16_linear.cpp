@@ -59,32 +59,37 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// W [out, in] as vectors of 16 outputs: packed[v][pair][lane] is in-features pair `pair` of output 16 v + lane,
-// zero past out_features; the number of vectors is rounded up to kUnit / kLanes.
-at::Tensor bf16_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-              "bf16_pack: a contiguous bf16 weight [out, in] expected");
-  TORCH_CHECK(weight.size(1) % 32 == 0, "bf16_pack: in-features must be a multiple of 32");
-  const int64_t out_features = weight.size(0), pairs = weight.size(1) / 2;
-  const int64_t vectors = (out_features + kUnit - 1) / kUnit * (kUnit / kLanes);
-  at::Tensor packed = at::empty({vectors, pairs, kLanes}, weight.options().dtype(at::kInt));
-  const auto* w = reinterpret_cast<const uint32_t*>(weight.data_ptr());
+// Rows [rows, words] of 32-bit words (a bf16 pair, or four int8) as `vectors` vectors of 16 rows, word by word:
+// packed[v][word][lane] is word `word` of row 16 v + lane, zero past the rows. Words must be a multiple of 16.
+at::Tensor pack_vectors(const at::Tensor& rows_of_words, int64_t rows, int64_t words, int64_t vectors) {
+  at::Tensor packed = at::empty({vectors, words, kLanes}, rows_of_words.options().dtype(at::kInt));
+  const auto* w = reinterpret_cast<const uint32_t*>(rows_of_words.data_ptr());
   auto* pk = reinterpret_cast<uint32_t*>(packed.data_ptr());
   const uint32_t zero[kLanes] = {};
   at::parallel_for(0, vectors, 16, [&](int64_t begin, int64_t end) {
     for (int64_t v = begin; v < end; ++v) {
-      for (int64_t c = 0; c < pairs; c += kLanes) {
+      for (int64_t c = 0; c < words; c += kLanes) {
         __m512i r[16];
         for (int j = 0; j < 16; ++j) {
           const int64_t row = v * kLanes + j;
-          r[j] = _mm512_loadu_si512(row < out_features ? w + row * pairs + c : zero);
+          r[j] = _mm512_loadu_si512(row < rows ? w + row * words + c : zero);
         }
         transpose16(r);
-        for (int q = 0; q < 16; ++q) _mm512_storeu_si512(pk + (v * pairs + c + q) * kLanes, r[q]);
+        for (int q = 0; q < 16; ++q) _mm512_storeu_si512(pk + (v * words + c + q) * kLanes, r[q]);
       }
     }
   });
   return packed;
+}
+
+// W [out, in] as vectors of 16 outputs, pair by pair (pack_vectors), the number of vectors rounded up to
+// kUnit / kLanes.
+at::Tensor bf16_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "bf16_pack: a contiguous bf16 weight [out, in] expected");
+  TORCH_CHECK(weight.size(1) % 32 == 0, "bf16_pack: in-features must be a multiple of 32");
+  const int64_t out_features = weight.size(0);
+  return pack_vectors(weight, out_features, weight.size(1) / 2, (out_features + kUnit - 1) / kUnit * (kUnit / kLanes));
 }
 
 struct Product {
@@ -188,30 +193,16 @@ at::Tensor bf16_linear(const at::Tensor& packed, const at::Tensor& x, int64_t ch
 std::vector<at::Tensor> screen_pack_vnni(const at::Tensor& weight) {
   std::vector<at::Tensor> qs = screen_pack(weight);
   const at::Tensor& q = qs[0];
-  const int64_t out = q.size(0), quads = q.size(1) / 4, vectors = (out + kLanes - 1) / kLanes;
-  at::Tensor packed = at::empty({vectors, quads, kLanes}, q.options().dtype(at::kInt));
+  const int64_t out = q.size(0), in = q.size(1);
+  at::Tensor packed = pack_vectors(q, out, in / 4, (out + kLanes - 1) / kLanes);
   at::Tensor sums = at::empty({out}, q.options().dtype(at::kInt));
-  const auto* w = reinterpret_cast<const uint32_t*>(q.data_ptr());
   const int8_t* qb = q.data_ptr<int8_t>();
-  auto* pk = reinterpret_cast<uint32_t*>(packed.data_ptr());
   int32_t* sp = sums.data_ptr<int32_t>();
-  const uint32_t zero[kLanes] = {};
-  at::parallel_for(0, vectors, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t v = begin; v < end; ++v) {
-      for (int64_t c = 0; c < quads; c += kLanes) {
-        __m512i r[16];
-        for (int j = 0; j < 16; ++j) {
-          const int64_t row = v * kLanes + j;
-          r[j] = _mm512_loadu_si512(row < out ? w + row * quads + c : zero);
-        }
-        transpose16(r);
-        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(pk + (v * quads + c + i) * kLanes, r[i]);
-      }
-      for (int64_t row = v * kLanes; row < std::min(out, (v + 1) * kLanes); ++row) {
-        int32_t total = 0;
-        for (int64_t i = 0; i < 4 * quads; ++i) total += qb[row * 4 * quads + i];
-        sp[row] = total;
-      }
+  at::parallel_for(0, out, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      int32_t total = 0;
+      for (int64_t i = 0; i < in; ++i) total += qb[row * in + i];
+      sp[row] = total;
     }
   });
   return {packed, qs[1], sums};
