@@ -71,10 +71,10 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     inference mode has no version to watch: packed on every call (tests' random weights, never the model's)."""
     if weight.is_inference():
         return torch.ops.inferscale_bf16.bf16_pack(weight)
-    held = getattr(weight, "_inferscale_bf16_packed", None)
+    held = getattr(weight, "inferscale_bf16_packed", None)
     if held is None or held[0] != weight._version:
         held = (weight._version, torch.ops.inferscale_bf16.bf16_pack(weight))
-        weight._inferscale_bf16_packed = held
+        weight.inferscale_bf16_packed = held
     return held[1]
 
 
