@@ -20,6 +20,16 @@ for _ in $(seq 1 300); do
   if ! kill -0 $SERVER 2>/dev/null; then cat "$LOG"; exit 1; fi
   sleep 1
 done
+# The first start creates the tenants file and prints its key once (only its hash is stored): the demo's data dir
+# keeps that key for the next runs (owner-only file), else INFERSCALE_API_KEY gives it.
+KEYFILE="$DATA/demo-api-key"
 KEY=$(grep -o 'isk-[A-Za-z0-9_-]*' "$LOG" | head -1 || true)
+if [ -n "$KEY" ]; then (umask 077 && printf '%s\n' "$KEY" >"$KEYFILE"); fi
 if [ -z "$KEY" ] && [ -n "${INFERSCALE_API_KEY:-}" ]; then KEY=$INFERSCALE_API_KEY; fi
+if [ -z "$KEY" ] && [ -s "$KEYFILE" ]; then KEY=$(cat "$KEYFILE"); fi
+if [ -z "$KEY" ]; then
+  echo "no API key for $DATA/tenants.json (its key was printed when it was created): set INFERSCALE_API_KEY, or" \
+       "remove $DATA to start over" >&2
+  exit 1
+fi
 INFERSCALE_API_KEY="$KEY" .venv/bin/inferscale demo --url "http://127.0.0.1:$PORT"
