@@ -23,9 +23,7 @@ def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
 def screen_ops() -> tuple[Callable, Callable] | None:
     """The LM head's int8 screen (``greedy_screen.h``) on the same kernel as the products: ``screen_pack(weight)`` ->
     a list of tensors, ``greedy_screen(*packed, x)`` -> [n, 2] candidates; None where that kernel has none."""
-    if amx_linear.load() is not None:
-        return amx_linear.screen_ops()
-    return bf16_linear.screen_ops() if bf16_linear.load() is not None else None
+    return amx_linear.screen_ops() if amx_linear.load() is not None else bf16_linear.screen_ops()
 
 
 def screen_rows() -> int:

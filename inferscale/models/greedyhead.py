@@ -14,8 +14,9 @@ logits kept for fidelity) take the full head (``Head.logits``).
 Used only where the head's logits come from the decode kernel (``decode_linear``: so the rescored rows are those
 logits bit for bit) and it has a screen (AMX-INT8, or AVX512-VNNI beside AVX512-BF16), there is no final
 soft-capping or bias, and for up to ``decode_linear.screen_rows()`` rows (at most ``MAX_ROWS``): past that the
-screen's per-row work costs more than the bf16 rows it saves (AMX machine: 16 rows 30 vs 23 ms; 1 row 10 vs 19 ms. AMD Zen 4: 1 row 6.3 vs 8.5-10 ms, 11 candidates
-at the median of 85 LoCoMo positions, a decode step in process 21.6 -> 19.0 ms).
+screen's per-row work costs more than the bf16 rows it saves (AMX machine: 16 rows 30 vs 23 ms; 1 row 10 vs 19 ms.
+AMD Zen 4: 1 row 6.3 vs 8.5-10 ms, 11 candidates at the median of 85 LoCoMo positions, a decode step in process
+21.6 -> 19.0 ms).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ products of a Gemma-3-270M decode step 10 ms instead of 17-22 ms; 16 rows 14 ins
 up to ``KERNEL_MAX_ROWS`` rows take the path; past F.linear's 32 each row gets what it gets among fewer rows.
 On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the kernel is ``kernels/bf16_linear.cpp`` (``decode_linear`` picks):
 oneDNN's ``vdpbf16ps`` arithmetic there, checked the same way (Gemma-3-270M's decode step on the 2-core Zen 4
-machine 68 -> 47 ms through the server, the LM head 30-35 -> 17 ms).
+machine 67 -> 25-29 ms through the server, the LM head 30-35 -> 10 ms).
 """
 
 from __future__ import annotations
