@@ -25,7 +25,8 @@ from inferscale.kernels import cppext
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rms_norm.cpp")
 # No -march: aten's order is reproduced with plain arrays; no contraction: v * v is rounded before it is summed.
-FLAGS = ["-O3", "-ffp-contract=off"]
+# OpenMP: at::parallel_for hands runs of rows to torch's threads (a prompt pass's rows; a decode step's few run inline).
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 CHECK_WIDTHS = (640, 256, 1152, 2048, 100, 7)  # Gemma-3 hidden and head sizes, and widths with scalar tails
 
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -87,7 +88,8 @@ def qk_agrees(op: Callable) -> bool:
     """``op`` gives ``qk_reference``'s outputs on random q/k rows: Gemma-3-270M's head size and a small one, one
     and several tokens, two sequences, q/k as a slice of a wider q/k/v product (as the lean layer hands them)."""
     gen = torch.Generator().manual_seed(1)
-    for batch, length, groups, heads, d in ((1, 1, 5, 4, 256), (2, 5, 5, 4, 256), (3, 7, 6, 4, 64)):
+    # (1, 44, ...): a prompt pass's rows, which threads share
+    for batch, length, groups, heads, d in ((1, 1, 5, 4, 256), (2, 5, 5, 4, 256), (3, 7, 6, 4, 64), (1, 44, 5, 4, 256)):
         wide = (torch.randn(batch, length, (groups + 2) * d, generator=gen) * 3).to(torch.bfloat16)
         qk = wide[..., : groups * d].reshape(batch, length, groups, d)
         weight = 1.0 + torch.randn(groups, 1, d, generator=gen) * 0.1
