@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -16,6 +18,7 @@ from inferscale.server.accesslog import RouteAccessLog
 from inferscale.server.auth import TenantRegistry, require_tenant
 from inferscale.server.guard import TenantGuard
 from inferscale.engine.scheduler import SchedulerConfig
+from inferscale.engine.threads import on_own_thread, pin_threads
 from inferscale.engine.worker import EngineWorker
 from inferscale.engine.backend import EngineBackend
 from inferscale.server.schemas import ModelCard, ModelList, ModelProfile
@@ -103,11 +106,9 @@ def create_internal_app(settings: Settings, store, telemetry, fleet: Fleet) -> F
     return app
 
 
-def create_app(settings: Settings | None = None, *, engine: Engine | None = None, store: KVStore | None = None,
-               embedder: Embedder | None = None, tenants: TenantRegistry | None = None,
-               span_exporter=None, metric_reader=None) -> FastAPI:
-    settings = settings or Settings.from_env()
-    check_engine(settings)
+def open_services(settings: Settings, engine: Engine | None, embedder: Embedder | None,
+                  store: KVStore | None) -> tuple[Engine, Embedder, KVStore, EngineBackend]:
+    """The engine, retrieval embedder and store (those not given: loaded) and the engine's backend."""
     if engine is None:
         from inferscale.engine import Engine
 
@@ -117,22 +118,38 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         from inferscale.retrieval import Embedder
 
         embedder = Embedder()
-    owns_store = store is None
     store = store if store is not None else open_store(settings)
+    return engine, embedder, store, open_backend(settings, engine)
+
+
+def create_app(settings: Settings | None = None, *, engine: Engine | None = None, store: KVStore | None = None,
+               embedder: Embedder | None = None, tenants: TenantRegistry | None = None,
+               span_exporter=None, metric_reader=None) -> FastAPI:
+    settings = settings or Settings.from_env()
+    check_engine(settings)
     tenants = tenants or TenantRegistry(settings.tenants_path, max_k=settings.max_k, max_tokens=settings.max_tokens,
                                         max_in_flight=settings.max_in_flight, budgets=settings.tenant_budgets)
     # A tenant API key must never be a plane credential: refuse to start if one is (and any later file with one).
     tenants.forbid(plane_credentials(settings))
+    owns_store = store is None
+    # Built on a thread that ends: no OpenMP pool stays behind on this one (inferscale/engine/threads.py)
+    engine, embedder, store, worker = on_own_thread(open_services, settings, engine, embedder, store)
     # Each tenant's DRAM share, again after every tenants-file reload.
     tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
-    worker = open_backend(settings, engine)
     telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
                                 metric_reader=metric_reader, load=lambda: (worker.active, worker.queued))
     inject_trace_ids_into_logs()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        # The event loop and its worker threads (retrieval's embedding, fetches) run torch on one core each: only
+        # the engine thread computes on all of them (inferscale/engine/threads.py)
+        pin_threads(1)
+        side = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="inferscale-io", initializer=pin_threads,
+                                                     initargs=(1,))
+        asyncio.get_running_loop().set_default_executor(side)
         yield
+        side.shutdown(wait=False)
         worker.close()
         telemetry.shutdown()
         if owns_store:

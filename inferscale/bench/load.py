@@ -89,30 +89,29 @@ def _floor(server: LiveServer, reps: int = 5) -> dict:
     (the counts the engine's thread tuner picks between), whichever reads faster now."""
     import torch
 
-    from inferscale.engine.threads import usable_cores
+    from inferscale.engine.threads import on_own_thread, pin_threads, usable_cores
 
     params = {p.data_ptr(): p for p in server.app.state.engine.loaded.model.parameters()}.values()  # tied: once
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     big = max(params, key=lambda p: p.numel()).detach().flatten()
     # Its bytes summed as float32 (a bf16 sum converts every element and runs below memory speed on a CPU).
     words = big.view(torch.float32) if big.numel() * big.element_size() % 4 == 0 else big
-    engine_threads = torch.get_num_threads()  # this thread's count, set back after measuring
+    engine_threads = torch.get_num_threads()
     loop = getattr(server.app.state.worker, "loop", None)  # the PyTorch backend's serving loop
     tuner = getattr(loop, "threads", None)
-    best = {}
-    try:
+
+    def read_speed(threads: int) -> float:  # bytes/s; on a thread of its own, whose OpenMP pool ends with it
+        pin_threads(threads)
         with torch.inference_mode():
-            for threads in sorted({1, usable_cores()}):
-                torch.set_num_threads(threads)
-                words.sum()  # warm-up
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    float(words.sum())
-                    times.append(time.perf_counter() - t0)
-                best[threads] = big.numel() * big.element_size() / statistics.median(times)
-    finally:
-        torch.set_num_threads(engine_threads)
+            words.sum()  # warm-up
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                float(words.sum())
+                times.append(time.perf_counter() - t0)
+        return big.numel() * big.element_size() / statistics.median(times)
+
+    best = {threads: on_own_thread(read_speed, threads) for threads in sorted({1, usable_cores()})}
     threads, bandwidth = max(best.items(), key=lambda kv: kv[1])
     return {"weight_bytes": weight_bytes, "read_gb_per_s": bandwidth / 1e9, "floor_ms": weight_bytes / bandwidth * 1e3,
             "floor_threads": threads,

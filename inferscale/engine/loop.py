@@ -38,7 +38,7 @@ from inferscale.engine.promptbatch import next_piece, padded_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
-from inferscale.engine.threads import tuned_choices
+from inferscale.engine.threads import pin_threads, tuned_choices
 from inferscale.engine.threadtuner import ThreadTuner
 from inferscale.models.greedyhead import Head
 from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongError
@@ -136,7 +136,7 @@ class ServingLoop:
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
         self.steps = 0
-        self.threads = ThreadTuner(tuned_choices(), torch.set_num_threads)  # a no-op after an explicit count
+        self.threads = ThreadTuner(tuned_choices(), pin_threads)  # a no-op after an explicit count
 
     # ---- any thread -------------------------------------------------------------------------------------------
     def add(self, req: GenRequest) -> None:

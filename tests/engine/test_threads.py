@@ -1,12 +1,18 @@
 """The engine's torch thread rule (issue 22): every usable core; -1 tunes between 1 and all by the decode passes'
-own times; an explicit count wins and is never tuned."""
+own times; an explicit count wins and is never tuned; other threads run torch on one core, without a pool."""
 
 from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from inferscale.engine.threads import configure_threads, default_threads, tuned_choices, usable_cores
+from inferscale.engine.threads import (configure_threads, default_threads, on_own_thread, pin_threads, tuned_choices,
+                                       usable_cores)
 from inferscale.engine.threadtuner import MAX_EVERY, PROBE_EVERY, RECENT, ThreadTuner
 from inferscale.errors import ConfigError
 
@@ -74,3 +80,71 @@ def test_a_probe_waits_for_passes_at_the_same_batch_size():
         tuner.before_decode(i)  # the batch changes every pass: no fair comparison, no probe
         assert state["n"] == 2
         tuner.after_decode(i, 0.1)
+
+
+# ---- one OpenMP pool: only the engine thread computes on every core --------------------------------------------
+def _os_threads() -> int:
+    """This process's OS threads, once those of threads just joined have left /proc (they linger a moment)."""
+    counts = [len(os.listdir("/proc/self/task"))]
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and (len(counts) < 5 or len(set(counts[-5:])) > 1):
+        time.sleep(0.02)
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts[-1]
+
+
+def _in_thread_alive(work, pin: bool) -> tuple[int, int]:
+    """Run ``work`` on a new thread (pinned to one core or not) and, while that thread still lives, count this
+    process's OS threads; (threads it added, its torch thread count)."""
+    done, release, seen = threading.Event(), threading.Event(), {}
+
+    def run():
+        if pin:
+            pin_threads(1)
+        work()
+        seen["threads"] = torch.get_num_threads()
+        done.set()
+        release.wait(30)
+
+    before = _os_threads()
+    thread = threading.Thread(target=run)
+    thread.start()
+    done.wait(30)
+    added = _os_threads() - before
+    release.set()
+    thread.join()
+    return added, seen["threads"]
+
+
+def _parallel_kernels():
+    x = torch.ones(1 << 22)
+    x.add_(1)  # an aten kernel split over threads
+    (torch.ones(512, 512) @ torch.ones(512, 512)).sum()  # MKL's own threads
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or usable_cores() < 2, reason="needs /proc and 2 cores")
+def test_a_pinned_thread_runs_torch_on_its_own_core_and_keeps_no_pool():
+    """libgomp keeps a pool of workers for every thread that ran a parallel kernel; past one worker per core none
+    of them spins between kernels (the server's decode step 19 -> 28 ms on 2 cores). A pinned thread adds only
+    itself; the same kernels on an unpinned thread add its pool."""
+    pinned, count = _in_thread_alive(_parallel_kernels, pin=True)
+    assert (pinned, count) == (1, 1)
+    unpinned, _ = _in_thread_alive(_parallel_kernels, pin=False)
+    assert unpinned > 1
+
+
+def test_pinning_a_thread_leaves_the_others_and_the_default_as_they_are():
+    before = torch.get_num_threads()
+    _, count = _in_thread_alive(lambda: None, pin=True)
+    assert count == 1 and torch.get_num_threads() == before
+    _, fresh = _in_thread_alive(lambda: None, pin=False)  # a new thread still starts from torch's default
+    assert fresh == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or usable_cores() < 2, reason="needs /proc and 2 cores")
+def test_work_on_its_own_thread_returns_its_result_and_leaves_no_pool():
+    before = _os_threads()
+    assert on_own_thread(lambda x: (_parallel_kernels(), x * 2)[1], 21) == 42
+    assert _os_threads() == before  # the thread and its OpenMP pool are gone
+    with pytest.raises(ZeroDivisionError):
+        on_own_thread(lambda: 1 / 0)
