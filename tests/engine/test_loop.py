@@ -86,7 +86,6 @@ def test_min_tokens_bans_stop_tokens_until_reached(engine):
     assert events[-1].completion_tokens == 7
 
 
-
 def test_a_chunk_longer_than_a_pass_runs_in_passes_and_another_tenant_cuts_in_between(engine, monkeypatch):
     """Issue 22: a flooding tenant's 123-token chunk ran as one 145 ms pass while a newcomer waited it out. A chunk
     runs in pieces of at most the step's ``pass_tokens`` (a last piece of fewer than ``min_chunk_tokens``, 32 here,
