@@ -99,13 +99,15 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         return self.lean_step(hidden_states, rotary_tables(*position_embeddings), attention_mask, cache)
 
     def lean_step(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
-                  cache) -> torch.Tensor:
+                  cache, key_from: int = 0) -> torch.Tensor:
         """``forward`` with the rotary tables already made by ``rotary_tables`` (the whole-model pass,
-        leanmodel.py, makes them once per layer type, not once per layer)."""
+        leanmodel.py, makes them once per layer type, not once per layer). With ``key_from`` the attention reads
+        the cached keys from that index on; ``attention_mask`` then covers only those (no row sees the ones
+        before: a sliding window's past, ``leanmodel.first_key``)."""
         lean: _LeanState = self.inferscale_lean
         residual = hidden_states
         h = lean_rms(hidden_states, lean.input_norm, lean.eps)
-        h = self._attention(h, rotary, attention_mask, cache)
+        h = self._attention(h, rotary, attention_mask, cache, key_from)
         h = lean_rms(h, lean.post_attention_norm, lean.eps)
         hidden_states = residual + h
         residual = hidden_states
@@ -115,7 +117,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         return residual + h
 
     def _attention(self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
-                   cache) -> torch.Tensor:
+                   cache, key_from: int = 0) -> torch.Tensor:
         attn, lean = self.self_attn, self.inferscale_lean
         fused = lean.fused
         batch, q_len = h.shape[:2]
@@ -135,6 +137,8 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
                                            attn.config.num_attention_heads)
         if cache is not None:
             key, v = cache.update(key, v, attn.layer_idx)
+        if key_from:
+            key, v = key[:, :, key_from:], v[:, :, key_from:]
         out, _ = sdpa_attention_forward(attn, query, key, v, attention_mask, dropout=0.0, scaling=attn.scaling,
                                         sliding_window=attn.sliding_window)  # what transformers' layer calls
         return attn.o_proj(out.reshape(batch, q_len, -1).contiguous())

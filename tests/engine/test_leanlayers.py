@@ -101,6 +101,60 @@ def test_the_lean_pass_is_installed_and_gives_the_models_logits_and_kv(engine):
         assert all(torch.equal(a, b) for a, b in zip(*outs)), (batch, q_len, past)
 
 
+def test_sliding_layers_leave_out_key_blocks_no_row_sees_and_the_numbers_stay(engine, monkeypatch):
+    """Past the window and a whole key block, a sliding layer's attention reads the keys from the block its rows'
+    windows start in, the full layers every key; logits and K/V stay the model's own."""
+    lean = engine.loaded.lean
+    model, config = engine.loaded.model, engine.loaded.config
+    # float32's flash attention gives other bits for some shapes once blocks are left out: it reads every key
+    assert lean.key_block == (leanmodel.KEY_BLOCK if model.dtype == torch.bfloat16 else None)
+    read: list[int] = []
+    sdpa = leanlayers.sdpa_attention_forward
+    monkeypatch.setattr(leanlayers, "sdpa_attention_forward",
+                        lambda module, q, k, v, *a, **kw: read.append(k.shape[-2]) or sdpa(module, q, k, v, *a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    for batch, q_len, past in ((2, 1, 600), (1, 3, 1100)):
+        ids = torch.randint(0, config.vocab_size, (batch, q_len), generator=gen)
+        pos = torch.arange(past, past + q_len)[None].expand(batch, -1)
+        prior = [torch.randn(2, batch, config.num_key_value_heads, past, config.head_dim, generator=gen)
+                 .to(model.dtype) for _ in range(config.num_hidden_layers)]
+        outs = []
+        for run in ("model", "lean"):
+            cache, masks = leanmodel_cache(prior), _causal_masks(engine, batch, q_len, past)
+            read.clear()
+            with torch.inference_mode():
+                logits = (model(input_ids=ids, position_ids=pos, attention_mask=masks, cache=cache, use_cache=True)
+                          .logits if run == "model" else lean(ids, pos, masks, cache, 0))
+            outs.append([logits] + [t for layer in cache.layers for t in (layer.keys, layer.values)])
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), (batch, q_len, past)
+        kv_len, first = past + q_len, past - config.sliding_window + 1
+        if lean.key_block is None:
+            assert read == [kv_len] * config.num_hidden_layers
+            continue
+        expected = [kv_len - (first - first % leanmodel.KEY_BLOCK) if t == "sliding_attention" else kv_len
+                    for t in config.layer_types]
+        assert read == expected and min(read) < kv_len, (batch, q_len, past)
+
+
+def test_a_crop_that_changes_the_numbers_is_not_installed(monkeypatch):
+    monkeypatch.setattr(leanmodel, "_same_when_cropped", lambda model, lean: False)  # as where the two differ
+    lean = from_model(tm.model("gemma3", dtype=torch.bfloat16, sliding_window=8), tm.tokenizer()).lean
+    assert lean is not None and lean.key_block is None
+    mask = torch.zeros(1, 1, 1, 2000)
+    assert leanmodel.first_key(mask, None) == 0
+
+
+def test_first_key_rounds_down_to_a_block_and_sees_every_row():
+    hidden = torch.finfo(torch.float32).min
+    mask = torch.full((2, 1, 1, 2000), hidden)
+    mask[0, 0, 0, 1500:] = 0  # row 0 sees keys 1500..
+    mask[1, 0, 0, 1100:] = 0  # row 1 from 1100: the first block it starts in is 1024..
+    assert leanmodel.first_key(mask, 512) == 1024
+    assert leanmodel.first_key(mask == 0, 512) == 1024  # a boolean mask (True: seen) alike
+    assert leanmodel.first_key(torch.full((1, 1, 1, 2000), hidden), 512) == 0  # nothing seen: nothing left out
+    assert leanmodel.first_key(mask[..., :512], 512) == 0  # one block: nothing to leave out
+
+
 def test_the_loop_runs_the_lean_pass_and_an_eager_pass_runs_the_model(engine, monkeypatch):
     calls = []
     lean = engine.loaded.lean
