@@ -1,9 +1,10 @@
 """``inferscale bench load``: the real server under concurrent streaming clients, ``kv`` and ``text`` side by side.
 
 The server runs in this process on loopback (uvicorn, the production app); clients are the official ``openai``
-async client, in a process of their own (loadclients.py). Every request is forced to the same output length with vLLM's ``ignore_eos``. Per N concurrent
-streams and mode it reports: aggregate decode tokens/s (all completion tokens / wall time of the N streams), TTFT
-p50/p95, time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode
+async client, in a process of their own (loadclients.py). Every request is forced to the same output length with
+vLLM's ``ignore_eos``. Per N concurrent streams and mode it reports: tokens/s (all completion tokens / wall time of
+the N streams), the aggregate decode rate over the whole span (from the first stream's first token to the last
+one's last: the later prompts' prefills interleave with it) and while all N decode (``steady``), TTFT p50/p95, time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode
 against the same request on the idle server. TTFT ends at the first chunk with visible content, as aiperf and
 the SDK's users count it.
 
@@ -144,6 +145,7 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
         wide = next(w for w in rows if w["mode"] == mode and w["n"] == top)
         out[f"{mode}_tokens_per_s_{top}_over_1"] = wide["tokens_per_s"] / r["tokens_per_s"]
         out[f"{mode}_decode_tokens_per_s_{top}_over_1"] = wide["decode_tokens_per_s"] / r["decode_tokens_per_s"]
+        out[f"{mode}_steady_tokens_per_s_{top}_over_1"] = wide["steady_tokens_per_s"] / r["steady_tokens_per_s"]
     if flood:
         out["flood_ratio"] = flood["ratio"]
         out["flood_refused_p50_ms"] = flood["a_refused_p50_ms"]
@@ -211,11 +213,12 @@ def _print(result: dict, rep: dict) -> None:
     print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}; decode floor "
           f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
           f"{fl['floor_threads']} threads; the engine decodes on {fl['torch_threads']} now)")
-    print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} {'p95':>8} "
-          f"{'arrival TTFT':>13} {'idle TTFT':>10}  (ms)")
+    print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'steady':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "
+          f"{'p95':>8} {'arrival TTFT':>13} {'idle TTFT':>10}  (ms)")
     for r in rep["rows"]:
         arrival = f"{r['arrival_ttft_ms']:.1f}" if r["arrival_ttft_ms"] is not None else "-"
         print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['decode_tokens_per_s']:>8.1f} "
+              f"{r['steady_tokens_per_s']:>8.1f} "
               f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} {r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
     f = rep.get("flood")
     if f:
@@ -234,9 +237,11 @@ def _print_summary(summary: dict) -> None:
         if key.endswith("_step_over_floor"):
             print(f"bar: {key.removesuffix('_step_over_floor')} single-stream step / floor = {v['median']:.2f}x "
                   f"(bar <= 1.5x)")
-        elif "_decode_tokens_per_s_" in key:
-            mode, ratio = key.split("_decode_tokens_per_s_")
-            print(f"bar: {mode} aggregate decode tokens/s, {ratio.replace('_over_', ' streams / ')} stream = "
+        elif "_decode_tokens_per_s_" in key or "_steady_tokens_per_s_" in key:
+            steady = "_steady_" in key
+            mode, ratio = key.split("_steady_tokens_per_s_" if steady else "_decode_tokens_per_s_")
+            what = "while all decode" if steady else "over the whole span"
+            print(f"bar: {mode} aggregate decode tokens/s {what}, {ratio.replace('_over_', ' streams / ')} stream = "
                   f"{v['median']:.2f}x (bar >= 8x)")
 
 

@@ -35,6 +35,7 @@ class Stream:
     tokens: int
     first_t: float | None = None  # perf_counter of the first and the last visible content
     last_t: float | None = None
+    times: tuple[float, ...] = ()  # perf_counter of every chunk with visible content
 
 
 class FloodSignals(TypedDict):
@@ -122,7 +123,7 @@ async def _stream(client, model: str, mode: str, k: int, tokens: int, question: 
         first.set()
     ttft = (times[0] if times else time.perf_counter()) - t0
     tpot = (times[-1] - times[0]) / (used - 1) if len(times) >= 2 and used > 1 else None
-    return Stream(ttft, tpot, used, times[0] if times else None, times[-1] if times else None)
+    return Stream(ttft, tpot, used, times[0] if times else None, times[-1] if times else None, tuple(times))
 
 
 async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:
@@ -145,7 +146,7 @@ async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: i
     await client.close()
     ttfts, tpots = [r.ttft_s for r in results], [r.tpot_s for r in results if r.tpot_s is not None]
     return {"mode": mode, "n": n, "tokens_per_s": sum(r.tokens for r in results) / wall,
-            "decode_tokens_per_s": _decode_rate(results),
+            "decode_tokens_per_s": _decode_rate(results), "steady_tokens_per_s": _steady_rate(results),
             "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p95_ms": pct(ttfts, 0.95) * 1e3,
             "tpot_p50_ms": pct(tpots, 0.5) * 1e3, "tpot_p95_ms": pct(tpots, 0.95) * 1e3,
             "idle_ttft_ms": idle.ttft_s * 1e3, "arrival_ttft_ms": arrival * 1e3 if arrival is not None else None}
@@ -159,6 +160,18 @@ def _decode_rate(streams: list[Stream]) -> float:
         return float("nan")
     span = max(s.last_t for s in done) - min(s.first_t for s in done)
     return sum(s.tokens - 1 for s in done) / span if span > 0 else float("nan")
+
+
+def _steady_rate(streams: list[Stream]) -> float:
+    """The aggregate decode rate while all N streams decode: from the last stream's first visible chunk to the
+    first stream's last, each stream's chunk intervals inside that window over its length. Without the prompts'
+    prefills, which the whole-span rate (``_decode_rate``) counts as they interleave with the other streams'
+    decode steps; NaN where the streams never all decode at once."""
+    if not streams or any(len(s.times) < 2 for s in streams):
+        return float("nan")
+    start, end = max(s.times[0] for s in streams), min(s.times[-1] for s in streams)
+    intervals = sum(max(0, sum(start <= t <= end for t in s.times) - 1) for s in streams)
+    return intervals / (end - start) if end > start and intervals else float("nan")
 
 
 async def _refusable(client, model: str, k: int, tokens: int, refused: list[float], signals: FloodSignals) -> None:

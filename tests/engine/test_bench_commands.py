@@ -1,6 +1,7 @@
 """`inferscale bench ttft` and `bench locomo` run end to end on a tiny model and write the documented JSON."""
 
 import json
+import math
 
 import pytest
 
@@ -111,9 +112,26 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
         assert summary[key]["min"] <= summary[key]["median"] <= summary[key]["max"]
     printed = capsys.readouterr().out
     assert f"bar: kv single-stream step / floor = {summary['kv_step_over_floor']['median']:.2f}x" in printed
-    assert ("bar: kv aggregate decode tokens/s, 2 streams / 1 stream = "
+    assert ("bar: kv aggregate decode tokens/s over the whole span, 2 streams / 1 stream = "
             f"{summary['kv_decode_tokens_per_s_2_over_1']['median']:.2f}x") in printed
+    assert "bar: kv aggregate decode tokens/s while all decode, 2 streams / 1 stream = " in printed
     assert result["floor"]["floor_threads"] >= 1 and result["floor"]["torch_threads"] >= 1
+
+
+def test_the_steady_rate_counts_only_while_every_stream_decodes():
+    """Two streams: one decodes from t=0 at 10 tokens/s, the other starts at t=1 (its prompt's prefill in between)
+    at 10 tokens/s too. While both decode the rate is 20/s; over the whole span it reads lower."""
+    from inferscale.bench.loadclients import Stream, _decode_rate, _steady_rate
+
+    def stream(start: float, n: int) -> Stream:
+        times = tuple(start + i / 10 for i in range(n))
+        return Stream(0.0, 0.1, n, times[0], times[-1], times)
+
+    both = [stream(0.0, 31), stream(1.0, 31)]  # 0..3 s and 1..4 s: both decode from 1 to 3 s
+    assert _steady_rate(both) == pytest.approx(20.0)
+    assert _decode_rate(both) == pytest.approx(60 / 4.0)
+    assert _steady_rate([stream(0.0, 11)]) == pytest.approx(10.0)  # one stream: 1 / its time per token
+    assert math.isnan(_steady_rate([stream(0.0, 11), stream(2.0, 11)]))  # never both at once
 
 
 def test_bench_fleet_json(model_dir, tmp_path):
