@@ -4,8 +4,10 @@ The server runs in this process on loopback (uvicorn, the production app); clien
 async client, in a process of their own (loadclients.py). Every request is forced to the same output length with
 vLLM's ``ignore_eos``. Per N concurrent streams and mode it reports: tokens/s (all completion tokens / wall time of
 the N streams), the aggregate decode rate over the whole span (from the first stream's first token to the last
-one's last: the later prompts' prefills interleave with it) and while all N decode (``steady``), TTFT p50/p95, time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode
-against the same request on the idle server. TTFT ends at the first chunk with visible content, as aiperf and
+one's last: the later prompts' prefills interleave with it) and while all N decode (``steady``), TTFT p50/p95,
+time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode against the same
+request's on the idle server (the median of three, after one request that pays the client's first-use costs: a
+new client's first TTFT read 160-240 ms against ~100). TTFT ends at the first chunk with visible content, as aiperf and
 the SDK's users count it.
 
 Beside them (issue 22) it measures, in the same process and thread settings, the decode step's floor: the model's
