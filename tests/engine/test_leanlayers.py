@@ -78,54 +78,26 @@ def test_other_families_and_a_mismatch_keep_the_hf_layers(monkeypatch):
 
 
 def test_the_lean_pass_is_installed_and_gives_the_models_logits_and_kv(engine):
-    lean = engine.loaded.lean
-    assert isinstance(lean, leanmodel.LeanGemma3Model)
-    model, config = engine.loaded.model, engine.loaded.config
+    assert isinstance(engine.loaded.lean, leanmodel.LeanGemma3Model)
     gen = torch.Generator().manual_seed(2)
     for batch, q_len, past in ((1, 1, 9), (4, 1, 20), (2, 6, 3)):
-        ids = torch.randint(0, config.vocab_size, (batch, q_len), generator=gen)
-        pos = torch.arange(past, past + q_len)[None].expand(batch, -1)
-        prior = [torch.randn(2, batch, config.num_key_value_heads, past, config.head_dim, generator=gen)
-                 .to(model.dtype) for _ in range(config.num_hidden_layers)]
-        outs = []
-        for run in ("model", "lean"):
-            cache = leanmodel_cache(prior)
-            masks = _causal_masks(engine, batch, q_len, past)  # as the serving loop hands them to either
-            with torch.inference_mode():
-                if run == "model":
-                    logits = model(input_ids=ids, position_ids=pos, attention_mask=masks, cache=cache,
-                                   use_cache=True).logits
-                else:
-                    logits = lean(ids, pos, masks, cache, 0)
-            outs.append([logits] + [t for layer in cache.layers for t in (layer.keys, layer.values)])
+        outs = _model_and_lean(engine, batch, q_len, past, gen)
         assert all(torch.equal(a, b) for a, b in zip(*outs)), (batch, q_len, past)
 
 
 def test_sliding_layers_leave_out_key_blocks_no_row_sees_and_the_numbers_stay(engine, monkeypatch):
     """Past the window and a whole key block, a sliding layer's attention reads the keys from the block its rows'
     windows start in, the full layers every key; logits and K/V stay the model's own."""
-    lean = engine.loaded.lean
-    model, config = engine.loaded.model, engine.loaded.config
+    lean, config = engine.loaded.lean, engine.loaded.config
     # float32's flash attention gives other bits for some shapes once blocks are left out: it reads every key
-    assert lean.key_block == (leanmodel.KEY_BLOCK if model.dtype == torch.bfloat16 else None)
+    assert lean.key_block == (leanmodel.KEY_BLOCK if engine.loaded.model.dtype == torch.bfloat16 else None)
     read: list[int] = []
     sdpa = leanlayers.sdpa_attention_forward
     monkeypatch.setattr(leanlayers, "sdpa_attention_forward",
                         lambda module, q, k, v, *a, **kw: read.append(k.shape[-2]) or sdpa(module, q, k, v, *a, **kw))
     gen = torch.Generator().manual_seed(3)
     for batch, q_len, past in ((2, 1, 600), (1, 3, 1100)):
-        ids = torch.randint(0, config.vocab_size, (batch, q_len), generator=gen)
-        pos = torch.arange(past, past + q_len)[None].expand(batch, -1)
-        prior = [torch.randn(2, batch, config.num_key_value_heads, past, config.head_dim, generator=gen)
-                 .to(model.dtype) for _ in range(config.num_hidden_layers)]
-        outs = []
-        for run in ("model", "lean"):
-            cache, masks = leanmodel_cache(prior), _causal_masks(engine, batch, q_len, past)
-            read.clear()
-            with torch.inference_mode():
-                logits = (model(input_ids=ids, position_ids=pos, attention_mask=masks, cache=cache, use_cache=True)
-                          .logits if run == "model" else lean(ids, pos, masks, cache, 0))
-            outs.append([logits] + [t for layer in cache.layers for t in (layer.keys, layer.values)])
+        outs = _model_and_lean(engine, batch, q_len, past, gen, before=read.clear)
         assert all(torch.equal(a, b) for a, b in zip(*outs)), (batch, q_len, past)
         kv_len, first = past + q_len, past - config.sliding_window + 1
         if lean.key_block is None:
@@ -134,6 +106,25 @@ def test_sliding_layers_leave_out_key_blocks_no_row_sees_and_the_numbers_stay(en
         expected = [kv_len - (first - first % leanmodel.KEY_BLOCK) if t == "sliding_attention" else kv_len
                     for t in config.layer_types]
         assert read == expected and min(read) < kv_len, (batch, q_len, past)
+
+
+def _model_and_lean(engine: Engine, batch: int, q_len: int, past: int, gen: torch.Generator, before=lambda: None):
+    """Logits and cached K/V of one pass of ``q_len`` random tokens over ``past`` random cached ones, through the
+    model's own forward and through the lean pass (``before`` runs before each), with the serving loop's masks."""
+    model, config, lean = engine.loaded.model, engine.loaded.config, engine.loaded.lean
+    ids = torch.randint(0, config.vocab_size, (batch, q_len), generator=gen)
+    pos = torch.arange(past, past + q_len)[None].expand(batch, -1)
+    prior = [torch.randn(2, batch, config.num_key_value_heads, past, config.head_dim, generator=gen)
+             .to(model.dtype) for _ in range(config.num_hidden_layers)]
+    outs = []
+    for run in ("model", "lean"):
+        cache, masks = leanmodel_cache(prior), _causal_masks(engine, batch, q_len, past)  # as the loop hands them
+        before()
+        with torch.inference_mode():
+            logits = (model(input_ids=ids, position_ids=pos, attention_mask=masks, cache=cache, use_cache=True).logits
+                      if run == "model" else lean(ids, pos, masks, cache, 0))
+        outs.append([logits] + [t for layer in cache.layers for t in (layer.keys, layer.values)])
+    return outs
 
 
 def test_a_crop_that_changes_the_numbers_is_not_installed(monkeypatch):
