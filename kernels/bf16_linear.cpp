@@ -296,6 +296,54 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   return screen_candidates(result, x.options());  // [candidates, 2]: (row of x, vocabulary row)
 }
 
+// ---- Each row's argmax over bf16 logits, as aten's max(dim=-1).indices gives it ------------------------------
+//
+// The first maximum of the row; where the row holds a NaN, its first NaN (aten's max propagates NaN). aten reduces
+// a bf16 row element by element (16 rows x 262k logits: 3.6 ms on this 2-core Zen 4 against ~0.3 ms to read them):
+// here 16 lanes keep each the first maximum of their own elements (strictly greater replaces, so ties keep the
+// earliest), then the lanes' maxima meet and the lowest index among the equal ones wins.
+int64_t row_argmax(const c10::BFloat16* row, int64_t n) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  __m512 best = neg_inf;
+  __m512i best_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i at = best_at;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 valid = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m256i bits = _mm256_maskz_loadu_epi16(valid, row + j);
+    const __m512 v = _mm512_mask_mov_ps(neg_inf, valid,
+                                        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 higher = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, higher, v);
+    best_at = _mm512_mask_mov_epi32(best_at, higher, at);
+    at = _mm512_add_epi32(at, step);
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(static_cast<float>(row[j]))) return j;
+  }
+  const float top = _mm512_reduce_max_ps(best);
+  const __mmask16 tied = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  const __m512i big = _mm512_set1_epi32(INT32_MAX);
+  return _mm512_reduce_min_epi32(_mm512_mask_mov_epi32(big, tied, best_at));
+}
+
+at::Tensor rows_argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kBFloat16 && logits.is_contiguous() &&
+              logits.size(1) >= 1 && logits.size(1) < (int64_t{1} << 31),
+              "rows_argmax: contiguous bf16 logits [rows, n] expected, 1 <= n < 2^31");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const auto* p = reinterpret_cast<const c10::BFloat16*>(logits.data_ptr());
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(p + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(inferscale_bf16, m) {
@@ -303,4 +351,5 @@ TORCH_LIBRARY(inferscale_bf16, m) {
   m.def("bf16_linear(Tensor packed, Tensor x, int chain, int out_features) -> Tensor", &bf16_linear);
   m.def("screen_pack(Tensor weight) -> Tensor[]", &screen_pack_vnni);
   m.def("greedy_screen(Tensor packed, Tensor stats, Tensor sums, Tensor x) -> Tensor", &greedy_screen_vnni);
+  m.def("rows_argmax(Tensor logits) -> Tensor", &rows_argmax);
 }

@@ -59,6 +59,15 @@ def screen_ops() -> tuple[Callable, Callable] | None:
     return torch.ops.inferscale_bf16.screen_pack, torch.ops.inferscale_bf16.greedy_screen
 
 
+def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``rows_argmax(logits)`` -> int64 [rows]: each row of contiguous bf16 ``logits`` [rows, n] reduced to its
+    first maximum (its first NaN where it has one), as ``max(dim=-1).indices``, vectorized (16 rows x 262k logits:
+    0.3 vs 3.7 ms); None where the kernel is not built here."""
+    if load() is None:
+        return None
+    return torch.ops.inferscale_bf16.rows_argmax
+
+
 def product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` [rows, out] (bf16, contiguous) for a bf16 ``weight`` [out, in] and ``x`` [rows, in]."""
     one, many = chains(weight.shape[1])

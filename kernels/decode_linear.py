@@ -26,6 +26,12 @@ def screen_ops() -> tuple[Callable, Callable] | None:
     return amx_linear.screen_ops() if amx_linear.load() is not None else bf16_linear.screen_ops()
 
 
+def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Each bf16 logits row's first maximum, as ``max(dim=-1).indices`` (``bf16_linear.rows_argmax``), where the
+    products run on ``bf16_linear``; None elsewhere (the AMX kernel's machines do not build that file)."""
+    return bf16_linear.rows_argmax() if load() is bf16_linear.product else None
+
+
 def screen_rows() -> int:
     """The most rows of x for which the screen beats reading the bf16 head (2-core machines, one LM head call): AMX 4
     (1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs 23), AVX512-VNNI 1 (1 row 6.1 vs 7.3 ms, 2 rows 7.6 vs 7.6,

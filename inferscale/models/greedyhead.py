@@ -83,6 +83,17 @@ def install_greedy_head(head: torch.nn.Module, softcap: float | None) -> GreedyH
     return greedy
 
 
+def first_max(logits: torch.Tensor) -> list[int]:
+    """Each row's first maximum of ``logits`` [rows, vocab] (its first NaN where it has one), as
+    ``max(dim=-1).indices`` gives it: through the decode kernel's vectorized reduction for bf16 rows on the CPU
+    where it is built (aten reduces a bf16 row element by element: 16 rows of 262k logits 3.7 vs 0.3 ms), else
+    aten's."""
+    reduce = decode_linear.rows_argmax()
+    if reduce is not None and logits.dim() == 2 and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
+        return reduce(logits.contiguous()).tolist()
+    return logits.max(dim=-1).indices.tolist()
+
+
 @dataclass
 class Head:
     """A pass's last hidden rows [rows, in] before the LM head: their logits, or only their argmax (cheaper where a
@@ -106,4 +117,4 @@ class Head:
             tokens = self.greedy.argmax(self.hidden)
             if tokens is not None:
                 return tokens
-        return self.logits().max(dim=-1).indices.tolist()
+        return first_max(self.logits())

@@ -102,3 +102,47 @@ def test_a_bf16_model_runs_its_products_on_the_decode_kernel(product):
     linears = [m for m in loaded.model.modules() if isinstance(m, WeightMajorLinear)]
     assert linears and all(m.blocks == KERNEL for m in linears)
     assert loaded.pass_rows == KERNEL_MAX_ROWS
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "all -inf", "nan", "inf and -0"])
+def test_rows_argmax_gives_aten_max_indices(product, kind):
+    """Each row's first maximum (its first NaN where it has one), as ``max(dim=-1).indices``, at ragged lengths
+    (16-lane tails) and the LM head's width."""
+    gen = torch.Generator().manual_seed(7)
+    argmax = bf16_linear.rows_argmax()
+    for rows, n in ((1, 1), (3, 17), (16, 262144), (5, 1000), (2, 33)):
+        x = torch.randn(rows, n, generator=gen)
+        if kind == "ties":
+            x = torch.randint(-2, 2, (rows, n), generator=gen).float()
+        elif kind == "all -inf":
+            x = torch.full((rows, n), float("-inf"))
+        elif kind == "nan":
+            x[torch.rand(rows, n, generator=gen) < 0.02] = float("nan")
+            x[:, -1] = float("nan")  # every row holds one: the first wins
+        elif kind == "inf and -0":
+            x[torch.rand(rows, n, generator=gen) < 0.01] = float("inf")
+            x[torch.rand(rows, n, generator=gen) < 0.3] = -0.0
+        x = x.to(torch.bfloat16)
+        assert torch.equal(argmax(x), x.max(dim=-1).indices), (kind, rows, n)
+
+
+def test_rows_argmax_refuses_what_it_does_not_reduce(product):
+    with pytest.raises(RuntimeError, match="contiguous bf16 logits"):
+        bf16_linear.rows_argmax()(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="contiguous bf16 logits"):
+        bf16_linear.rows_argmax()(torch.randn(8, 2).to(torch.bfloat16).t())
+
+
+def test_the_heads_argmax_runs_the_kernel_and_gives_aten_indices(product, monkeypatch):
+    from inferscale.models import greedyhead
+
+    if amx_linear.load() is not None:
+        pytest.skip("AMX here: the products and the argmax stay off bf16_linear")
+    assert decode_linear.rows_argmax() is torch.ops.inferscale_bf16.rows_argmax
+    calls = []
+    real = bf16_linear.rows_argmax()
+    monkeypatch.setattr(decode_linear, "rows_argmax", lambda: lambda x: calls.append(x.shape) or real(x))
+    logits = torch.randn(16, 5000, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    assert greedyhead.first_max(logits) == logits.max(dim=-1).indices.tolist() and calls == [(16, 5000)]
+    assert greedyhead.first_max(logits.float()) == logits.float().max(dim=-1).indices.tolist()  # fp32: aten's
+    assert calls == [(16, 5000)]
