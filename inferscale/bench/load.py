@@ -220,8 +220,8 @@ def _print(result: dict, rep: dict) -> None:
     for r in rep["rows"]:
         arrival = f"{r['arrival_ttft_ms']:.1f}" if r["arrival_ttft_ms"] is not None else "-"
         print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['decode_tokens_per_s']:>8.1f} "
-              f"{r['steady_tokens_per_s']:>8.1f} "
-              f"{r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} {r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
+              f"{r['steady_tokens_per_s']:>8.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} "
+              f"{r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
     f = rep.get("flood")
     if f:
         shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"

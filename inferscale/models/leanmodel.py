@@ -15,9 +15,10 @@ A sliding-window layer's attention reads only the keys some row of the pass can 
 boundary before them (``first_key``): torch's CPU flash attention takes the keys in blocks of 512, and in bfloat16
 a leading block no row sees adds nothing to any value, so dropping it changes no bit (torch 2.13, measured: 262
 random shapes equal, and 116 more whose rows sit 600-3,400 tokens apart; dropping 128 or 256 keys differs, and so
-does float32, 17 of 104 shapes: float32 models read every key). Checked on the model at install (``_same_when_cropped``). The full-attention layers read every key. With
-Gemma-3-270M's 512-token window a decode step at 1,500 tokens reads 988 keys on 15 of its 18 layers: one row's
-attention there 1.86 -> 1.25 ms a layer, 16 rows' 30 -> 18 ms (SDPA alone, this 2-core machine).
+does float32, 17 of 104 shapes: float32 models read every key). Checked on the model at install
+(``_same_when_cropped``). The full-attention layers read every key. With Gemma-3-270M's 512-token window a
+decode step at 1,500 tokens reads 988 keys on 15 of its 18 layers: one row's attention there 1.86 -> 1.25 ms a
+layer, 16 rows' 30 -> 18 ms (SDPA alone, this 2-core machine).
 """
 
 from __future__ import annotations
