@@ -33,9 +33,15 @@ class Stream:
     ttft_s: float
     tpot_s: float | None  # (last token - first token) / (tokens - 1)
     tokens: int
-    first_t: float | None = None  # perf_counter of the first and the last visible content
-    last_t: float | None = None
     times: tuple[float, ...] = ()  # perf_counter of every chunk with visible content
+
+    @property
+    def first_t(self) -> float | None:  # the first visible content
+        return self.times[0] if self.times else None
+
+    @property
+    def last_t(self) -> float | None:  # the last visible content
+        return self.times[-1] if self.times else None
 
 
 class FloodSignals(TypedDict):
@@ -123,7 +129,7 @@ async def _stream(client, model: str, mode: str, k: int, tokens: int, question: 
         first.set()
     ttft = (times[0] if times else time.perf_counter()) - t0
     tpot = (times[-1] - times[0]) / (used - 1) if len(times) >= 2 and used > 1 else None
-    return Stream(ttft, tpot, used, times[0] if times else None, times[-1] if times else None, tuple(times))
+    return Stream(ttft, tpot, used, tuple(times))
 
 
 async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:

@@ -125,7 +125,7 @@ def test_the_steady_rate_counts_only_while_every_stream_decodes():
 
     def stream(start: float, n: int) -> Stream:
         times = tuple(start + i / 10 for i in range(n))
-        return Stream(0.0, 0.1, n, times[0], times[-1], times)
+        return Stream(0.0, 0.1, n, times)
 
     both = [stream(0.0, 31), stream(1.0, 31)]  # 0..3 s and 1..4 s: both decode from 1 to 3 s
     assert _steady_rate(both) == pytest.approx(20.0)
