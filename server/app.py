@@ -16,6 +16,7 @@ from inferscale import __version__
 from inferscale.server import chat, httperrors, ingest, internal, memories, ops
 from inferscale.server.accesslog import RouteAccessLog
 from inferscale.server.auth import TenantRegistry, require_tenant
+from inferscale.server.gcheap import startup_heap_frozen
 from inferscale.server.guard import TenantGuard
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.threads import on_own_thread, pin_threads
@@ -148,7 +149,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         side = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="inferscale-io", initializer=pin_threads,
                                                      initargs=(1,))
         asyncio.get_running_loop().set_default_executor(side)
-        yield
+        with startup_heap_frozen():  # full collections skip what lives as long as the app (gcheap.py)
+            yield
         side.shutdown(wait=False)
         worker.close()
         telemetry.shutdown()
