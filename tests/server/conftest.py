@@ -168,3 +168,21 @@ def _upload(live):
     r = httpx.put(f"{live.url}/v1/memories/caroline", json={"items": SAMPLE}, headers=live.headers("acme"), timeout=60)
     assert r.status_code == 200, r.text
     return SAMPLE
+
+
+@pytest.fixture
+def acme_app(tmp_path, tiny_engine, embedder):
+    """An app (not started) of the one tenant "acme" over the tiny engine, with its own store; a test starts it
+    (``TestClient(app)``: the lifespan runs) as it needs."""
+    from inferscale.server.app import create_app
+    from inferscale.server.settings import Settings
+    from inferscale.store import KVStore
+
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"acme": [hash_key(KEYS["acme"])]}))
+    settings = Settings(data_dir=tmp_path, tenants_file=tenants, model=MODEL)
+    store = KVStore(settings.store_dir, dram_budget_bytes=16 << 20, nixl=False)
+    try:
+        yield create_app(settings, engine=tiny_engine, embedder=embedder, store=store)
+    finally:
+        store.close()
