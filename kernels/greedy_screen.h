@@ -1,7 +1,8 @@
 // The LM head's int8 screen for greedy decoding, shared by the AMX kernel (amx_linear.cpp) and the AVX512 one
 // (bf16_linear.cpp): the int8 copy of the head with its per-row bounds, x's two int8 rows, the sink that turns a
 // tile of exact int32 products into kept candidates, and the final filter. Each kernel reads the int8 head its own
-// way and hands this code 16 vocabulary rows x 16 columns of int32 sums (column 2r: x row r's p1, 2r + 1: its p2).
+// way; the AMX one hands ScreenSink 16 vocabulary rows x 16 columns of int32 sums (column 2r: x row r's p1, 2r + 1:
+// its p2), the AVX512 one computes the same bounds 16 vocabulary rows a vector (its VectorSink).
 // Included inside each kernel's anonymous namespace.
 #pragma once
 

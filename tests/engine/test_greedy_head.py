@@ -61,6 +61,22 @@ def test_the_screened_token_is_the_full_heads_argmax(ops):
                 assert greedy.argmax(x) == _full_argmax(weight, x), (scale, rows)
 
 
+def test_the_argmax_in_the_last_partial_vector_is_found(ops):
+    """A vocabulary that ends mid-vector (4,099 rows: 3 past the last full 16): a winner there is a candidate and
+    the token, and no row past the vocabulary is ever one."""
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(4099, 640, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(2, 640, generator=gen).to(torch.bfloat16)
+    for row, winner in ((0, 4098), (1, 4096)):
+        weight[winner] = (x[row].float() * 0.2).to(torch.bfloat16)  # far above every other logit of that row
+    greedy = GreedyHead(weight)
+    greedy.max_rows = MAX_ROWS
+    with torch.inference_mode():
+        candidates = ops[1](*greedy.packed, x)
+        assert int(candidates[:, 1].max()) < 4099
+        assert greedy.argmax(x) == [4098, 4096] == _full_argmax(weight, x)
+
+
 def test_ties_go_to_the_first_maximum(ops):
     """Rows equal to the winner (the same logit to the bit) placed before and after it: argmax's first maximum."""
     gen = torch.Generator().manual_seed(2)
