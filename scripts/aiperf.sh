@@ -2,7 +2,9 @@
 # NVIDIA's aiperf against `inferscale serve`, the way a user measures it (README, "Measured with aiperf").
 # aiperf is a reference client, not a dependency: install it into a venv of its own, e.g.
 #   python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf
-# Usage: scripts/aiperf.sh [PORT] [REQUESTS]   (AIPERF=path/to/aiperf; MODES="kv text"; K=20)
+# Usage: scripts/aiperf.sh [PORT] [REQUESTS]   (AIPERF=path/to/aiperf; MODES="kv text"; K=20;
+#   PROMPTS=bench sends `inferscale bench load`'s own questions, as a single_turn input file, instead of aiperf's
+#   24-token synthetic prompts: the same requests through both clients, so their TTFTs can be compared)
 # Starts a server on a fresh data dir with one tenant, stores 20 synthetic memories for user "maya", runs aiperf
 # once per mode (concurrency 1, 24-token synthetic prompts, 16 output tokens forced with ignore_eos), stops it.
 # aiperf paces its requests at RATE per second (default 100, above what one stream can ask for, so concurrency 1 is
@@ -17,11 +19,18 @@ AIPERF=${AIPERF:-aiperf}
 K=${K:-20}
 RATE=${RATE:-100}
 PACING=()
+PROMPT_ARGS=(--prompt-input-tokens-mean 24 --prompt-input-tokens-stddev 0)
 [ "$RATE" != 0 ] && PACING=(--request-rate "$RATE" --request-rate-mode constant)
 export PYTHONSAFEPATH=1 HF_HUB_OFFLINE=1
 DATA=$(mktemp -d "${TMPDIR:-/tmp}/inferscale-aiperf.XXXX")
 # The server's own view of the same requests (its TTFT and TPOT histograms), read from /metrics around each run.
 export INFERSCALE_METRICS_TOKEN=aiperf-metrics-$RANDOM$RANDOM
+if [ "${PROMPTS:-synthetic}" = bench ]; then
+  .venv/bin/python -c "
+import json, sys; from inferscale.bench.synthetic import QUESTIONS
+open(sys.argv[1], 'w').writelines(json.dumps({'text': q}) + '\n' for q in QUESTIONS)" "$DATA/questions.jsonl"
+  PROMPT_ARGS=(--custom-dataset-type single_turn --input-file "$DATA/questions.jsonl")
+fi
 TOKENIZER=$(.venv/bin/python -c "from inferscale.models.loader import load_model; print(load_model().tokenizer.name_or_path)")
 .venv/bin/python -c "
 import json, sys; from inferscale.server.auth import hash_key
@@ -65,7 +74,7 @@ for MODE in ${MODES:-kv text}; do
   # hub cache (snapshot_download), which refuses a local directory; online, a local directory loads as it is.
   env -u HF_HUB_OFFLINE "$AIPERF" profile --model gemma-3-270m --url "http://127.0.0.1:$PORT" --endpoint-type chat --streaming \
     --api-key isk-aiperf --tokenizer "$TOKENIZER" --concurrency 1 "${PACING[@]}" --request-count "$REQUESTS" \
-    --warmup-request-count 2 --prompt-input-tokens-mean 24 --prompt-input-tokens-stddev 0 \
+    --warmup-request-count 2 "${PROMPT_ARGS[@]}" \
     --prompt-output-tokens-mean 16 --prompt-output-tokens-stddev 0 \
     --extra-inputs "{\"user\": \"maya\", \"inferscale\": {\"k\": $K, \"mode\": \"$MODE\"}, \"ignore_eos\": true}" \
     --ui-type simple --no-server-metrics --output-artifact-dir "$DATA/aiperf-$MODE" 2>&1 \
