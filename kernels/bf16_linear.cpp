@@ -36,6 +36,11 @@ constexpr int64_t kLanes = 16;       // outputs per vector
 constexpr int64_t kUnit = 64;        // outputs per task step (4 vectors)
 constexpr int64_t kMaxRows = 8;      // activation rows per register block
 
+// The first min(n, 16) lanes of a vector (n >= 1): where a row's end falls inside it.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // Rows r[0..15] of 16 words -> out[p] holding word p of every row (lane j = row j).
 inline void transpose16(__m512i r[16]) {
   __m512i t[16], u[16];
@@ -128,8 +133,7 @@ void block(const Product& p, int64_t v, int64_t r0) {
   for (int g = 0; g < G; ++g) {
     const int64_t first = (v + g) * kLanes;
     if (first >= p.out_features) break;
-    const __mmask16 keep = static_cast<__mmask16>(
-        p.out_features - first >= kLanes ? 0xFFFF : (1u << (p.out_features - first)) - 1);
+    const __mmask16 keep = first_lanes(p.out_features - first);
     for (int r = 0; r < R; ++r) {
       const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sum[g][r]));  // nearest even, as oneDNN stores
       _mm256_mask_storeu_epi16(p.out + (r0 + r) * p.out_features + first, keep, b);
@@ -215,29 +219,21 @@ std::vector<at::Tensor> screen_pack_vnni(const at::Tensor& weight) {
 // a transposed store and a scalar pass (the scalar sink was a quarter of the screen's time on Zen 4). The bound is
 // ScreenSink::tile's, term for term; its slack covers float32's rounding whatever order the compiler picks.
 struct VectorSink {
-  struct Row {  // one row of x's float32 constants for the bound
-    float a, b, x_l1, rest, g;
-  };
   const float* st;  // [4, vocab]
   int64_t vocab;
   ScreenResult& result;
-  std::vector<Row> rows;
+  std::vector<RowBound> rows;
   std::vector<float> best;
   std::vector<std::array<float, 3>> kept;
 
   VectorSink(const float* stats, int64_t vocab_rows, const std::vector<Quantized>& z, float gamma, ScreenResult& out)
       : st(stats), vocab(vocab_rows), result(out), best(z.size(), -INFINITY) {
-    for (const Quantized& q : z) {
-      const float x_l1 = static_cast<float>(q.l1) * (1.0f + 1e-6f);
-      rows.push_back({static_cast<float>(q.a), static_cast<float>(q.b), x_l1,
-                      static_cast<float>(q.rest) * (1.0f + 1e-6f), x_l1 * gamma});
-    }
+    for (const Quantized& q : z) rows.push_back(row_bound(q, gamma));
   }
 
-  // x row r's exact sums q.p1 (s1) and q.p2 (s2) for vocabulary rows [o, o + 16).
-  void lanes(__m512i s1, __m512i s2, int64_t r, int64_t o) {
-    const __mmask16 valid = vocab - o >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (vocab - o)) - 1);
-    const Row& x = rows[r];
+  // x row r's exact sums q.p1 (s1) and q.p2 (s2) for vocabulary rows [o, o + 16), of which `valid` exist.
+  void lanes(__m512i s1, __m512i s2, int64_t r, int64_t o, __mmask16 valid) {
+    const RowBound& x = rows[r];
     const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(x.a), _mm512_cvtepi32_ps(s1));
     const __m512 t2 = _mm512_mul_ps(_mm512_set1_ps(x.b), _mm512_cvtepi32_ps(s2));
     const __m512 scale = _mm512_maskz_loadu_ps(valid, st + kScale * vocab + o);
@@ -264,11 +260,7 @@ struct VectorSink {
     }
   }
 
-  void done() {
-    std::lock_guard<std::mutex> guard(result.lock);
-    for (size_t r = 0; r < best.size(); ++r) result.best[r] = std::max(result.best[r], best[r]);
-    result.kept.insert(result.kept.end(), kept.begin(), kept.end());
-  }
+  void done() { result.merge(best, kept); }
 };
 
 // Vocabulary vectors [v, v + G) against every column (p1 and p2 of each row of x, as u8 quads): exact int32 sums,
@@ -293,12 +285,12 @@ void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xu, con
   }
   for (int g = 0; g < G; ++g) {
     const int64_t o = (v + g) * kLanes;
-    const __mmask16 valid = sink.vocab - o >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (sink.vocab - o)) - 1);
+    const __mmask16 valid = first_lanes(sink.vocab - o);
     const __m512i bias = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(valid, sums + o), 7);  // 128 * the row sums
     for (int k = 0; k + 1 < C; k += 2) {
       const __m512i s1 = _mm512_sub_epi32(_mm512_add_epi32(acc[g][k][0], acc[g][k][1]), bias);
       const __m512i s2 = _mm512_sub_epi32(_mm512_add_epi32(acc[g][k + 1][0], acc[g][k + 1][1]), bias);
-      sink.lanes(s1, s2, k / 2, o);
+      sink.lanes(s1, s2, k / 2, o, valid);
     }
   }
 }
@@ -373,7 +365,7 @@ int64_t row_argmax(const c10::BFloat16* row, int64_t n) {
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 nan = 0;
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 valid = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __mmask16 valid = first_lanes(n - j);
     const __m256i bits = _mm256_maskz_loadu_epi16(valid, row + j);
     const __m512 v = _mm512_mask_mov_ps(neg_inf, valid,
                                         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));

@@ -101,7 +101,25 @@ struct ScreenResult {
   std::mutex lock;
   std::vector<float> best;          // per row of x
   std::vector<std::array<float, 3>> kept;  // (row of x, vocabulary row, upper bound), as floats for the sort below
+
+  void merge(const std::vector<float>& task_best, const std::vector<std::array<float, 3>>& task_kept) {  // a task's
+    std::lock_guard<std::mutex> guard(lock);
+    for (size_t r = 0; r < task_best.size(); ++r) best[r] = std::max(best[r], task_best[r]);
+    kept.insert(kept.end(), task_kept.begin(), task_kept.end());
+  }
 };
+
+// One row of x's float32 factors of the bound: a and b (x ~ a p1 + b p2), |x|_1 and max|x - a p1 - b p2| rounded up,
+// and |x|_1 times the summation's gamma.
+struct RowBound {
+  float a, b, x_l1, rest, g;
+};
+
+RowBound row_bound(const Quantized& z, float gamma) {
+  const float x_l1 = static_cast<float>(z.l1) * (1.0f + 1e-6f);
+  return {static_cast<float>(z.a), static_cast<float>(z.b), x_l1, static_cast<float>(z.rest) * (1.0f + 1e-6f),
+          x_l1 * gamma};
+}
 
 float margin_floor(float lb) { return lb - (std::fabs(lb) * 0.03125f + 1e-30f); }  // two bf16 steps: 2^-5 |lb|
 
@@ -123,9 +141,7 @@ struct ScreenSink {
     for (int64_t col = 0; col + 1 < kScreenCols; col += 2) {
       const int64_t r = (group * kScreenCols + col) / 2;
       if (r >= rows) break;
-      const float a = static_cast<float>(z[r].a), b = static_cast<float>(z[r].b);
-      const float x_l1 = static_cast<float>(z[r].l1) * (1.0f + 1e-6f);
-      const float rest = static_cast<float>(z[r].rest) * (1.0f + 1e-6f), g = x_l1 * gamma;
+      const auto [a, b, x_l1, rest, g] = row_bound(z[r], gamma);
       float lo[kScreenRows], hi[kScreenRows], lb = best[r];
       for (int64_t i = 0; i < tile_rows; ++i) {
         const int64_t v = o + i;
@@ -146,11 +162,7 @@ struct ScreenSink {
     }
   }
 
-  void done() {
-    std::lock_guard<std::mutex> guard(result.lock);
-    for (size_t r = 0; r < best.size(); ++r) result.best[r] = std::max(result.best[r], best[r]);
-    result.kept.insert(result.kept.end(), kept.begin(), kept.end());
-  }
+  void done() { result.merge(best, kept); }
 };
 
 // x's rows quantized (screen_pack's layout: rows 2r and 2r + 1 of xq are row r's p1 and p2).
