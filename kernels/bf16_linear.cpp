@@ -295,6 +295,10 @@ void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xu, con
   }
 }
 
+// The most rows of x the VNNI screen takes: screen_vectors has a template for 2, 4, 6 and 8 columns (two a row; AMX's
+// tiles take kScreenCols / 2 rows). GreedyHead gives it at most 4 (models/greedyhead.py, MAX_ROWS).
+constexpr int64_t kVnniScreenMaxRows = 4;
+
 template <int C>
 void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
                     int64_t count, VectorSink& sink) {
@@ -318,7 +322,7 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(0) >= 1,
               "greedy_screen: contiguous bf16 rows x [rows, in] expected");
   TORCH_CHECK(x.size(1) == 4 * quads, "greedy_screen: in-features differ: ", x.size(1), " vs ", 4 * quads);
-  TORCH_CHECK(x.size(0) <= kScreenCols / 2, "greedy_screen: at most ", kScreenCols / 2, " rows of x");
+  TORCH_CHECK(x.size(0) <= kVnniScreenMaxRows, "greedy_screen: at most ", kVnniScreenMaxRows, " rows of x");
   const int64_t rows = x.size(0), in = x.size(1);
   at::Tensor xq = at::empty({2 * rows, in}, x.options().dtype(at::kChar));
   const std::vector<Quantized> z = quantize_rows(x, xq);
@@ -343,7 +347,8 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
         case 2: screen_vectors<2>(pk, quads, xw, sp, v, count, sink); break;
         case 4: screen_vectors<4>(pk, quads, xw, sp, v, count, sink); break;
         case 6: screen_vectors<6>(pk, quads, xw, sp, v, count, sink); break;
-        default: screen_vectors<8>(pk, quads, xw, sp, v, count, sink); break;
+        case 8: screen_vectors<8>(pk, quads, xw, sp, v, count, sink); break;
+        default: TORCH_CHECK(false, "greedy_screen: no screen for ", rows, " rows");
       }
     }
     sink.done();

@@ -48,7 +48,7 @@ def test_the_int8_product_is_exact(ops):
 
 def test_the_screened_token_is_the_full_heads_argmax(ops):
     """Random heads and hidden rows of every scale, 1 to MAX_ROWS rows a call (the kernel's screen at every row
-    count it may be given, past where it pays here too): the same token as the bf16 head."""
+    count it may be given): the same token as the bf16 head."""
     gen = torch.Generator().manual_seed(1)
     weight = (torch.randn(20000, 640, generator=gen) * 0.05).to(torch.bfloat16)
     greedy = GreedyHead(weight)
@@ -59,6 +59,26 @@ def test_the_screened_token_is_the_full_heads_argmax(ops):
                 x = (torch.randn(rows, 640, generator=gen) * scale).to(torch.bfloat16)
                 x[:, 7] *= 50  # an outlier channel, as Gemma's hidden states have
                 assert greedy.argmax(x) == _full_argmax(weight, x), (scale, rows)
+
+
+def test_every_row_count_the_screen_accepts_keeps_each_rows_argmax(ops):
+    """The kernel's op either refuses a row count or screens every row it was given: no row comes back without
+    candidates (the VNNI screen once accepted 8 rows and screened only the first 4)."""
+    gen = torch.Generator().manual_seed(6)
+    weight = (torch.randn(3000, 640, generator=gen) * 0.05).to(torch.bfloat16)
+    packed = GreedyHead(weight).packed
+    accepted = []
+    for rows in range(1, 10):
+        x = torch.randn(rows, 640, generator=gen).to(torch.bfloat16)
+        try:
+            candidates = ops[1](*packed, x)
+        except RuntimeError as e:
+            assert "rows of x" in str(e), e
+            continue
+        accepted.append(rows)
+        for row, best in enumerate(_full_argmax(weight, x)):
+            assert best in candidates[candidates[:, 0] == row, 1].tolist(), (rows, row)
+    assert MAX_ROWS in accepted and accepted == list(range(1, len(accepted) + 1))
 
 
 def test_the_argmax_in_the_last_partial_vector_is_found(ops):
