@@ -32,13 +32,6 @@ def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     return bf16_linear.rows_argmax() if load() is bf16_linear.product else None
 
 
-def screen_rows() -> int:
-    """The most rows of x for which the screen beats reading the bf16 head (2-core machines, one LM head call): AMX 4
-    (1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs 23), AVX512-VNNI 1 (1 row 6.1 vs 7.3 ms, 2 rows 7.6 vs 7.6,
-    3 rows 10.9 vs 7.9: its per-row bound work weighs more against a head read at ~34 GB/s)."""
-    return 4 if amx_linear.load() is not None else 1
-
-
 def prepare(weight: torch.Tensor) -> None:
     """Ready ``weight`` for the kernel now rather than at its first product: ``bf16_linear`` packs a copy (kept on
     the tensor); the AMX kernel reads the weight as it is."""

@@ -13,11 +13,13 @@ logits kept for fidelity) take the full head (``Head.logits``).
 
 Used only where the head's logits come from the decode kernel (``decode_linear``: so the rescored rows are those
 logits bit for bit) and it has a screen (AMX-INT8, or AVX512-VNNI beside AVX512-BF16), there is no final
-soft-capping or bias, and for up to ``decode_linear.screen_rows()`` rows (at most ``MAX_ROWS``): past that the
-screen's per-row work costs more than the bf16 rows it saves (AMX machine: 16 rows 30 vs 23 ms; 1 row 10 vs 19 ms.
-AMD Zen 4: 1 row 6.3 vs 8.5-10 ms, 11 candidates at the median of 85 LoCoMo positions, a decode step in process
-21.6 -> 19.0 ms; since its bounds are computed 16 rows a vector and the next vectors prefetched, the screen reads
-the 168 MB int8 head as fast as a float32 sum reads it: 5.8-6.4 -> 4.5-5.0 ms at 34 GB/s, 2.7 ms at 62 GB/s).
+soft-capping or bias, and for up to ``MAX_ROWS`` rows: past that the screen's per-row work (two int8 rows of x
+each) costs more than the bf16 rows it saves. Measured on 2-core machines, screen and rescoring against the full
+head: AMX 1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs 23. AMD Zen 4 (AVX512-VNNI, real decode rows, 20
+interleaved repeats): 1 row 5.7 vs 9.6 ms, 2 rows 6.3 vs 9.8, 3 rows 6.4 vs 10.0, 4 rows 8.4 vs 10.1 (before its
+bounds were computed 16 rows a vector and the next vectors prefetched, 2 rows already cost as much as the head,
+and the screen took one row). The screen reads the 168 MB int8 head as fast as a float32 sum reads it (4.5-5.0 ms
+at 34 GB/s, 2.7 ms at 62 GB/s).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from inferscale.kernels import decode_linear
 from inferscale.models.weightmajor import KERNEL
 
 log = logging.getLogger(__name__)
-MAX_ROWS = 4  # the most rows a screen takes on any kernel (decode_linear.screen_rows: where it pays, per kernel)
+MAX_ROWS = 4  # the most rows a screen takes (where it pays on both kernels; the module's docstring)
 MAX_CANDIDATES = 4096  # per call: past it (a flat distribution) the full head is cheaper than the rescoring
 CHECK_ROWS = 8  # rows of each scale checked against the full head at install
 
@@ -46,7 +48,7 @@ class GreedyHead:
         pack, self._screen = ops
         self.weight = weight  # the bf16 head [vocab, in]: the candidates' rows are read from it
         self.packed: list[torch.Tensor] = pack(weight)  # the int8 head and its bounds, as the kernel reads them
-        self.max_rows = min(MAX_ROWS, decode_linear.screen_rows())  # past them the full head is cheaper
+        self.max_rows = MAX_ROWS  # past them the full head is cheaper
 
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """The full head's argmax for each row of ``hidden`` [rows, in] (bf16), or None where the screen does not
