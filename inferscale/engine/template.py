@@ -80,6 +80,10 @@ class PromptTemplate:
     )
     item: str = "- {text}\n"
     item_with_time: str = "- ({timestamp}) {text}\n"
+    # The instruction's 17 tokens are prefilled on every request (after the memories, so not cacheable). Moved into
+    # the prefix, kv's question pass was 22 % shorter, but on 120 held-out LoCoMo questions kv's first-token
+    # agreement with text fell 0.77 -> 0.75 (k=20) and 0.78 -> 0.73 (k=50), and text's F1 at k=20 0.171 -> 0.137
+    # (README, "The instruction stays next to the question").
     question: str = "\nAnswer the question in a few words, using the facts above.\nQuestion: {question}\nAnswer:"
     chat_turn: str = "{role}: {content}\n"
     chat_open: str = "\nConversation:\n"
