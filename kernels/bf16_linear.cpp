@@ -32,6 +32,8 @@
 
 namespace {
 
+#include "avx512_transpose.h"
+
 constexpr int64_t kLanes = 16;       // outputs per vector
 constexpr int64_t kUnit = 64;        // outputs per task step (4 vectors)
 constexpr int64_t kMaxRows = 8;      // activation rows per register block
@@ -39,29 +41,6 @@ constexpr int64_t kMaxRows = 8;      // activation rows per register block
 // The first min(n, 16) lanes of a vector (n >= 1): where a row's end falls inside it.
 inline __mmask16 first_lanes(int64_t n) {
   return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// Rows r[0..15] of 16 words -> out[p] holding word p of every row (lane j = row j).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + e], 128-bit lane L: rows 4i..4i+3, word 4L + e
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i v = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v2 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-    const __m512i w = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), w2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
-    r[e] = _mm512_shuffle_i32x4(v, w, 0x88);
-    r[4 + e] = _mm512_shuffle_i32x4(v, w, 0xDD);
-    r[8 + e] = _mm512_shuffle_i32x4(v2, w2, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(v2, w2, 0xDD);
-  }
 }
 
 // Rows [rows, words] of 32-bit words (a bf16 pair, or four int8) as `vectors` vectors of 16 rows, word by word:

@@ -17,7 +17,7 @@ from inferscale.errors import ModelLoadError
 from inferscale.models.fingerprint import file_digest, fingerprint, weights_digest_from_tensors
 from inferscale.models.layout import ModelLayout, read_layout
 from inferscale.models.greedyhead import GreedyHead, Head, install_greedy_head
-from inferscale.models.leanlayers import install_lean_layers
+from inferscale.models.leanlayers import install_lean_layers, install_row_attention
 from inferscale.models.leanmodel import LeanGemma3Model, install_lean_model, model_logits
 from inferscale.models.weightmajor import WeightMajorLinear, install_weight_major_linears
 
@@ -118,6 +118,7 @@ def from_model(model: torch.nn.Module, tokenizer, *, name: str = "in-memory", we
     install_weight_major_linears(model)  # the same outputs, without repacking every weight every decode step
     install_lean_layers(model)  # the same outputs again, with fewer operations per token (Gemma-3)
     lean = install_lean_model(model)  # and the whole pass without the model's per-call machinery
+    install_row_attention(model)  # short passes' attention row by row (bf16, AVX512-BF16)
     greedy = install_greedy_head(lean.head, lean.softcap) if lean is not None else None  # greedy: half the head
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, layout=layout, fingerprint=fp, lean=lean,
                        greedy=greedy)

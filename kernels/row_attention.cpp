@@ -1,0 +1,373 @@
+// row_attention(q, k, v, mask, scale): attention of a few new tokens per row (a decode step's one, a question's few
+// dozen), each over the keys its own row of the mask shows, on AVX512-BF16 CPUs (issue 22: a 16-row decode step of
+// Gemma-3-270M spent ~16 of its ~49 ms in torch's CPU flash attention, which read the rows' K/V at ~15 GB/s of the
+// ~40 the machine reads; a kv request's 28-43-token question pass spent ~19 ms there).
+//
+// What it computes, per row b, new token t and query head g of key head h (GQA: the G query heads of a key head read
+// its keys together): s_j = (q . k_j) * scale + mask_j over the keys the mask shows (b, t), softmax, sum of p_j * v_j;
+// in float32, each p_j rounded to bf16 before it multiplies v_j (as torch's flash kernel does for bf16), the result
+// rounded to bf16 once. Not torch's bits: its dot products and sums run in another order, so outputs differ from
+// SDPA's in the last bf16 place now and then (row_attention.py checks its error against float64 is no larger than
+// SDPA's before anything uses it).
+//
+// Why it is faster and batch-invariant: a query reads only the keys its mask shows (from the first visible key to the
+// last), not the batch's longest row padded and masked; those keys are split in chunks of kChunk counted from that
+// first visible key, each chunk's (max, sum, p.V) computed on its own and the chunks combined in order. The work for a
+// query, and every rounding in it, depends on its own q, keys and mask values alone: a request gets the same bits
+// alone or in any batch (torch's kernel reduces a block's tail in an order that depends on the padded length, so
+// there a row's output depended on the batch's longest row). Chunks are torch's thread pool's tasks, so one long row
+// uses both cores too.
+//
+// A mask value at or below kHidden (the dtype's lowest, which the model's masks use, or -inf) hides its key; other
+// values are added to the score. Bool masks: true shows the key. A query with no visible key gets zeros.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#include "avx512_transpose.h"
+
+constexpr int64_t kChunk = 64;       // keys per task, at absolute key indices c * kChunk ..: a row alone or padded
+                                     // in a batch splits its keys the same way
+constexpr int64_t kMaxGroup = 8;     // query heads per key head
+constexpr int64_t kMaxDim = 512;     // head size
+constexpr int64_t kMaxQueries = 512; // new tokens x query heads per key head, per row
+constexpr int64_t kBlock = 4;        // queries per register block
+constexpr float kHidden = -3.0e38f;  // bf16's and float32's lowest are -3.39e38 and -3.40e38
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// e^x for x <= 0 (scores minus their maximum): 2^n * e^r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7); 0 below -87 (and for -inf), where float32 would go subnormal.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// The mask's value of key j for one (row, new token) as a score addend: kNegInf where it hides the key.
+struct MaskRow {
+  const void* data = nullptr;
+  int kind = 0;  // 0: none, 1: bf16, 2: float32, 3: bool
+  float at(int64_t j) const {
+    switch (kind) {
+      case 1: { const float f = bf16_float(static_cast<const uint16_t*>(data)[j]); return f <= kHidden ? kNegInf : f; }
+      case 2: { const float f = static_cast<const float*>(data)[j]; return f <= kHidden ? kNegInf : f; }
+      case 3: return static_cast<const bool*>(data)[j] ? 0.0f : kNegInf;
+      default: return 0.0f;
+    }
+  }
+};
+
+struct Shape {
+  int64_t heads, kv_heads, group, dim, tokens, queries;  // queries = tokens * group: a key head's, per row
+  int64_t q_b, q_h, q_t;  // q strides (elements) of batch, head and token
+  int64_t k_b, k_h, k_t;  // k strides of batch, head and token
+  int64_t v_b, v_h, v_t;
+  float scale;
+};
+
+struct Unit {  // one task: one row's keys first..last-1 (within one kChunk) for one key head, all its queries
+  int64_t row, head, first, last;
+};
+
+// A task's scratch: the chunk's keys as one vector of 16 keys per bf16 pair of dims (kt), its values as pairs of
+// keys per dim (vt), and the mask's addends of each new token.
+struct Scratch {
+  alignas(64) uint32_t kt[kMaxDim / 2 * kChunk];
+  alignas(64) uint32_t vt[kChunk / 2 * kMaxDim];
+  alignas(64) float add[64 * kChunk];
+};
+
+// Keys j = 0..n-1 (rows of `dim` bf16 at stride k_t) -> kt[p * kChunk + j]: dims 2p, 2p+1 of key j (zero past n).
+void keys_by_pair(const uint16_t* k, int64_t k_t, int64_t n, int64_t dim, uint32_t* kt) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    for (int64_t w0 = 0; w0 < dim / 2; w0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = j0 + i < n ? _mm512_loadu_si512(k + (j0 + i) * k_t + 2 * w0) : zero;
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + (w0 + p) * kChunk + j0, r[p]);
+    }
+  }
+}
+
+// Values of keys j = 0..n-1 -> vt[(j / 2) * dim + ...]: for each 32 dims, 16 words (v_2i[d], v_2i+1[d]) of the dims
+// unpacklo_epi16 takes (d = 8L + e, e < 4, per 128-bit lane L) then 16 of those unpackhi takes (e >= 4); zero past n.
+void values_by_pair(const uint16_t* v, int64_t v_t, int64_t n, int64_t dim, uint32_t* vt) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < n; j += 2) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+      const __m512i a = _mm512_loadu_si512(v + j * v_t + d0);
+      const __m512i b = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * v_t + d0) : zero;
+      _mm512_store_si512(vt + (j / 2) * dim + d0, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(vt + (j / 2) * dim + d0 + 16, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+// One block of kBlock queries (q rows of `dim` bf16; null: a pad query) against the chunk's n keys: each query's max
+// score m, sum of e^(s - m) l and sum over keys of bf16(e^(s - m)) v, written to m_out, l_out, acc [kBlock, dim].
+void block(const Shape& s, const uint32_t* const q[kBlock], const float* const add[kBlock], const Scratch& w,
+           int64_t n, float* m_out, float* l_out, float* acc) {
+  const int64_t words = s.dim / 2, blocks16 = (n + 15) / 16;
+  __m512 score[kBlock][kChunk / 16];
+  for (int i = 0; i < kBlock; ++i)
+    for (int64_t c = 0; c < kChunk / 16; ++c) score[i][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < words; ++p) {
+    __m512i qp[kBlock];
+    for (int i = 0; i < kBlock; ++i) qp[i] = _mm512_set1_epi32(static_cast<int>(q[i][p]));
+    for (int64_t c = 0; c < blocks16; ++c) {
+      const __m512i kv = _mm512_load_si512(w.kt + p * kChunk + 16 * c);
+      for (int i = 0; i < kBlock; ++i)
+        score[i][c] = _mm512_dpbf16_ps(score[i][c], (__m512bh)qp[i], (__m512bh)kv);
+    }
+  }
+  alignas(64) uint32_t pairs[kBlock][kChunk / 2];  // bf16(e^(s - m)) of keys 2i, 2i + 1
+  for (int i = 0; i < kBlock; ++i) {
+    __m512 top = _mm512_set1_ps(kNegInf);
+    for (int64_t c = 0; c < blocks16; ++c) {
+      const __m512 a = _mm512_maskz_loadu_ps(first_lanes(n - 16 * c), add[i] + 16 * c);
+      const __m512 hidden = _mm512_set1_ps(kNegInf);
+      // keys past n, and keys the mask hides, score -inf
+      score[i][c] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, hidden, _CMP_EQ_OQ) | ~first_lanes(n - 16 * c),
+                                         _mm512_fmadd_ps(score[i][c], _mm512_set1_ps(s.scale), a), hidden);
+      top = _mm512_max_ps(top, score[i][c]);
+    }
+    const float m = _mm512_reduce_max_ps(top);
+    m_out[i] = m;
+    if (m == kNegInf) {  // the mask hides every key of the chunk from this query
+      l_out[i] = 0.0f;
+      std::memset(pairs[i], 0, sizeof pairs[i]);
+      continue;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < kChunk / 16; c += 2) {
+      const __m512 e0 = c < blocks16 ? exp_nonpositive(_mm512_sub_ps(score[i][c], _mm512_set1_ps(m))) : _mm512_setzero_ps();
+      const __m512 e1 = c + 1 < blocks16 ? exp_nonpositive(_mm512_sub_ps(score[i][c + 1], _mm512_set1_ps(m)))
+                                         : _mm512_setzero_ps();
+      sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+      _mm512_store_si512(pairs[i] + 8 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // RNE, as a bf16 store rounds
+    }
+    l_out[i] = _mm512_reduce_add_ps(sum);
+  }
+  // the permutation back from values_by_pair's order: dims 0-15 and 16-31 of a 32-dim block
+  const __m512i back0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i back1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const int64_t key_pairs = (n + 1) / 2;
+  for (int64_t d0 = 0; d0 < s.dim; d0 += 64) {
+    __m512 a[kBlock][4];
+    for (int i = 0; i < kBlock; ++i)
+      for (int x = 0; x < 4; ++x) a[i][x] = _mm512_setzero_ps();
+    for (int64_t jp = 0; jp < key_pairs; ++jp) {
+      __m512i vv[4];
+      for (int x = 0; x < 4; ++x) vv[x] = _mm512_load_si512(w.vt + jp * s.dim + d0 + 16 * x);
+      for (int i = 0; i < kBlock; ++i) {
+        const __m512i pp = _mm512_set1_epi32(static_cast<int>(pairs[i][jp]));
+        for (int x = 0; x < 4; ++x) a[i][x] = _mm512_dpbf16_ps(a[i][x], (__m512bh)pp, (__m512bh)vv[x]);
+      }
+    }
+    for (int i = 0; i < kBlock; ++i) {
+      for (int x = 0; x < 4; x += 2) {
+        float* out = acc + i * s.dim + d0 + 16 * x;
+        _mm512_storeu_ps(out, _mm512_permutex2var_ps(a[i][x], back0, a[i][x + 1]));
+        _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(a[i][x], back1, a[i][x + 1]));
+      }
+    }
+  }
+}
+
+// One task: the chunk's keys and values rearranged once, then every query of the row and key head against them.
+void chunk(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v, const MaskRow* masks,
+           const Unit& u, float* m_out, float* l_out, float* acc) {
+  thread_local Scratch w;
+  const int64_t n = u.last - u.first;
+  keys_by_pair(k + u.row * s.k_b + u.head * s.k_h + u.first * s.k_t, s.k_t, n, s.dim, w.kt);
+  values_by_pair(v + u.row * s.v_b + u.head * s.v_h + u.first * s.v_t, s.v_t, n, s.dim, w.vt);
+  for (int64_t t = 0; t < s.tokens; ++t)
+    for (int64_t j = 0; j < n; ++j) w.add[t * kChunk + j] = masks[t].at(u.first + j);
+  alignas(64) static const uint32_t pad_query[kMaxDim / 2] = {};
+  alignas(64) static const float pad_add[kChunk] = {};
+  alignas(64) float pad_acc[kBlock * kMaxDim];
+  for (int64_t r0 = 0; r0 < s.queries; r0 += kBlock) {
+    const uint32_t* qs[kBlock];
+    const float* adds[kBlock];
+    for (int i = 0; i < kBlock; ++i) {
+      const int64_t r = r0 + i, t = r / s.group, g = r % s.group;
+      const bool real = r < s.queries;
+      qs[i] = real ? reinterpret_cast<const uint32_t*>(q + u.row * s.q_b + t * s.q_t + (u.head * s.group + g) * s.q_h)
+                   : pad_query;
+      adds[i] = real ? w.add + t * kChunk : pad_add;
+    }
+    float pm[kBlock], pl[kBlock];
+    const bool whole = r0 + kBlock <= s.queries;
+    block(s, qs, adds, w, n, whole ? m_out + r0 : pm, whole ? l_out + r0 : pl, whole ? acc + r0 * s.dim : pad_acc);
+    if (!whole) {
+      for (int64_t r = r0; r < s.queries; ++r) {
+        m_out[r] = pm[r - r0];
+        l_out[r] = pl[r - r0];
+        std::memcpy(acc + r * s.dim, pad_acc + (r - r0) * s.dim, s.dim * sizeof(float));
+      }
+    }
+  }
+}
+
+// The first and one past the last key the mask shows (first == last: none).
+std::pair<int64_t, int64_t> visible(const MaskRow& mask, int64_t keys) {
+  if (mask.kind == 0) return {0, keys};
+  int64_t first = 0, last = keys;
+  while (first < keys && mask.at(first) == kNegInf) ++first;
+  while (last > first && mask.at(last - 1) == kNegInf) --last;
+  return {first, last};
+}
+
+MaskRow mask_row(const c10::optional<at::Tensor>& mask, int64_t row, int64_t token) {
+  MaskRow r;
+  if (!mask.has_value()) return r;
+  const at::Tensor& m = *mask;
+  const int64_t offset = (m.size(0) == 1 ? 0 : row) * m.stride(0) + (m.size(2) == 1 ? 0 : token) * m.stride(2);
+  if (m.scalar_type() == at::kBFloat16) {
+    r.kind = 1;
+    r.data = reinterpret_cast<const uint16_t*>(m.data_ptr<at::BFloat16>()) + offset;
+  } else if (m.scalar_type() == at::kFloat) {
+    r.kind = 2;
+    r.data = m.data_ptr<float>() + offset;
+  } else {
+    r.kind = 3;
+    r.data = m.data_ptr<bool>() + offset;
+  }
+  return r;
+}
+
+// q [B, H, T, D], k and v [B, H_kv, K, D] (each token's D values adjacent; rows, heads and tokens at any stride), mask
+// [B or 1, 1, T or 1, K] (bf16 or float32 added to the scores, or bool) or None. Returns [B, T, H, D] bf16, the layout
+// transformers' attention hands its output projection.
+at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "row_attention: q, k and v must be [B, H, T, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "row_attention: q, k and v must be bfloat16");
+  const int64_t batch = q.size(0), heads = q.size(1), tokens = q.size(2), dim = q.size(3), kv_heads = k.size(1),
+                keys = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == kv_heads && v.size(2) == keys &&
+              k.size(3) == dim && v.size(3) == dim, "row_attention: k and v must be [B, H_kv, K, D] of q's B and D");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup,
+              "row_attention: query heads must be 1..", kMaxGroup, " times the key heads");
+  TORCH_CHECK(dim % 64 == 0 && dim <= kMaxDim, "row_attention: head size must be a multiple of 64 up to ", kMaxDim,
+              ", got ", dim);
+  TORCH_CHECK(tokens >= 1 && tokens <= 64 && tokens * (heads / kv_heads) <= kMaxQueries,
+              "row_attention: takes 1..64 new tokens a row (and at most ", kMaxQueries,
+              " per key head with its query heads), got ", tokens);
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "row_attention: D must be contiguous");
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.dim() == 4 && (m.size(0) == batch || m.size(0) == 1) && m.size(1) == 1 &&
+                (m.size(2) == tokens || m.size(2) == 1) && m.size(3) == keys && m.stride(3) == 1,
+                "row_attention: mask must be [B or 1, 1, T or 1, K]");
+    TORCH_CHECK(m.scalar_type() == at::kBFloat16 || m.scalar_type() == at::kFloat || m.scalar_type() == at::kBool,
+                "row_attention: mask must be bfloat16, float32 or bool");
+  }
+  const int64_t group = heads / kv_heads, queries = tokens * group;
+  const Shape s{heads, kv_heads, group, dim, tokens, queries, q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                static_cast<float>(scale)};
+  std::vector<MaskRow> masks(batch * tokens);
+  std::vector<Unit> units;
+  std::vector<int64_t> first_unit(batch * kv_heads + 1);  // a (row, key head)'s tasks, in key order
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t lo = keys, hi = 0;  // the keys any new token of the row sees
+    for (int64_t t = 0; t < tokens; ++t) {
+      masks[b * tokens + t] = mask_row(mask, b, t);
+      const auto [first, last] = visible(masks[b * tokens + t], keys);
+      if (first < last) lo = std::min(lo, first), hi = std::max(hi, last);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      first_unit[b * kv_heads + h] = static_cast<int64_t>(units.size());
+      for (int64_t c = lo / kChunk * kChunk; c < hi; c += kChunk)
+        units.push_back({b, h, c, std::min(hi, c + kChunk)});  // from c, not lo: keys pair up the same way in any pass
+    }
+  }
+  first_unit[batch * kv_heads] = static_cast<int64_t>(units.size());
+  const int64_t n_units = static_cast<int64_t>(units.size());
+  // the tasks' partial results, uninitialized (each task writes all of its own; a zeroed vector cost a page-faulting
+  // memset of up to a few MB per call)
+  const at::Tensor partial = at::empty({n_units * queries * (dim + 2)}, q.options().dtype(at::kFloat));
+  float* const m = partial.data_ptr<float>();
+  float* const l = m + n_units * queries;
+  float* const acc = l + n_units * queries;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n_units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Unit& u = units[i];
+      chunk(s, qp, kp, vp, &masks[u.row * tokens], u, m + i * queries, l + i * queries, acc + i * queries * dim);
+    }
+  });
+  at::Tensor out = at::empty({batch, tokens, heads, dim}, q.options());
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, batch * kv_heads * queries, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(dim);
+    for (int64_t qi = begin; qi < end; ++qi) {
+      const int64_t bh = qi / queries, r = qi % queries, b = bh / kv_heads, h = bh % kv_heads;
+      const int64_t u0 = first_unit[bh], u1 = first_unit[bh + 1], t = r / group, g = r % group;
+      float top = kNegInf;
+      for (int64_t u = u0; u < u1; ++u) top = std::max(top, m[u * queries + r]);
+      at::BFloat16* o = op + ((b * tokens + t) * heads + h * group + g) * dim;
+      if (top == kNegInf) {
+        std::fill(o, o + dim, at::BFloat16(0.0f));
+        continue;
+      }
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      float total = 0.0f;
+      for (int64_t u = u0; u < u1; ++u) {  // the chunks in key order, each scaled to the common maximum
+        const float mu = m[u * queries + r];
+        if (mu == kNegInf) continue;
+        const float w = std::exp(mu - top);
+        total += l[u * queries + r] * w;
+        const float* a = acc + (u * queries + r) * dim;
+        for (int64_t d = 0; d < dim; ++d) sum[d] += a[d] * w;
+      }
+      for (int64_t d = 0; d < dim; ++d) o[d] = at::BFloat16(sum[d] / total);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(inferscale_attention, m) {
+  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &row_attention);
+}

@@ -1,0 +1,111 @@
+"""``row_attention(q, k, v, mask, scale)``: attention of a few new tokens per row (a decode step's one, a kv
+question's few dozen), each over the keys its own mask row shows (``row_attention.cpp``), on AVX512-BF16 CPUs.
+
+torch's CPU flash attention ran a 16-row decode step's attention of Gemma-3-270M (18 layers, 630 keys a row) in
+~13 ms, reading the K/V at ~15 GB/s; this kernel reads only the keys each row's mask shows, at the machine's
+bandwidth (~6 ms there), and its result for a row does not depend on the other rows of the batch (torch's did: it
+reduces each row over the batch's longest row, padded and masked, in an order that depends on that length).
+
+How: per row and key head, the keys in chunks of 64 at absolute indices (a task each, over torch's threads); each
+chunk's keys transposed into one vector per bf16 pair of dims and its values paired key by key, so that the scores of
+16 keys and the p.V sums of 16 dims are ``vdpbf16ps`` products with no horizontal sums, every query of the row
+(its new tokens x the key head's query heads) against the same rearranged chunk; the chunks' (max, sum, p.V)
+combined in key order. Its outputs are not torch's bits (another summation order; p rounded to bf16 per chunk of
+keys, not per block of 512). ``load()`` hands the operator out only after checking, on random shapes of the layouts Gemma uses, that (1) its
+error against a float64 reference is no larger than SDPA's own (``ERROR_RATIO``), and (2) every row's output is
+the same alone and in a batch with longer, masked rows. None, and attention stays SDPA, on other CPUs, where the
+build fails, where a check fails, or with ``INFERSCALE_ROW_ATTENTION=0``. What it does to answers is measured end to
+end (README: answers against the SDPA path over LoCoMo questions).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from inferscale.cpuflags import cpu_flags
+from inferscale.kernels import cppext
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("row_attention.cpp")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+MAX_TOKENS = 64  # new tokens per row it takes (decode, a kv question; the C++ checks the same); longer chunks: SDPA
+ERROR_RATIO = 1.25  # its mean and max error against float64 may exceed SDPA's by at most this factor
+# (batch, query heads, key heads, new tokens, keys, head size): Gemma-3-270M's decode and question shapes, a wider
+# group, a single key, a long row
+CHECK_SHAPES = ((4, 4, 1, 1, 630, 256), (2, 4, 1, 9, 300, 256), (3, 8, 2, 1, 77, 128), (2, 4, 1, 1, 1, 256),
+                (2, 4, 1, 1, 1500, 256))
+
+RowAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
+
+
+def build_dir() -> Path:
+    return cppext.build_dir(SOURCE, FLAGS)
+
+
+@functools.cache
+def load() -> RowAttention | None:
+    """The operator once built and checked here; None where attention stays SDPA."""
+    if os.environ.get("INFERSCALE_ROW_ATTENTION", "1") == "0" or "avx512_bf16" not in cpu_flags():
+        return None
+    if not cppext.build(SOURCE, FLAGS):
+        return None
+    op = torch.ops.inferscale_attention.row_attention
+    if not agrees(op):
+        log.warning("row_attention's error exceeds SDPA's here; attention stays SDPA")
+        return None
+    return op
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """What the kernel computes, through SDPA: q [B, H, T, D] over k, v [B, H_kv, K, D] -> [B, T, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
+
+
+def padded_mask(lengths: list[int], tokens: int, keys: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, tokens, keys]: row b's new tokens are its last ``tokens`` of lengths[b]; each sees the keys up to
+    itself (its last ``window`` of them where one is given), as SlotCache.mask hands a pass over such rows."""
+    last = torch.tensor(lengths)[:, None] - tokens + torch.arange(tokens)[None]  # [B, T]: each new token's position
+    diff = last[:, :, None] - torch.arange(keys)[None, None]
+    shown = diff >= 0
+    if window is not None:
+        shown &= diff < window
+    return torch.zeros(len(lengths), 1, tokens, keys, dtype=dtype).masked_fill_(~shown[:, None], torch.finfo(dtype).min)
+
+
+def agrees(op: RowAttention) -> bool:
+    """The kernel against SDPA and float64 on CHECK_SHAPES (no mask, rows of other lengths, a sliding window), and
+    each row's output alone against the same row in the batch."""
+    gen = torch.Generator().manual_seed(0)
+    for batch, heads, kv_heads, tokens, keys, dim in CHECK_SHAPES:
+        scale = dim ** -0.5
+        q = torch.randn(batch, heads, tokens, dim, generator=gen).to(torch.bfloat16)
+        k = torch.randn(batch, kv_heads, keys, dim, generator=gen).to(torch.bfloat16)
+        v = torch.randn(batch, kv_heads, keys, dim, generator=gen).to(torch.bfloat16)
+        lengths = [max(tokens, keys - 37 * b) for b in range(batch)]
+        for mask in (None, padded_mask(lengths, tokens, keys, None, torch.bfloat16),
+                     padded_mask(lengths, tokens, keys, max(1, keys // 3), torch.bfloat16)):
+            got, sdpa = op(q, k, v, mask, scale), reference(q, k, v, mask, scale)
+            exact = reference(q.double(), k.double(), v.double(), None if mask is None else mask.double(), scale)
+            err, sdpa_err = (got.double() - exact).abs(), (sdpa.double() - exact).abs()
+            ulp = exact.abs().max().item() * 2.0 ** -8  # one bf16 place of the largest output: room at tiny errors
+            if (err.mean() > ERROR_RATIO * sdpa_err.mean() + ulp / 64 or err.max() > ERROR_RATIO * sdpa_err.max() + ulp
+                    or not torch.isfinite(got.float()).all()):
+                return False
+            if mask is not None and not all(
+                    torch.equal(op(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], mask[b:b + 1, ..., :n], scale),
+                                got[b:b + 1]) for b, n in enumerate(lengths)):
+                return False
+    return True
+
+
+if __name__ == "__main__":  # scripts/setup.sh builds it ahead of the first model load
+    print("row_attention:", "built" if load() is not None else "not available here (SDPA is used)", build_dir())
