@@ -18,7 +18,8 @@ inline void transpose16(__m512i r[16]) {
   }
   for (int e = 0; e < 4; ++e) {
     const __m512i v = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v2 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-    const __m512i w = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), w2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    const __m512i w = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
     r[e] = _mm512_shuffle_i32x4(v, w, 0x88);
     r[4 + e] = _mm512_shuffle_i32x4(v, w, 0xDD);
     r[8 + e] = _mm512_shuffle_i32x4(v2, w2, 0x88);

@@ -175,9 +175,9 @@ void block(const Shape& s, const uint32_t* const q[kBlock], const float* const a
     }
     __m512 sum = _mm512_setzero_ps();
     for (int64_t c = 0; c < kChunk / 16; c += 2) {
-      const __m512 e0 = c < blocks16 ? exp_nonpositive(_mm512_sub_ps(score[i][c], _mm512_set1_ps(m))) : _mm512_setzero_ps();
-      const __m512 e1 = c + 1 < blocks16 ? exp_nonpositive(_mm512_sub_ps(score[i][c + 1], _mm512_set1_ps(m)))
-                                         : _mm512_setzero_ps();
+      const __m512 mv = _mm512_set1_ps(m), none = _mm512_setzero_ps();
+      const __m512 e0 = c < blocks16 ? exp_nonpositive(_mm512_sub_ps(score[i][c], mv)) : none;
+      const __m512 e1 = c + 1 < blocks16 ? exp_nonpositive(_mm512_sub_ps(score[i][c + 1], mv)) : none;
       sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
       _mm512_store_si512(pairs[i] + 8 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // RNE, as a bf16 store rounds
     }

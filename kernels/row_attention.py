@@ -7,15 +7,15 @@ bandwidth (~6 ms there), and its result for a row does not depend on the other r
 reduces each row over the batch's longest row, padded and masked, in an order that depends on that length).
 
 How: per row and key head, the keys in chunks of 64 at absolute indices (a task each, over torch's threads); each
-chunk's keys transposed into one vector per bf16 pair of dims and its values paired key by key, so that the scores of
-16 keys and the p.V sums of 16 dims are ``vdpbf16ps`` products with no horizontal sums, every query of the row
+chunk's keys transposed into one vector per bf16 pair of dims and its values paired key by key, so that the scores
+of 16 keys and the p.V sums of 16 dims are ``vdpbf16ps`` products with no horizontal sums, every query of the row
 (its new tokens x the key head's query heads) against the same rearranged chunk; the chunks' (max, sum, p.V)
 combined in key order. Its outputs are not torch's bits (another summation order; p rounded to bf16 per chunk of
-keys, not per block of 512). ``load()`` hands the operator out only after checking, on random shapes of the layouts Gemma uses, that (1) its
-error against a float64 reference is no larger than SDPA's own (``ERROR_RATIO``), and (2) every row's output is
-the same alone and in a batch with longer, masked rows. None, and attention stays SDPA, on other CPUs, where the
-build fails, where a check fails, or with ``INFERSCALE_ROW_ATTENTION=0``. What it does to answers is measured end to
-end (README: answers against the SDPA path over LoCoMo questions).
+keys, not per block of 512). ``load()`` hands the operator out only after checking, on random shapes of the layouts
+Gemma uses, that (1) its error against a float64 reference is no larger than SDPA's own (``ERROR_RATIO``), and (2)
+every row's output is the same alone and in a batch with longer, masked rows. None, and attention stays SDPA, on
+other CPUs, where the build fails, where a check fails, or with ``INFERSCALE_ROW_ATTENTION=0``. What it does to
+answers is measured end to end (README: answers against the SDPA path over LoCoMo questions).
 """
 
 from __future__ import annotations
