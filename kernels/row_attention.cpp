@@ -92,7 +92,7 @@ struct MaskRow {
 };
 
 struct Shape {
-  int64_t heads, kv_heads, group, dim, tokens, queries;  // queries = tokens * group: a key head's, per row
+  int64_t group, dim, tokens, queries;  // queries = tokens * group: a key head's, per row
   int64_t q_b, q_h, q_t;  // q strides (elements) of batch, head and token
   int64_t k_b, k_h, k_t;  // k strides of batch, head and token
   int64_t v_b, v_h, v_t;
@@ -300,7 +300,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 "row_attention: mask must be bfloat16, float32 or bool");
   }
   const int64_t group = heads / kv_heads, queries = tokens * group;
-  const Shape s{heads, kv_heads, group, dim, tokens, queries, q.stride(0), q.stride(1), q.stride(2),
+  const Shape s{group, dim, tokens, queries, q.stride(0), q.stride(1), q.stride(2),
                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                 static_cast<float>(scale)};
   std::vector<MaskRow> masks(batch * tokens);

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("row_attention.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 MAX_TOKENS = 64  # new tokens per row it takes (decode, a kv question; the C++ checks the same); longer chunks: SDPA
+MAX_GROUP = 8  # query heads per key head it takes (the C++'s kMaxGroup)
+HEAD_MULTIPLE = 64  # head sizes it takes: multiples of this up to 512
 ERROR_RATIO = 1.25  # its mean and max error against float64 may exceed SDPA's by at most this factor
 # (batch, query heads, key heads, new tokens, keys, head size): Gemma-3-270M's decode and question shapes, a wider
 # group, a single key, a long row
@@ -62,6 +64,12 @@ def load() -> RowAttention | None:
     return op
 
 
+def takes(dtype: torch.dtype, device: torch.device, head_dim: int, group: int) -> bool:
+    """Whether a model of this dtype, device, head size and query heads per key head can attend through the kernel."""
+    return (dtype == torch.bfloat16 and device.type == "cpu" and head_dim % HEAD_MULTIPLE == 0 and head_dim <= 512
+            and group <= MAX_GROUP)
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:
     """What the kernel computes, through SDPA: q [B, H, T, D] over k, v [B, H_kv, K, D] -> [B, T, H, D]."""
@@ -81,6 +89,13 @@ def padded_mask(lengths: list[int], tokens: int, keys: int, window: int | None, 
     return torch.zeros(len(lengths), 1, tokens, keys, dtype=dtype).masked_fill_(~shown[:, None], torch.finfo(dtype).min)
 
 
+def errors(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """|got - exact| and |SDPA - exact| elementwise, exact the float64 reference, and exact itself."""
+    exact = reference(q.double(), k.double(), v.double(), None if mask is None else mask.double(), scale)
+    return (got.double() - exact).abs(), (reference(q, k, v, mask, scale).double() - exact).abs(), exact
+
+
 def agrees(op: RowAttention) -> bool:
     """The kernel against SDPA and float64 on CHECK_SHAPES (no mask, rows of other lengths, a sliding window), and
     each row's output alone against the same row in the batch."""
@@ -93,9 +108,8 @@ def agrees(op: RowAttention) -> bool:
         lengths = [max(tokens, keys - 37 * b) for b in range(batch)]
         for mask in (None, padded_mask(lengths, tokens, keys, None, torch.bfloat16),
                      padded_mask(lengths, tokens, keys, max(1, keys // 3), torch.bfloat16)):
-            got, sdpa = op(q, k, v, mask, scale), reference(q, k, v, mask, scale)
-            exact = reference(q.double(), k.double(), v.double(), None if mask is None else mask.double(), scale)
-            err, sdpa_err = (got.double() - exact).abs(), (sdpa.double() - exact).abs()
+            got = op(q, k, v, mask, scale)
+            err, sdpa_err, exact = errors(got, q, k, v, mask, scale)
             ulp = exact.abs().max().item() * 2.0 ** -8  # one bf16 place of the largest output: room at tiny errors
             if (err.mean() > ERROR_RATIO * sdpa_err.mean() + ulp / 64 or err.max() > ERROR_RATIO * sdpa_err.max() + ulp
                     or not torch.isfinite(got.float()).all()):

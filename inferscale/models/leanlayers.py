@@ -224,7 +224,7 @@ def install_row_attention(model: torch.nn.Module) -> bool:
     attn = layers[0].self_attn
     weight = attn.q_proj.weight
     group = attn.config.num_attention_heads // attn.config.num_key_value_heads
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or attn.head_dim % 64 or group > 8:
+    if not row_attention.takes(weight.dtype, weight.device, attn.head_dim, group):
         return False
     op = row_attention.load()
     if op is None:
