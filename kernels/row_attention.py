@@ -2,9 +2,11 @@
 question's few dozen), each over the keys its own mask row shows (``row_attention.cpp``), on AVX512-BF16 CPUs.
 
 torch's CPU flash attention ran a 16-row decode step's attention of Gemma-3-270M (18 layers, 630 keys a row) in
-~13 ms, reading the K/V at ~15 GB/s; this kernel reads only the keys each row's mask shows, at the machine's
-bandwidth (~6 ms there), and its result for a row does not depend on the other rows of the batch (torch's did: it
-reduces each row over the batch's longest row, padded and masked, in an order that depends on that length).
+~16-20 ms; this kernel reads only the keys each row's mask shows: ~6 ms where the K/V sit in L3 (one layer's cache
+read 18 times), 10-12 ms where each layer reads its own from DRAM as a real step does (159 MB; 14-16 ms before it
+prefetched the next task's K/V), and its result for a row does not depend on the other rows of the batch (torch's
+did: it reduces each row over the batch's longest row, padded and masked, in an order that depends on that
+length).
 
 How: per row and key head, the keys in chunks of 64 at absolute indices (a task each, over torch's threads); each
 chunk's keys transposed into one vector per bf16 pair of dims and its values paired key by key, so that the scores
