@@ -224,7 +224,7 @@ at::Tensor greedy_screen(const at::Tensor& qweight, const at::Tensor& stats, con
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
               "greedy_screen: screen_pack's int8 weight expected");
   TORCH_CHECK(qweight.size(0) < (int64_t{1} << 24), "greedy_screen: more vocabulary rows than float32 counts exactly");
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 4 && stats.size(1) == qweight.size(0) &&
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == kStats && stats.size(1) == qweight.size(0) &&
               stats.scalar_type() == at::kFloat && stats.is_contiguous(), "greedy_screen: screen_pack's stats expected");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(0) >= 1,
               "greedy_screen: contiguous bf16 rows x [rows, in] expected");

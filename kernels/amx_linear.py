@@ -48,6 +48,9 @@ def load() -> AmxLinear | None:
     return torch.ops.inferscale_cpu.amx_linear
 
 
+SCREEN_ROWS = 4  # rows of x a screen call takes where it pays (decode_linear.screen_rows)
+
+
 def screen_ops() -> tuple[Callable, Callable] | None:
     """``(screen_pack, greedy_screen)`` (amx_linear.cpp: the LM head's int8 screen for greedy decoding), where the
     kernel is built and the CPU has AMX-INT8 too; else None. ``screen_pack(weight)`` -> [int8 head, stats],

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -193,21 +194,55 @@ std::vector<at::Tensor> screen_pack_vnni(const at::Tensor& weight) {
   return {packed, qs[1], sums};
 }
 
+// The wide screen's row of x (5-16 rows a step, where two int8 rows each cost as many products as the bf16 head):
+// one int8 row, x ~ a p1, and a Cauchy-Schwarz bound, |w.x - s q.(a p1)| = |(w - s q).x + s q.(x - a p1)| <=
+// |w - s q|_2 |x|_2 + |s q|_2 |x - a p1|_2 (screen_pack's kErr2 and kL2): on real Gemma-3-270M final hidden rows it
+// leaves a median of ~150 of the 262,144 vocabulary rows (p90 ~860), where the L1 x max bound of the two-row screen
+// with one int8 row would leave ~450 (p90 ~2,400).
+struct WideBound {
+  float a, xn, en, g;  // x ~ a p1; |x|_2 and |x - a p1|_2 rounded up; |x|_1 times the summation's gamma
+};
+
+WideBound quantize_wide(const c10::BFloat16* x, int64_t in, int8_t* p1, float gamma) {
+  double top = 0.0, l1 = 0.0, xx = 0.0;
+  for (int64_t i = 0; i < in; ++i) {
+    const double v = float(x[i]);
+    top = std::max(top, std::fabs(v));
+    l1 += std::fabs(v);
+    xx += v * v;
+  }
+  const double a = top > 0.0 ? top / 127.0 : 1.0;
+  double ee = 0.0;
+  for (int64_t i = 0; i < in; ++i) {
+    const double v = float(x[i]);
+    const double q = std::clamp(std::nearbyint(v / a), -127.0, 127.0);
+    p1[i] = static_cast<int8_t>(q);
+    ee += (v - a * q) * (v - a * q);
+  }
+  const float x_l1 = round_up(l1 * (1.0 + 1e-12)) * (1.0f + 1e-6f);
+  return {static_cast<float>(a), round_up(std::sqrt(xx) * (1.0 + 1e-12)), round_up(std::sqrt(ee) * (1.0 + 1e-12)),
+          x_l1 * gamma};
+}
+
 // ScreenSink's estimates, bounds and filter with 16 vocabulary rows a vector: the sums of one row of x arrive as
-// two int32 vectors (p1, p2) straight from the accumulators, so a vocabulary row costs a few vector lanes instead of
-// a transposed store and a scalar pass (the scalar sink was a quarter of the screen's time on Zen 4). The bound is
-// ScreenSink::tile's, term for term; its slack covers float32's rounding whatever order the compiler picks.
+// int32 vectors (p1, p2; the wide screen's p1 alone) straight from the accumulators, so a vocabulary row costs a few
+// vector lanes instead of a transposed store and a scalar pass (the scalar sink was a quarter of the screen's time on
+// Zen 4). The two-row bound is ScreenSink::tile's, term for term; the slack covers float32's rounding whatever order
+// the compiler picks.
 struct VectorSink {
-  const float* st;  // [4, vocab]
+  const float* st;  // [kStats, vocab]
   int64_t vocab;
   ScreenResult& result;
-  std::vector<RowBound> rows;
+  std::vector<RowBound> rows;   // the two-row screen's
+  std::vector<WideBound> wide;  // the wide screen's
   std::vector<float> best;
   std::vector<std::array<float, 3>> kept;
 
-  VectorSink(const float* stats, int64_t vocab_rows, const std::vector<Quantized>& z, float gamma, ScreenResult& out)
-      : st(stats), vocab(vocab_rows), result(out), best(z.size(), -INFINITY) {
-    for (const Quantized& q : z) rows.push_back(row_bound(q, gamma));
+  VectorSink(const float* stats, int64_t vocab_rows, int64_t x_rows, ScreenResult& out)
+      : st(stats), vocab(vocab_rows), result(out), best(x_rows, -INFINITY) {}
+
+  __m512 stat(Stat field, int64_t o, __mmask16 valid) const {
+    return _mm512_maskz_loadu_ps(valid, st + field * vocab + o);
   }
 
   // x row r's exact sums q.p1 (s1) and q.p2 (s2) for vocabulary rows [o, o + 16), of which `valid` exist.
@@ -215,15 +250,31 @@ struct VectorSink {
     const RowBound& x = rows[r];
     const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(x.a), _mm512_cvtepi32_ps(s1));
     const __m512 t2 = _mm512_mul_ps(_mm512_set1_ps(x.b), _mm512_cvtepi32_ps(s2));
-    const __m512 scale = _mm512_maskz_loadu_ps(valid, st + kScale * vocab + o);
-    const __m512 est = _mm512_mul_ps(scale, _mm512_add_ps(t1, t2));
-    const __m512 slack = _mm512_add_ps(
-        _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(1e-5f), scale), _mm512_add_ps(_mm512_abs_ps(t1), _mm512_abs_ps(t2))),
-        _mm512_set1_ps(1e-30f));
+    const __m512 scale = stat(kScale, o, valid);
     const __m512 terms = _mm512_add_ps(
-        _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, st + kErr * vocab + o), _mm512_set1_ps(x.x_l1)),
-                      _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, st + kL1 * vocab + o), _mm512_set1_ps(x.rest))),
-        _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, st + kWmax * vocab + o), _mm512_set1_ps(x.g)));
+        _mm512_add_ps(_mm512_mul_ps(stat(kErr, o, valid), _mm512_set1_ps(x.x_l1)),
+                      _mm512_mul_ps(stat(kL1, o, valid), _mm512_set1_ps(x.rest))),
+        _mm512_mul_ps(stat(kWmax, o, valid), _mm512_set1_ps(x.g)));
+    keep(_mm512_mul_ps(scale, _mm512_add_ps(t1, t2)), terms,
+         _mm512_mul_ps(scale, _mm512_add_ps(_mm512_abs_ps(t1), _mm512_abs_ps(t2))), r, o, valid);
+  }
+
+  // The wide screen's: x row r's exact sums q.p1 (s1).
+  void lane(__m512i s1, int64_t r, int64_t o, __mmask16 valid) {
+    const WideBound& x = wide[r];
+    const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(x.a), _mm512_cvtepi32_ps(s1));
+    const __m512 scale = stat(kScale, o, valid);
+    const __m512 terms = _mm512_add_ps(
+        _mm512_add_ps(_mm512_mul_ps(stat(kErr2, o, valid), _mm512_set1_ps(x.xn)),
+                      _mm512_mul_ps(stat(kL2, o, valid), _mm512_set1_ps(x.en))),
+        _mm512_mul_ps(stat(kWmax, o, valid), _mm512_set1_ps(x.g)));
+    keep(_mm512_mul_ps(scale, t1), terms, _mm512_mul_ps(scale, _mm512_abs_ps(t1)), r, o, valid);
+  }
+
+  // Estimates est +- the bound (terms, with slack for float32's rounding of est, of magnitude `size`): the row's best
+  // lower bound so far, and the vocabulary rows whose upper bound reaches it less the margin.
+  void keep(__m512 est, __m512 terms, __m512 size, int64_t r, int64_t o, __mmask16 valid) {
+    const __m512 slack = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(1e-5f), size), _mm512_set1_ps(1e-30f));
     const __m512 bound = _mm512_add_ps(_mm512_mul_ps(terms, _mm512_set1_ps(1.0f + 1e-5f)), slack);
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     const __m512 lo = _mm512_mask_sub_ps(neg_inf, valid, est, bound);
@@ -243,14 +294,16 @@ struct VectorSink {
 };
 
 // Vocabulary vectors [v, v + G) against every column (p1 and p2 of each row of x, as u8 quads): exact int32 sums,
-// two accumulators a column and vector (int32 addition is exact in any order) so the adds overlap; each vector's
-// sums go to the sink while still in registers.
+// one accumulator a column and vector (G x C <= 16 independent chains keep vpdpbusd busy), each only ever indexed at
+// compile time so that it stays in a register (indexed at run time, as an earlier version's second accumulator per
+// column was, the compiler kept them on the stack and the screen ran at a third of vpdpbusd's rate: 4 rows 9.3 ms
+// against a 5.4 ms read); each vector's sums go to the sink from a copy made once.
 template <int G, int C>
 void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
                   VectorSink& sink) {
-  __m512i acc[G][C][2];
+  __m512i acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int k = 0; k < C; ++k) acc[g][k][0] = acc[g][k][1] = _mm512_setzero_si512();
+    for (int k = 0; k < C; ++k) acc[g][k] = _mm512_setzero_si512();
   for (int64_t q = 0; q < quads; ++q) {
     __m512i xb[C];
     for (int k = 0; k < C; ++k) xb[k] = _mm512_set1_epi32(static_cast<int>(xu[k * quads + q]));
@@ -259,24 +312,72 @@ void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xu, con
       // its read time, compute and loads taking turns; with this it reads at the float32 sum's speed (Zen 4)
       _mm_prefetch(reinterpret_cast<const char*>(packed + ((v + g + G) * quads + q) * kLanes), _MM_HINT_T1);
       const __m512i wv = _mm512_loadu_si512(packed + ((v + g) * quads + q) * kLanes);
-      for (int k = 0; k < C; ++k) acc[g][k][q & 1] = _mm512_dpbusd_epi32(acc[g][k][q & 1], xb[k], wv);
+      for (int k = 0; k < C; ++k) acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], xb[k], wv);
     }
   }
+  alignas(64) int32_t total[G][C][kLanes];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < C; ++k) _mm512_store_si512(total[g][k], acc[g][k]);
   for (int g = 0; g < G; ++g) {
     const int64_t o = (v + g) * kLanes;
     const __mmask16 valid = first_lanes(sink.vocab - o);
     const __m512i bias = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(valid, sums + o), 7);  // 128 * the row sums
     for (int k = 0; k + 1 < C; k += 2) {
-      const __m512i s1 = _mm512_sub_epi32(_mm512_add_epi32(acc[g][k][0], acc[g][k][1]), bias);
-      const __m512i s2 = _mm512_sub_epi32(_mm512_add_epi32(acc[g][k + 1][0], acc[g][k + 1][1]), bias);
+      const __m512i s1 = _mm512_sub_epi32(_mm512_load_si512(total[g][k]), bias);
+      const __m512i s2 = _mm512_sub_epi32(_mm512_load_si512(total[g][k + 1]), bias);
       sink.lanes(s1, s2, k / 2, o, valid);
     }
   }
 }
 
-// The most rows of x the VNNI screen takes: screen_vectors has a template for 2, 4, 6 and 8 columns (two a row; AMX's
-// tiles take kScreenCols / 2 rows). GreedyHead gives it at most 4 (models/greedyhead.py, MAX_ROWS).
-constexpr int64_t kVnniScreenMaxRows = 4;
+// The wide screen's: vocabulary vectors [v, v + G) against columns col0 .. col0 + C - 1 (one a row of x; `cols` of
+// them real, the rest zero), one accumulator a column and vector, as screen_block's. Blocks of 2 vectors x 8 columns
+// (two passes for 16 rows, the second over vectors still in L1): one broadcast of x per two products.
+template <int G, int C>
+void screen_block_wide(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
+                       int64_t col0, int64_t cols, VectorSink& sink) {
+  __m512i acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < C; ++k) acc[g][k] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < quads; ++q) {
+    __m512i xb[C];
+    for (int k = 0; k < C; ++k) xb[k] = _mm512_set1_epi32(static_cast<int>(xu[(col0 + k) * quads + q]));
+    for (int g = 0; g < G; ++g) {
+      if (col0 == 0)  // the next vectors' line into L2, once (the second pass over 8 columns finds them in L1)
+        _mm_prefetch(reinterpret_cast<const char*>(packed + ((v + g + G) * quads + q) * kLanes), _MM_HINT_T1);
+      const __m512i wv = _mm512_loadu_si512(packed + ((v + g) * quads + q) * kLanes);
+      for (int k = 0; k < C; ++k) acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], xb[k], wv);
+    }
+  }
+  alignas(64) int32_t total[G][C][kLanes];
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < C; ++k) _mm512_store_si512(total[g][k], acc[g][k]);
+  for (int g = 0; g < G; ++g) {
+    const int64_t o = (v + g) * kLanes;
+    const __mmask16 valid = first_lanes(sink.vocab - o);
+    const __m512i bias = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(valid, sums + o), 7);  // 128 * the row sums
+    for (int k = 0; k < cols; ++k)
+      sink.lane(_mm512_sub_epi32(_mm512_load_si512(total[g][k]), bias), col0 + k, o, valid);
+  }
+}
+
+// The wide screen over `count` vectors from v: pairs of vectors, each against every 8 columns of x.
+void screen_vectors_wide(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
+                         int64_t count, int64_t rows, VectorSink& sink) {
+  for (int64_t g = 0; g < count; g += 2) {
+    for (int64_t col0 = 0; col0 < rows; col0 += 8) {
+      const int64_t cols = std::min<int64_t>(8, rows - col0);
+      if (count - g >= 2) screen_block_wide<2, 8>(packed, quads, xu, sums, v + g, col0, cols, sink);
+      else screen_block_wide<1, 8>(packed, quads, xu, sums, v + g, col0, cols, sink);
+    }
+  }
+}
+
+// The most rows of x the VNNI screen takes: up to kVnniPairRows the two-row screen (screen_vectors has a template for
+// 2, 4, 6 and 8 columns; AMX's tiles take kScreenCols / 2 rows), then the wide one (8 or 16 columns). GreedyHead asks
+// ``greedy_screen_rows`` (models/greedyhead.py).
+constexpr int64_t kVnniPairRows = 4;
+constexpr int64_t kVnniScreenMaxRows = 16;
 
 template <int C>
 void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
@@ -296,22 +397,33 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   TORCH_CHECK(vocab < (int64_t{1} << 24), "greedy_screen: more vocabulary rows than float32 counts exactly");
   TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() && packed.size(0) == (vocab + kLanes - 1) / kLanes,
               "greedy_screen: screen_pack's row sums expected");
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 4 && stats.size(1) == vocab &&
-              stats.scalar_type() == at::kFloat && stats.is_contiguous(), "greedy_screen: screen_pack's stats expected");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == kStats && stats.size(1) == vocab &&
+              stats.scalar_type() == at::kFloat && stats.is_contiguous(),
+              "greedy_screen: screen_pack's stats expected");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(0) >= 1,
               "greedy_screen: contiguous bf16 rows x [rows, in] expected");
   TORCH_CHECK(x.size(1) == 4 * quads, "greedy_screen: in-features differ: ", x.size(1), " vs ", 4 * quads);
   TORCH_CHECK(x.size(0) <= kVnniScreenMaxRows, "greedy_screen: at most ", kVnniScreenMaxRows, " rows of x");
   const int64_t rows = x.size(0), in = x.size(1);
-  at::Tensor xq = at::empty({2 * rows, in}, x.options().dtype(at::kChar));
-  const std::vector<Quantized> z = quantize_rows(x, xq);
-  at::Tensor xu = at::empty({2 * rows, in}, x.options().dtype(at::kByte));
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  uint8_t* xup = xu.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < 2 * rows * in; ++i) xup[i] = static_cast<uint8_t>(xqp[i] + 128);
+  const bool wide = rows > kVnniPairRows;
+  const int64_t columns = wide ? (rows <= 8 ? 8 : 16) : 2 * rows;
   ScreenResult result;
   result.best.assign(rows, -INFINITY);
   const float gamma = screen_gamma(in);
+  at::Tensor xq = at::zeros({columns, in}, x.options().dtype(at::kChar));  // pad columns: zero, unread by the sink
+  std::vector<Quantized> z;
+  std::vector<WideBound> zw;
+  if (wide) {
+    const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+    int8_t* xq8 = xq.data_ptr<int8_t>();
+    for (int64_t r = 0; r < rows; ++r) zw.push_back(quantize_wide(xp + r * in, in, xq8 + r * in, gamma));
+  } else {
+    z = quantize_rows(x, xq);
+  }
+  at::Tensor xu = at::empty({columns, in}, x.options().dtype(at::kByte));
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  uint8_t* xup = xu.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < columns * in; ++i) xup[i] = static_cast<uint8_t>(xqp[i] + 128);
   const float* st = stats.data_ptr<float>();
   const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr());
   const auto* xw = reinterpret_cast<const uint32_t*>(xup);
@@ -319,10 +431,16 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   constexpr int64_t kStep = 4;  // vectors a step
   const int64_t steps = (packed.size(0) + kStep - 1) / kStep;
   at::parallel_for(0, steps, 64, [&](int64_t begin, int64_t end) {
-    VectorSink sink(st, vocab, z, gamma, result);
+    VectorSink sink(st, vocab, rows, result);
+    for (const Quantized& q : z) sink.rows.push_back(row_bound(q, gamma));
+    sink.wide = zw;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t v = s * kStep, count = std::min(kStep, packed.size(0) - v);
-      switch (2 * rows) {
+      if (wide) {
+        screen_vectors_wide(pk, quads, xw, sp, v, count, rows, sink);
+        continue;
+      }
+      switch (columns) {
         case 2: screen_vectors<2>(pk, quads, xw, sp, v, count, sink); break;
         case 4: screen_vectors<4>(pk, quads, xw, sp, v, count, sink); break;
         case 6: screen_vectors<6>(pk, quads, xw, sp, v, count, sink); break;
@@ -334,6 +452,8 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   });
   return screen_candidates(result, x.options());  // [candidates, 2]: (row of x, vocabulary row)
 }
+
+int64_t greedy_screen_rows() { return kVnniScreenMaxRows; }
 
 // ---- Each row's argmax over bf16 logits, as aten's max(dim=-1).indices gives it ------------------------------
 //
@@ -390,5 +510,6 @@ TORCH_LIBRARY(inferscale_bf16, m) {
   m.def("bf16_linear(Tensor packed, Tensor x, int chain, int out_features) -> Tensor", &bf16_linear);
   m.def("screen_pack(Tensor weight) -> Tensor[]", &screen_pack_vnni);
   m.def("greedy_screen(Tensor packed, Tensor stats, Tensor sums, Tensor x) -> Tensor", &greedy_screen_vnni);
+  m.def("greedy_screen_rows() -> int", &greedy_screen_rows);
   m.def("rows_argmax(Tensor logits) -> Tensor", &rows_argmax);
 }

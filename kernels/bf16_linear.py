@@ -59,6 +59,13 @@ def screen_ops() -> tuple[Callable, Callable] | None:
     return torch.ops.inferscale_bf16.screen_pack, torch.ops.inferscale_bf16.greedy_screen
 
 
+def screen_rows() -> int:
+    """Rows of x one ``greedy_screen`` call takes: up to 4 with two int8 rows each and an L1 bound, up to 16 with one
+    int8 row each and a Cauchy-Schwarz bound (``bf16_linear.cpp``'s wide screen: at 16 rows two int8 rows a row
+    cost as many products as the bf16 head; one costs half)."""
+    return int(torch.ops.inferscale_bf16.greedy_screen_rows()) if load() is not None else 0
+
+
 def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``rows_argmax(logits)`` -> int64 [rows]: each row of contiguous bf16 ``logits`` [rows, n] reduced to its
     first maximum (its first NaN where it has one), as ``max(dim=-1).indices``, vectorized (16 rows x 262k logits:

@@ -23,8 +23,10 @@ constexpr int64_t kScreenBlock = 64;  // the in-features must be a multiple of t
 // row left out cannot even round to a tie) is a candidate; the caller computes those rows exactly with the head's kernel
 // and takes their first maximum: the full head's argmax, bit for bit.
 
-// screen_pack's per-row numbers, as four float32 rows [4, out] (one vector load per field in the screen's loops)
-enum Stat { kScale = 0, kErr = 1, kL1 = 2, kWmax = 3 };
+// screen_pack's per-row numbers, as float32 rows [kStats, out] (one vector load per field in the screen's loops):
+// the scale, max|w - s q|, |s q|_1, max|w|, and for the wide screen (bf16_linear.cpp) the L2 norms |w - s q|_2 and
+// |s q|_2
+enum Stat { kScale = 0, kErr = 1, kL1 = 2, kWmax = 3, kErr2 = 4, kL2 = 5, kStats = 6 };
 
 float round_up(double v) {
   float f = static_cast<float>(v);
@@ -37,7 +39,7 @@ std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.size(1) % kScreenBlock == 0, "screen_pack: in-features must be a multiple of ", kScreenBlock);
   const int64_t out = weight.size(0), in = weight.size(1);
   at::Tensor q = at::empty({out, in}, weight.options().dtype(at::kChar));
-  at::Tensor stats = at::empty({4, out}, weight.options().dtype(at::kFloat));
+  at::Tensor stats = at::empty({kStats, out}, weight.options().dtype(at::kFloat));
   const auto* w = reinterpret_cast<const c10::BFloat16*>(weight.data_ptr());
   auto* qp = q.data_ptr<int8_t>();
   float* st = stats.data_ptr<float>();
@@ -47,18 +49,23 @@ std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
       double wmax = 0.0;
       for (int64_t i = 0; i < in; ++i) wmax = std::max(wmax, std::fabs(static_cast<double>(float(row[i]))));
       const float scale = wmax > 0.0 ? static_cast<float>(wmax / 127.0) : 1.0f;
-      double err = 0.0, l1 = 0.0;
+      double err = 0.0, l1 = 0.0, err2 = 0.0, l2 = 0.0;
       for (int64_t i = 0; i < in; ++i) {
         const double v = static_cast<double>(float(row[i]));
         const double qi = std::clamp(std::nearbyint(v / scale), -127.0, 127.0);
         qp[r * in + i] = static_cast<int8_t>(qi);
-        err = std::max(err, std::fabs(v - scale * qi));  // exact in double: bf16 v, float scale, |qi| <= 127
+        const double d = v - scale * qi;  // exact in double: bf16 v, float scale, |qi| <= 127
+        err = std::max(err, std::fabs(d));
         l1 += std::fabs(scale * qi);
+        err2 += d * d;
+        l2 += scale * qi * scale * qi;
       }
       st[kScale * out + r] = scale;
       st[kErr * out + r] = round_up(err);
       st[kL1 * out + r] = round_up(l1 * (1.0 + 1e-12));
       st[kWmax * out + r] = round_up(wmax);
+      st[kErr2 * out + r] = round_up(std::sqrt(err2) * (1.0 + 1e-12));  // the sums' and sqrt's rounding, generously
+      st[kL2 * out + r] = round_up(std::sqrt(l2) * (1.0 + 1e-12));
     }
   });
   return {q, stats};

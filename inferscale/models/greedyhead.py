@@ -13,13 +13,14 @@ logits kept for fidelity) take the full head (``Head.logits``).
 
 Used only where the head's logits come from the decode kernel (``decode_linear``: so the rescored rows are those
 logits bit for bit) and it has a screen (AMX-INT8, or AVX512-VNNI beside AVX512-BF16), there is no final
-soft-capping or bias, and for up to ``MAX_ROWS`` rows: past that the screen's per-row work (two int8 rows of x
-each) costs more than the bf16 rows it saves. Measured on 2-core machines, screen and rescoring against the full
-head: AMX 1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs 23. AMD Zen 4 (AVX512-VNNI, real decode rows, 20
-interleaved repeats): 1 row 5.7 vs 9.6 ms, 2 rows 6.3 vs 9.8, 3 rows 6.4 vs 10.0, 4 rows 8.4 vs 10.1 (before its
-bounds were computed 16 rows a vector and the next vectors prefetched, 2 rows already cost as much as the head,
-and the screen took one row). The screen reads the 168 MB int8 head as fast as a float32 sum reads it (4.5-5.0 ms
-at 34 GB/s, 2.7 ms at 62 GB/s).
+soft-capping or bias, and for up to ``decode_linear.screen_rows()`` rows: past them the screen costs more than the
+bf16 rows it saves. On AMX 4 (its tiles, two int8 rows of x each: 1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs
+23). On the VNNI kernel 16: up to 4 rows two int8 rows of x each, from 5 to 16 rows one (the wide screen, with a
+Cauchy-Schwarz bound: at 16 rows two int8 rows a row cost as many products as the bf16 head). Zen 4, 2026-12-03,
+screen alone vs the full head (medians of 9, random rows): 1 row 5.8 vs 11.1 ms, 4 rows 7.3 vs 11.5, 5 rows 7.6 vs
+12.1, 8 rows 8.3 vs 12.2, 16 rows 13.0 vs 15.1; on real Gemma hidden rows in calls of 16 the wide screen leaves a
+median of ~320 candidates a row (max ~1,100), rescored in ~0.6 ms. The screen reads the 168 MB int8 head as fast as
+a float32 sum reads it at one row (5.4-5.8 ms at ~31 GB/s).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from inferscale.kernels import decode_linear
 from inferscale.models.weightmajor import KERNEL
 
 log = logging.getLogger(__name__)
-MAX_ROWS = 4  # the most rows a screen takes (where it pays on both kernels; the module's docstring)
-MAX_CANDIDATES = 4096  # per call: past it (a flat distribution) the full head is cheaper than the rescoring
-CHECK_ROWS = 8  # rows of each scale checked against the full head at install
+MAX_CANDIDATES = 4096  # per row of x: past it (a flat distribution) the full head is cheaper than the rescoring
+CHECK_ROWS = 16  # rows of each scale checked against the full head at install, in calls of CHECK_SIZES' rows
+CHECK_SIZES = (1, 4, 8, 16)  # each of the kernels' paths: two int8 rows of x each (1-4), one (5-8 and 9-16)
 
 
 class GreedyHead:
@@ -48,7 +49,7 @@ class GreedyHead:
         pack, self._screen = ops
         self.weight = weight  # the bf16 head [vocab, in]: the candidates' rows are read from it
         self.packed: list[torch.Tensor] = pack(weight)  # the int8 head and its bounds, as the kernel reads them
-        self.max_rows = MAX_ROWS  # past them the full head is cheaper
+        self.max_rows = decode_linear.screen_rows()  # past them the full head is cheaper
 
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """The full head's argmax for each row of ``hidden`` [rows, in] (bf16), or None where the screen does not
@@ -57,7 +58,7 @@ class GreedyHead:
             return None
         hidden = hidden.contiguous()
         candidates = self._screen(*self.packed, hidden)  # [n, 2]: (row, vocabulary row), sorted
-        if candidates.shape[0] > MAX_CANDIDATES:
+        if candidates.shape[0] > MAX_CANDIDATES * hidden.shape[0]:
             return None
         exact = decode_linear.load()(self.weight.index_select(0, candidates[:, 1]), hidden)  # [rows, n]
         mine = candidates[:, 0][None, :] == torch.arange(hidden.shape[0])[:, None]
@@ -79,8 +80,8 @@ def install_greedy_head(head: torch.nn.Module, softcap: float | None) -> GreedyH
         for scale in (1.0, 10.0, 100.0):
             rows = (torch.randn(CHECK_ROWS, weight.shape[1], generator=gen) * scale).to(weight.dtype)
             full = head(rows).max(dim=-1).indices.tolist()
-            step = greedy.max_rows
-            if any(greedy.argmax(rows[i:i + step]) not in (None, full[i:i + step]) for i in range(0, CHECK_ROWS, step)):
+            calls = [(i, size) for size in CHECK_SIZES if size <= greedy.max_rows for i in range(0, CHECK_ROWS, size)]
+            if any(greedy.argmax(rows[i:i + size]) not in (None, full[i:i + size]) for i, size in calls):
                 log.warning("the LM head's int8 screen disagrees with the full head here; greedy steps read it all")
                 return None
     return greedy

@@ -14,7 +14,7 @@ from inferscale.engine.loop import GenRequest
 from inferscale.engine.sampling import Sampling
 from inferscale.kernels import amx_linear, decode_linear
 from inferscale.models import greedyhead
-from inferscale.models.greedyhead import MAX_ROWS, GreedyHead, install_greedy_head
+from inferscale.models.greedyhead import GreedyHead, install_greedy_head
 from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
 
 
@@ -23,6 +23,11 @@ def ops():
     if decode_linear.screen_ops() is None:
         pytest.skip("no AMX-INT8 or AVX512-VNNI kernel here: greedy steps read the whole head")
     return decode_linear.screen_ops()
+
+
+@pytest.fixture(scope="module")
+def max_rows(ops) -> int:
+    return decode_linear.screen_rows()  # 4 on AMX, 16 on the VNNI kernel (its wide screen from 5 rows)
 
 
 def _head(weight: torch.Tensor) -> WeightMajorLinear:
@@ -46,29 +51,28 @@ def test_the_int8_product_is_exact(ops):
         assert torch.equal(ops.amx_linear_int8(q, x), x.int() @ q.int().T), rows
 
 
-def test_the_screened_token_is_the_full_heads_argmax(ops):
-    """Random heads and hidden rows of every scale, 1 to MAX_ROWS rows a call (the kernel's screen at every row
+def test_the_screened_token_is_the_full_heads_argmax(ops, max_rows):
+    """Random heads and hidden rows of every scale, 1 to max_rows rows a call (the kernel's screen at every row
     count it may be given): the same token as the bf16 head."""
     gen = torch.Generator().manual_seed(1)
     weight = (torch.randn(20000, 640, generator=gen) * 0.05).to(torch.bfloat16)
     greedy = GreedyHead(weight)
-    greedy.max_rows = MAX_ROWS
     with torch.inference_mode():
         for scale in (0.01, 1.0, 30.0, 1000.0):
-            for rows in range(1, MAX_ROWS + 1):
+            for rows in range(1, max_rows + 1):
                 x = (torch.randn(rows, 640, generator=gen) * scale).to(torch.bfloat16)
                 x[:, 7] *= 50  # an outlier channel, as Gemma's hidden states have
                 assert greedy.argmax(x) == _full_argmax(weight, x), (scale, rows)
 
 
-def test_every_row_count_the_screen_accepts_keeps_each_rows_argmax(ops):
+def test_every_row_count_the_screen_accepts_keeps_each_rows_argmax(ops, max_rows):
     """The kernel's op either refuses a row count or screens every row it was given: no row comes back without
     candidates (the VNNI screen once accepted 8 rows and screened only the first 4)."""
     gen = torch.Generator().manual_seed(6)
     weight = (torch.randn(3000, 640, generator=gen) * 0.05).to(torch.bfloat16)
     packed = GreedyHead(weight).packed
     accepted = []
-    for rows in range(1, 10):
+    for rows in range(1, max_rows + 3):
         x = torch.randn(rows, 640, generator=gen).to(torch.bfloat16)
         try:
             candidates = ops[1](*packed, x)
@@ -78,10 +82,10 @@ def test_every_row_count_the_screen_accepts_keeps_each_rows_argmax(ops):
         accepted.append(rows)
         for row, best in enumerate(_full_argmax(weight, x)):
             assert best in candidates[candidates[:, 0] == row, 1].tolist(), (rows, row)
-    assert MAX_ROWS in accepted and accepted == list(range(1, len(accepted) + 1))
+    assert accepted == list(range(1, max_rows + 1))
 
 
-def test_the_argmax_in_the_last_partial_vector_is_found(ops):
+def test_the_argmax_in_the_last_partial_vector_is_found(ops, max_rows):
     """A vocabulary that ends mid-vector (4,099 rows: 3 past the last full 16): a winner there is a candidate and
     the token, and no row past the vocabulary is ever one."""
     gen = torch.Generator().manual_seed(5)
@@ -90,33 +94,39 @@ def test_the_argmax_in_the_last_partial_vector_is_found(ops):
     for row, winner in ((0, 4098), (1, 4096)):
         weight[winner] = (x[row].float() * 0.2).to(torch.bfloat16)  # far above every other logit of that row
     greedy = GreedyHead(weight)
-    greedy.max_rows = MAX_ROWS
     with torch.inference_mode():
         candidates = ops[1](*greedy.packed, x)
         assert int(candidates[:, 1].max()) < 4099
         assert greedy.argmax(x) == [4098, 4096] == _full_argmax(weight, x)
 
 
-def test_ties_go_to_the_first_maximum(ops):
+@pytest.mark.parametrize("rows", [1, 9])  # the two-row screen's bound and the wide screen's
+def test_ties_go_to_the_first_maximum(ops, max_rows, rows):
     """Rows equal to the winner (the same logit to the bit) placed before and after it: argmax's first maximum."""
+    if rows > max_rows:
+        pytest.skip(f"this kernel's screen takes {max_rows} rows")
     gen = torch.Generator().manual_seed(2)
     weight = (torch.randn(5000, 640, generator=gen) * 0.05).to(torch.bfloat16)
-    x = torch.randn(1, 640, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 640, generator=gen).to(torch.bfloat16)
     best = _full_argmax(weight, x)[0]
     weight[4000] = weight[best]
     weight[17] = weight[best]
     weight[18] = -weight[best]
-    assert _full_argmax(weight, x) == [17]
+    full = _full_argmax(weight, x)
+    assert full[0] == 17
     with torch.inference_mode():
-        assert GreedyHead(weight).argmax(x) == [17]
+        assert GreedyHead(weight).argmax(x) == full
 
 
-def test_near_ties_in_bf16_keep_the_first_maximum(ops):
+@pytest.mark.parametrize("rows", [1, 9])
+def test_near_ties_in_bf16_keep_the_first_maximum(ops, max_rows, rows):
     """Rows whose logits differ from the winner's by less than a bf16 step (so the bf16 logits tie): the screen
     keeps them all and the earliest wins, as in the full head."""
+    if rows > max_rows:
+        pytest.skip(f"this kernel's screen takes {max_rows} rows")
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(3000, 640, generator=gen) * 0.02).to(torch.bfloat16)
-    x = torch.randn(1, 640, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 640, generator=gen).to(torch.bfloat16)
     best = _full_argmax(weight, x)[0]
     for row in (5, 6, 2999):  # the winner with one value nudged by one bf16 step
         weight[row] = weight[best]
