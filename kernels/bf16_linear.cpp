@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/bitwise_xor.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -174,24 +175,14 @@ at::Tensor bf16_linear(const at::Tensor& packed, const at::Tensor& x, int64_t ch
 #include "greedy_screen.h"  // screen_pack, the bounds and the candidates' filter
 
 // screen_pack's int8 head as vectors of 16 rows, quad by quad (packed[v][quad][lane]: in-features 4 quad .. 4 quad
-// + 3 of row 16 v + lane; zero rows past the vocabulary), its stats, and each row's sum of q (`vpdpbusd` multiplies
-// unsigned by signed bytes: x's rows go in as p + 128, and 128 times the row sum comes off).
+// + 3 of row 16 v + lane; zero rows past the vocabulary), as unsigned bytes q + 128, and its stats. `vpdpbusd`
+// multiplies unsigned by signed bytes: the head goes in unsigned and x's int8 rows signed, so that x is the operand
+// the instruction broadcasts from memory (no register a column), and 128 times each row of x's sum comes off.
 std::vector<at::Tensor> screen_pack_vnni(const at::Tensor& weight) {
   std::vector<at::Tensor> qs = screen_pack(weight);
-  const at::Tensor& q = qs[0];
-  const int64_t out = q.size(0), in = q.size(1);
-  at::Tensor packed = pack_vectors(q, out, in / 4, (out + kLanes - 1) / kLanes);
-  at::Tensor sums = at::empty({out}, q.options().dtype(at::kInt));
-  const int8_t* qb = q.data_ptr<int8_t>();
-  int32_t* sp = sums.data_ptr<int32_t>();
-  at::parallel_for(0, out, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      int32_t total = 0;
-      for (int64_t i = 0; i < in; ++i) total += qb[row * in + i];
-      sp[row] = total;
-    }
-  });
-  return {packed, qs[1], sums};
+  const at::Tensor unsigned_q = at::bitwise_xor(qs[0], -128);  // the bits of q + 128 as a byte
+  const int64_t out = unsigned_q.size(0), in = unsigned_q.size(1);
+  return {pack_vectors(unsigned_q, out, in / 4, (out + kLanes - 1) / kLanes), qs[1]};
 }
 
 // The wide screen's row of x (5-16 rows a step, where two int8 rows each cost as many products as the bf16 head):
@@ -299,20 +290,19 @@ struct VectorSink {
 // column was, the compiler kept them on the stack and the screen ran at a third of vpdpbusd's rate: 4 rows 9.3 ms
 // against a 5.4 ms read); each vector's sums go to the sink from a copy made once.
 template <int G, int C>
-void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
+void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
                   VectorSink& sink) {
   __m512i acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < C; ++k) acc[g][k] = _mm512_setzero_si512();
   for (int64_t q = 0; q < quads; ++q) {
-    __m512i xb[C];
-    for (int k = 0; k < C; ++k) xb[k] = _mm512_set1_epi32(static_cast<int>(xu[k * quads + q]));
     for (int g = 0; g < G; ++g) {
       // the same line of the next call's vectors into L2: the hardware prefetcher alone left the screen ~1.2-1.8x
       // its read time, compute and loads taking turns; with this it reads at the float32 sum's speed (Zen 4)
       _mm_prefetch(reinterpret_cast<const char*>(packed + ((v + g + G) * quads + q) * kLanes), _MM_HINT_T1);
       const __m512i wv = _mm512_loadu_si512(packed + ((v + g) * quads + q) * kLanes);
-      for (int k = 0; k < C; ++k) acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], xb[k], wv);
+      for (int k = 0; k < C; ++k)
+        acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], wv, _mm512_set1_epi32(static_cast<int>(xs[k * quads + q])));
     }
   }
   alignas(64) int32_t total[G][C][kLanes];
@@ -321,10 +311,9 @@ void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xu, con
   for (int g = 0; g < G; ++g) {
     const int64_t o = (v + g) * kLanes;
     const __mmask16 valid = first_lanes(sink.vocab - o);
-    const __m512i bias = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(valid, sums + o), 7);  // 128 * the row sums
     for (int k = 0; k + 1 < C; k += 2) {
-      const __m512i s1 = _mm512_sub_epi32(_mm512_load_si512(total[g][k]), bias);
-      const __m512i s2 = _mm512_sub_epi32(_mm512_load_si512(total[g][k + 1]), bias);
+      const __m512i s1 = _mm512_sub_epi32(_mm512_load_si512(total[g][k]), _mm512_set1_epi32(bias[k]));
+      const __m512i s2 = _mm512_sub_epi32(_mm512_load_si512(total[g][k + 1]), _mm512_set1_epi32(bias[k + 1]));
       sink.lanes(s1, s2, k / 2, o, valid);
     }
   }
@@ -334,19 +323,18 @@ void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xu, con
 // them real, the rest zero), one accumulator a column and vector, as screen_block's. Blocks of 2 vectors x 8 columns
 // (two passes for 16 rows, the second over vectors still in L1): one broadcast of x per two products.
 template <int G, int C>
-void screen_block_wide(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
+void screen_block_wide(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
                        int64_t col0, int64_t cols, VectorSink& sink) {
   __m512i acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < C; ++k) acc[g][k] = _mm512_setzero_si512();
   for (int64_t q = 0; q < quads; ++q) {
-    __m512i xb[C];
-    for (int k = 0; k < C; ++k) xb[k] = _mm512_set1_epi32(static_cast<int>(xu[(col0 + k) * quads + q]));
     for (int g = 0; g < G; ++g) {
       if (col0 == 0)  // the next vectors' line into L2, once (the second pass over 8 columns finds them in L1)
         _mm_prefetch(reinterpret_cast<const char*>(packed + ((v + g + G) * quads + q) * kLanes), _MM_HINT_T1);
       const __m512i wv = _mm512_loadu_si512(packed + ((v + g) * quads + q) * kLanes);
-      for (int k = 0; k < C; ++k) acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], xb[k], wv);
+      for (int k = 0; k < C; ++k)
+        acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], wv, _mm512_set1_epi32(static_cast<int>(xs[(col0 + k) * quads + q])));
     }
   }
   alignas(64) int32_t total[G][C][kLanes];
@@ -355,20 +343,20 @@ void screen_block_wide(const uint32_t* packed, int64_t quads, const uint32_t* xu
   for (int g = 0; g < G; ++g) {
     const int64_t o = (v + g) * kLanes;
     const __mmask16 valid = first_lanes(sink.vocab - o);
-    const __m512i bias = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(valid, sums + o), 7);  // 128 * the row sums
     for (int k = 0; k < cols; ++k)
-      sink.lane(_mm512_sub_epi32(_mm512_load_si512(total[g][k]), bias), col0 + k, o, valid);
+      sink.lane(_mm512_sub_epi32(_mm512_load_si512(total[g][k]), _mm512_set1_epi32(bias[col0 + k])), col0 + k, o,
+                valid);
   }
 }
 
 // The wide screen over `count` vectors from v: pairs of vectors, each against every 8 columns of x.
-void screen_vectors_wide(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
+void screen_vectors_wide(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
                          int64_t count, int64_t rows, VectorSink& sink) {
   for (int64_t g = 0; g < count; g += 2) {
     for (int64_t col0 = 0; col0 < rows; col0 += 8) {
       const int64_t cols = std::min<int64_t>(8, rows - col0);
-      if (count - g >= 2) screen_block_wide<2, 8>(packed, quads, xu, sums, v + g, col0, cols, sink);
-      else screen_block_wide<1, 8>(packed, quads, xu, sums, v + g, col0, cols, sink);
+      if (count - g >= 2) screen_block_wide<2, 8>(packed, quads, xs, bias, v + g, col0, cols, sink);
+      else screen_block_wide<1, 8>(packed, quads, xs, bias, v + g, col0, cols, sink);
     }
   }
 }
@@ -380,23 +368,21 @@ constexpr int64_t kVnniPairRows = 4;
 constexpr int64_t kVnniScreenMaxRows = 16;
 
 template <int C>
-void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xu, const int32_t* sums, int64_t v,
+void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
                     int64_t count, VectorSink& sink) {
   constexpr int G = C <= 4 ? 4 : 2;
   for (int64_t g = 0; g < count; g += G) {
-    if (count - g >= G) screen_block<G, C>(packed, quads, xu, sums, v + g, sink);
-    else for (int64_t h = g; h < count; ++h) screen_block<1, C>(packed, quads, xu, sums, v + h, sink);
+    if (count - g >= G) screen_block<G, C>(packed, quads, xs, bias, v + g, sink);
+    else for (int64_t h = g; h < count; ++h) screen_block<1, C>(packed, quads, xs, bias, v + h, sink);
   }
 }
 
-at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats, const at::Tensor& sums,
-                              const at::Tensor& x) {
+at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats, const at::Tensor& x) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kLanes &&
               packed.is_contiguous(), "greedy_screen: screen_pack's packed int8 weight expected");
-  const int64_t vocab = sums.numel(), quads = packed.size(1);
+  const int64_t vocab = stats.dim() == 2 ? stats.size(1) : 0, quads = packed.size(1);
   TORCH_CHECK(vocab < (int64_t{1} << 24), "greedy_screen: more vocabulary rows than float32 counts exactly");
-  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() && packed.size(0) == (vocab + kLanes - 1) / kLanes,
-              "greedy_screen: screen_pack's row sums expected");
+  TORCH_CHECK(packed.size(0) == (vocab + kLanes - 1) / kLanes, "greedy_screen: screen_pack's stats expected");
   TORCH_CHECK(stats.dim() == 2 && stats.size(0) == kStats && stats.size(1) == vocab &&
               stats.scalar_type() == at::kFloat && stats.is_contiguous(),
               "greedy_screen: screen_pack's stats expected");
@@ -420,14 +406,14 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   } else {
     z = quantize_rows(x, xq);
   }
-  at::Tensor xu = at::empty({columns, in}, x.options().dtype(at::kByte));
   const int8_t* xqp = xq.data_ptr<int8_t>();
-  uint8_t* xup = xu.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < columns * in; ++i) xup[i] = static_cast<uint8_t>(xqp[i] + 128);
+  std::vector<int32_t> bias(columns, 0);  // 128 * each column's sum: what the head's + 128 adds to its products
+  for (int64_t k = 0; k < columns; ++k)
+    for (int64_t i = 0; i < in; ++i) bias[k] += 128 * xqp[k * in + i];
   const float* st = stats.data_ptr<float>();
   const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr());
-  const auto* xw = reinterpret_cast<const uint32_t*>(xup);
-  const int32_t* sp = sums.data_ptr<int32_t>();
+  const auto* xw = reinterpret_cast<const uint32_t*>(xqp);
+  const int32_t* sp = bias.data();
   constexpr int64_t kStep = 4;  // vectors a step
   const int64_t steps = (packed.size(0) + kStep - 1) / kStep;
   at::parallel_for(0, steps, 64, [&](int64_t begin, int64_t end) {
@@ -509,7 +495,7 @@ TORCH_LIBRARY(inferscale_bf16, m) {
   m.def("bf16_pack(Tensor weight) -> Tensor", &bf16_pack);
   m.def("bf16_linear(Tensor packed, Tensor x, int chain, int out_features) -> Tensor", &bf16_linear);
   m.def("screen_pack(Tensor weight) -> Tensor[]", &screen_pack_vnni);
-  m.def("greedy_screen(Tensor packed, Tensor stats, Tensor sums, Tensor x) -> Tensor", &greedy_screen_vnni);
+  m.def("greedy_screen(Tensor packed, Tensor stats, Tensor x) -> Tensor", &greedy_screen_vnni);
   m.def("greedy_screen_rows() -> int", &greedy_screen_rows);
   m.def("rows_argmax(Tensor logits) -> Tensor", &rows_argmax);
 }

@@ -52,7 +52,7 @@ def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
 
 def screen_ops() -> tuple[Callable, Callable] | None:
     """``(screen_pack, greedy_screen)`` on AVX512-VNNI (``bf16_linear.cpp``; the method is ``greedy_screen.h``'s, as
-    on AMX): ``screen_pack(weight)`` -> [packed int8 head, stats, row sums], ``greedy_screen(*packed, x)``; None
+    on AMX): ``screen_pack(weight)`` -> [packed head (int8 + 128), stats], ``greedy_screen(*packed, x)``; None
     where the kernel is not built here."""
     if load() is None:
         return None

@@ -17,10 +17,11 @@ soft-capping or bias, and for up to ``decode_linear.screen_rows()`` rows: past t
 bf16 rows it saves. On AMX 4 (its tiles, two int8 rows of x each: 1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs
 23). On the VNNI kernel 16: up to 4 rows two int8 rows of x each, from 5 to 16 rows one (the wide screen, with a
 Cauchy-Schwarz bound: at 16 rows two int8 rows a row cost as many products as the bf16 head). Zen 4, 2026-12-03,
-screen alone vs the full head (medians of 9, random rows): 1 row 5.8 vs 11.1 ms, 4 rows 7.3 vs 11.5, 5 rows 7.6 vs
-12.1, 8 rows 8.3 vs 12.2, 16 rows 13.0 vs 15.1; on real Gemma hidden rows in calls of 16 the wide screen leaves a
-median of ~320 candidates a row (max ~1,100), rescored in ~0.6 ms. The screen reads the 168 MB int8 head as fast as
-a float32 sum reads it at one row (5.4-5.8 ms at ~31 GB/s).
+screen alone vs the full head on real Gemma hidden rows (medians of 10): 1 row 4.8 vs 8.3 ms, 4 rows 4.4 vs 8.8, 8
+rows 5.3 vs 9.8, 16 rows 9.9 vs 16.2 (+ 0.6 ms rescoring a median of ~320 candidates a row, max ~1,100, at 16 rows).
+Before the screen's accumulators were kept in registers and the head went in unsigned (x signed, broadcast), 4 rows
+took 9.3 ms and 16 rows 20-22 ms. At one row the screen reads the 168 MB int8 head about as fast as a float32 sum
+reads it (4.8 vs 3.6 ms at ~45 GB/s, 5.8 vs 5.4 at ~31).
 """
 
 from __future__ import annotations
