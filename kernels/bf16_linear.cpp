@@ -284,30 +284,39 @@ struct VectorSink {
   void done() { result.merge(best, kept); }
 };
 
-// Vocabulary vectors [v, v + G) against every column (p1 and p2 of each row of x, as u8 quads): exact int32 sums,
-// one accumulator a column and vector (G x C <= 16 independent chains keep vpdpbusd busy), each only ever indexed at
-// compile time so that it stays in a register (indexed at run time, as an earlier version's second accumulator per
-// column was, the compiler kept them on the stack and the screen ran at a third of vpdpbusd's rate: 4 rows 9.3 ms
-// against a 5.4 ms read); each vector's sums go to the sink from a copy made once.
+// Vocabulary vectors [v, v + G) against columns col0 .. col0 + C - 1 of x (int8 quads; unsigned head bytes by
+// signed x): exact int32 sums into total, 128 * the column's sum still in them. One accumulator a column and vector
+// (G x C <= 16 independent chains keep vpdpbusd busy), each only ever indexed at compile time so that it stays in a
+// register (indexed at run time, as an earlier version's second accumulator per column was, the compiler kept them on
+// the stack and the screen ran at a third of vpdpbusd's rate: 4 rows 9.3 ms against a 5.4 ms read). `prefetch`: the
+// same line of the next call's vectors into L2 (the hardware prefetcher alone left the screen ~1.2-1.8x its read
+// time, compute and loads taking turns); off for a second pass over vectors still in L1.
 template <int G, int C>
-void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
-                  VectorSink& sink) {
+void screen_sums(const uint32_t* packed, int64_t quads, const uint32_t* xs, int64_t v, int64_t col0, bool prefetch,
+                 int32_t total[G][C][kLanes]) {
   __m512i acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < C; ++k) acc[g][k] = _mm512_setzero_si512();
   for (int64_t q = 0; q < quads; ++q) {
     for (int g = 0; g < G; ++g) {
-      // the same line of the next call's vectors into L2: the hardware prefetcher alone left the screen ~1.2-1.8x
-      // its read time, compute and loads taking turns; with this it reads at the float32 sum's speed (Zen 4)
-      _mm_prefetch(reinterpret_cast<const char*>(packed + ((v + g + G) * quads + q) * kLanes), _MM_HINT_T1);
+      if (prefetch)
+        _mm_prefetch(reinterpret_cast<const char*>(packed + ((v + g + G) * quads + q) * kLanes), _MM_HINT_T1);
       const __m512i wv = _mm512_loadu_si512(packed + ((v + g) * quads + q) * kLanes);
       for (int k = 0; k < C; ++k)
-        acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], wv, _mm512_set1_epi32(static_cast<int>(xs[k * quads + q])));
+        acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], wv, _mm512_set1_epi32(static_cast<int>(xs[(col0 + k) * quads + q])));
     }
   }
-  alignas(64) int32_t total[G][C][kLanes];
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < C; ++k) _mm512_store_si512(total[g][k], acc[g][k]);
+}
+
+// The two-row screen: vocabulary vectors [v, v + G) against every column (p1 and p2 of each row of x); each
+// vector's sums, less the columns' offsets, go to the sink.
+template <int G, int C>
+void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
+                  VectorSink& sink) {
+  alignas(64) int32_t total[G][C][kLanes];
+  screen_sums<G, C>(packed, quads, xs, v, 0, true, total);
   for (int g = 0; g < G; ++g) {
     const int64_t o = (v + g) * kLanes;
     const __mmask16 valid = first_lanes(sink.vocab - o);
@@ -320,26 +329,13 @@ void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xs, con
 }
 
 // The wide screen's: vocabulary vectors [v, v + G) against columns col0 .. col0 + C - 1 (one a row of x; `cols` of
-// them real, the rest zero), one accumulator a column and vector, as screen_block's. Blocks of 2 vectors x 8 columns
-// (two passes for 16 rows, the second over vectors still in L1): one broadcast of x per two products.
+// them real, the rest zero). Blocks of 2 vectors x 8 columns (two passes for 16 rows, the second over vectors still
+// in L1): one broadcast of x per two products.
 template <int G, int C>
 void screen_block_wide(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
                        int64_t col0, int64_t cols, VectorSink& sink) {
-  __m512i acc[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int k = 0; k < C; ++k) acc[g][k] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < quads; ++q) {
-    for (int g = 0; g < G; ++g) {
-      if (col0 == 0)  // the next vectors' line into L2, once (the second pass over 8 columns finds them in L1)
-        _mm_prefetch(reinterpret_cast<const char*>(packed + ((v + g + G) * quads + q) * kLanes), _MM_HINT_T1);
-      const __m512i wv = _mm512_loadu_si512(packed + ((v + g) * quads + q) * kLanes);
-      for (int k = 0; k < C; ++k)
-        acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], wv, _mm512_set1_epi32(static_cast<int>(xs[(col0 + k) * quads + q])));
-    }
-  }
   alignas(64) int32_t total[G][C][kLanes];
-  for (int g = 0; g < G; ++g)
-    for (int k = 0; k < C; ++k) _mm512_store_si512(total[g][k], acc[g][k]);
+  screen_sums<G, C>(packed, quads, xs, v, col0, col0 == 0, total);
   for (int g = 0; g < G; ++g) {
     const int64_t o = (v + g) * kLanes;
     const __mmask16 valid = first_lanes(sink.vocab - o);
