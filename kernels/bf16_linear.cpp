@@ -236,17 +236,21 @@ struct VectorSink {
     return _mm512_maskz_loadu_ps(valid, st + field * vocab + o);
   }
 
+  // A bound's terms for vocabulary rows [o, o + 16): weight error x one norm of x, |s q| x the same norm of x's
+  // quantization error, and the float32 summation's max|w| |x|_1 gamma (g).
+  __m512 terms(Stat err, float x_norm, Stat size, float rest, float g, int64_t o, __mmask16 valid) const {
+    return _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(stat(err, o, valid), _mm512_set1_ps(x_norm)),
+                                       _mm512_mul_ps(stat(size, o, valid), _mm512_set1_ps(rest))),
+                         _mm512_mul_ps(stat(kWmax, o, valid), _mm512_set1_ps(g)));
+  }
+
   // x row r's exact sums q.p1 (s1) and q.p2 (s2) for vocabulary rows [o, o + 16), of which `valid` exist.
   void lanes(__m512i s1, __m512i s2, int64_t r, int64_t o, __mmask16 valid) {
     const RowBound& x = rows[r];
     const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(x.a), _mm512_cvtepi32_ps(s1));
     const __m512 t2 = _mm512_mul_ps(_mm512_set1_ps(x.b), _mm512_cvtepi32_ps(s2));
     const __m512 scale = stat(kScale, o, valid);
-    const __m512 terms = _mm512_add_ps(
-        _mm512_add_ps(_mm512_mul_ps(stat(kErr, o, valid), _mm512_set1_ps(x.x_l1)),
-                      _mm512_mul_ps(stat(kL1, o, valid), _mm512_set1_ps(x.rest))),
-        _mm512_mul_ps(stat(kWmax, o, valid), _mm512_set1_ps(x.g)));
-    keep(_mm512_mul_ps(scale, _mm512_add_ps(t1, t2)), terms,
+    keep(_mm512_mul_ps(scale, _mm512_add_ps(t1, t2)), terms(kErr, x.x_l1, kL1, x.rest, x.g, o, valid),
          _mm512_mul_ps(scale, _mm512_add_ps(_mm512_abs_ps(t1), _mm512_abs_ps(t2))), r, o, valid);
   }
 
@@ -255,11 +259,8 @@ struct VectorSink {
     const WideBound& x = wide[r];
     const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(x.a), _mm512_cvtepi32_ps(s1));
     const __m512 scale = stat(kScale, o, valid);
-    const __m512 terms = _mm512_add_ps(
-        _mm512_add_ps(_mm512_mul_ps(stat(kErr2, o, valid), _mm512_set1_ps(x.xn)),
-                      _mm512_mul_ps(stat(kL2, o, valid), _mm512_set1_ps(x.en))),
-        _mm512_mul_ps(stat(kWmax, o, valid), _mm512_set1_ps(x.g)));
-    keep(_mm512_mul_ps(scale, t1), terms, _mm512_mul_ps(scale, _mm512_abs_ps(t1)), r, o, valid);
+    keep(_mm512_mul_ps(scale, t1), terms(kErr2, x.xn, kL2, x.en, x.g, o, valid),
+         _mm512_mul_ps(scale, _mm512_abs_ps(t1)), r, o, valid);
   }
 
   // Estimates est +- the bound (terms, with slack for float32's rounding of est, of magnitude `size`): the row's best
