@@ -195,20 +195,13 @@ struct WideBound {
 };
 
 WideBound quantize_wide(const c10::BFloat16* x, int64_t in, int8_t* p1, float gamma) {
-  double top = 0.0, l1 = 0.0, xx = 0.0;
+  const std::vector<double> v = row_values(x, in);
+  const double a = int8_row(v, p1);
+  double l1 = 0.0, xx = 0.0, ee = 0.0;
   for (int64_t i = 0; i < in; ++i) {
-    const double v = float(x[i]);
-    top = std::max(top, std::fabs(v));
-    l1 += std::fabs(v);
-    xx += v * v;
-  }
-  const double a = top > 0.0 ? top / 127.0 : 1.0;
-  double ee = 0.0;
-  for (int64_t i = 0; i < in; ++i) {
-    const double v = float(x[i]);
-    const double q = std::clamp(std::nearbyint(v / a), -127.0, 127.0);
-    p1[i] = static_cast<int8_t>(q);
-    ee += (v - a * q) * (v - a * q);
+    l1 += std::fabs(v[i]);
+    xx += v[i] * v[i];
+    ee += (v[i] - a * p1[i]) * (v[i] - a * p1[i]);
   }
   const float x_l1 = round_up(l1 * (1.0 + 1e-12)) * (1.0f + 1e-6f);
   return {static_cast<float>(a), round_up(std::sqrt(xx) * (1.0 + 1e-12)), round_up(std::sqrt(ee) * (1.0 + 1e-12)),
@@ -413,9 +406,11 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   const int32_t* sp = bias.data();
   constexpr int64_t kStep = 4;  // vectors a step
   const int64_t steps = (packed.size(0) + kStep - 1) / kStep;
+  std::vector<RowBound> bounds;
+  for (const Quantized& q : z) bounds.push_back(row_bound(q, gamma));
   at::parallel_for(0, steps, 64, [&](int64_t begin, int64_t end) {
     VectorSink sink(st, vocab, rows, result);
-    for (const Quantized& q : z) sink.rows.push_back(row_bound(q, gamma));
+    sink.rows = bounds;
     sink.wide = zw;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t v = s * kStep, count = std::min(kStep, packed.size(0) - v);

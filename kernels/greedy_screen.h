@@ -75,29 +75,30 @@ struct Quantized {  // one row of x as a p1 + b p2 (int8 rows), with the bound's
   double a = 1.0, b = 1.0, rest = 0.0, l1 = 0.0;
 };
 
+// v ~ a p, p an int8 row: a = max|v| / 127 (1 where v is all zero), p = v / a rounded to nearest even and clamped.
+// The rule for every int8 row of x, in both screens. Returns a.
+double int8_row(const std::vector<double>& v, int8_t* p) {
+  double top = 0.0;
+  for (const double e : v) top = std::max(top, std::fabs(e));
+  const double a = top > 0.0 ? top / 127.0 : 1.0;
+  for (size_t i = 0; i < v.size(); ++i) p[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] / a), -127.0, 127.0));
+  return a;
+}
+
+std::vector<double> row_values(const c10::BFloat16* x, int64_t in) {
+  std::vector<double> v(in);
+  for (int64_t i = 0; i < in; ++i) v[i] = float(x[i]);
+  return v;
+}
+
 Quantized quantize(const c10::BFloat16* x, int64_t in, int8_t* p1, int8_t* p2) {
   Quantized z;
-  double top = 0.0;
-  for (int64_t i = 0; i < in; ++i) {
-    const double v = float(x[i]);
-    top = std::max(top, std::fabs(v));
-    z.l1 += std::fabs(v);
-  }
-  z.a = top > 0.0 ? top / 127.0 : 1.0;
-  std::vector<double> residual(in);
-  double rtop = 0.0;
-  for (int64_t i = 0; i < in; ++i) {
-    const double q = std::clamp(std::nearbyint(float(x[i]) / z.a), -127.0, 127.0);
-    p1[i] = static_cast<int8_t>(q);
-    residual[i] = float(x[i]) - z.a * q;
-    rtop = std::max(rtop, std::fabs(residual[i]));
-  }
-  z.b = rtop > 0.0 ? rtop / 127.0 : 1.0;
-  for (int64_t i = 0; i < in; ++i) {
-    const double q = std::clamp(std::nearbyint(residual[i] / z.b), -127.0, 127.0);
-    p2[i] = static_cast<int8_t>(q);
-    z.rest = std::max(z.rest, std::fabs(residual[i] - z.b * q));
-  }
+  std::vector<double> residual = row_values(x, in);
+  for (const double v : residual) z.l1 += std::fabs(v);
+  z.a = int8_row(residual, p1);
+  for (int64_t i = 0; i < in; ++i) residual[i] -= z.a * p1[i];
+  z.b = int8_row(residual, p2);
+  for (int64_t i = 0; i < in; ++i) z.rest = std::max(z.rest, std::fabs(residual[i] - z.b * p2[i]));
   z.l1 *= 1.0 + 1e-12;    // double rounding of the sums above, generously
   z.rest *= 1.0 + 1e-12;
   return z;
