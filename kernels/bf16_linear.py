@@ -82,16 +82,9 @@ def product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` in the kernel's layout (``bf16_pack``: vectors of 16 outputs, pair by pair): packed once and kept
-    on the tensor object, packed again once the tensor is written in place (its version moves). A tensor made in
-    inference mode has no version to watch: packed on every call (tests' random weights, never the model's)."""
-    if weight.is_inference():
-        return torch.ops.inferscale_bf16.bf16_pack(weight)
-    held = getattr(weight, "inferscale_bf16_packed", None)
-    if held is None or held[0] != weight._version:
-        held = (weight._version, torch.ops.inferscale_bf16.bf16_pack(weight))
-        weight.inferscale_bf16_packed = held
-    return held[1]
+    """``weight`` in the kernel's layout (``bf16_pack``: vectors of 16 outputs, pair by pair), kept on the tensor
+    (``cppext.kept_packing``)."""
+    return cppext.kept_packing(weight, "inferscale_bf16_packed", torch.ops.inferscale_bf16.bf16_pack)
 
 
 @functools.cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,3 +45,16 @@ def build(source: Path, flags: list[str]) -> bool:
         log.warning("%s not built (%s); aten's operations are used instead", source.name, str(e).splitlines()[0])
         return False
     return True
+
+
+def kept_packing(weight: torch.Tensor, attr: str, pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``pack(weight)``, a kernel's own copy of a weight: made once and kept on the tensor object as ``attr``, made
+    again once the tensor is written in place (its version moves). A tensor made in inference mode has no version
+    to watch: packed on every call (tests' random weights, never the model's)."""
+    if weight.is_inference():
+        return pack(weight)
+    held = getattr(weight, attr, None)
+    if held is None or held[0] != weight._version:
+        held = (weight._version, pack(weight))
+        setattr(weight, attr, held)
+    return held[1]

@@ -1,8 +1,9 @@
 """The decode-path product kernel for this CPU (issue 22): ``amx_linear`` where the CPU has AMX-BF16 (Intel Sapphire
-Rapids and later), else ``bf16_linear`` where it has AVX512-BF16 (AMD Zen 4 and later), else None (oneDNN stays).
+Rapids and later), else ``bf16_linear`` where it has AVX512-BF16 (AMD Zen 4 and later), else ``avx2_linear`` where
+it has AVX2 and FMA (AMD Zen 2/3, older Intel), else None (aten stays).
 
-Both compute ``x @ weight.T`` [rows, out] for a bf16 ``weight`` [out, in] with in-features a multiple of 32, each
-output row depending only on its own input row; ``weightmajor`` checks either against F.linear before using it.
+Each computes ``x @ weight.T`` [rows, out] for a bf16 ``weight`` [out, in] (``fits``), each output row depending
+only on its own input row; ``weightmajor`` checks each against F.linear before using it.
 """
 
 from __future__ import annotations
@@ -11,13 +12,22 @@ from collections.abc import Callable
 
 import torch
 
-from inferscale.kernels import amx_linear, bf16_linear
-
-fits = amx_linear.fits  # the same operand rule for both kernels
+from inferscale.kernels import amx_linear, avx2_linear, bf16_linear
 
 
 def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    return amx_linear.load() or bf16_linear.load()
+    return amx_linear.load() or bf16_linear.load() or avx2_linear.load()
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether this CPU's kernel takes ``weight`` (the AVX512 kernels share AMX's operand rule)."""
+    return avx2_linear.fits(weight) if load() is avx2_linear.product else amx_linear.fits(weight)
+
+
+def any_rows() -> bool:
+    """Whether the kernel should take every row count, prompts too: on AVX2 aten's bf16 product is slow at every
+    count past one row (avx2_linear.py); oneDNN's AVX512 and AMX kernels win past 64 rows (weightmajor)."""
+    return load() is avx2_linear.product
 
 
 def screen_ops() -> tuple[Callable, Callable] | None:
@@ -40,7 +50,9 @@ def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 
 def prepare(weight: torch.Tensor) -> None:
-    """Ready ``weight`` for the kernel now rather than at its first product: ``bf16_linear`` packs a copy (kept on
-    the tensor); the AMX kernel reads the weight as it is."""
+    """Ready ``weight`` for the kernel now rather than at its first product: ``bf16_linear`` and ``avx2_linear``
+    pack a copy (kept on the tensor); the AMX kernel reads the weight as it is."""
     if load() is bf16_linear.product:
         bf16_linear.packed(weight)
+    elif load() is avx2_linear.product:
+        avx2_linear.packed(weight)

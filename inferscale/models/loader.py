@@ -14,6 +14,7 @@ import torch
 from inferscale.cachedir import cache_dir
 from inferscale.cpuflags import cpu_flags
 from inferscale.errors import ModelLoadError
+from inferscale.kernels import avx2_linear
 from inferscale.models.fingerprint import file_digest, fingerprint, weights_digest_from_tensors
 from inferscale.models.layout import ModelLayout, read_layout
 from inferscale.models.greedyhead import GreedyHead, Head, install_greedy_head
@@ -131,8 +132,9 @@ def torch_dtype_for(dtype: str | None, device: str | None) -> torch.dtype:
         except AttributeError:
             raise ModelLoadError(f"unknown dtype {dtype!r}") from None
     # bf16 on GPUs and on CPUs with native bf16 math (AVX512-BF16/AMX: ~2x faster than fp32 here, half the
-    # KV bytes); fp32 elsewhere, where bf16 matmuls are emulated and slow.
-    if (device or "cpu").startswith("cuda") or {"avx512_bf16", "amx_bf16"} & cpu_flags():
+    # KV bytes), and on AVX2 CPUs where our product kernel is built (kernels/avx2_linear.cpp: half the bytes a
+    # decode step reads; aten's own bf16 products there are slow past one row); fp32 elsewhere.
+    if (device or "cpu").startswith("cuda") or {"avx512_bf16", "amx_bf16"} & cpu_flags() or avx2_linear.load():
         return torch.bfloat16
     return torch.float32
 

@@ -29,6 +29,7 @@ machine 67 -> 25-29 ms through the server, the LM head 30-35 -> 10 ms).
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -51,8 +52,11 @@ KERNEL_MAX_ROWS = 64
 
 
 def max_rows(blocks: int) -> int:
-    """The most rows ``weight_major_product`` takes with ``blocks``; longer inputs keep F.linear."""
-    return KERNEL_MAX_ROWS if blocks == KERNEL else MAX_ROWS
+    """The most rows ``weight_major_product`` takes with ``blocks``; longer inputs keep F.linear. The AVX2 kernel
+    takes every count (``decode_linear.any_rows``: aten's bf16 product there is slower at all of them)."""
+    if blocks == KERNEL:
+        return sys.maxsize if decode_linear.any_rows() else KERNEL_MAX_ROWS
+    return MAX_ROWS
 
 
 def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int = 1) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""The AVX2 product kernel (``kernels/avx2_linear.cpp``: bf16 models on CPUs without AVX512-BF16, such as AMD Zen 3):
+F.linear's numbers bit for bit at the model's shapes and at every row count (decode steps and prompts alike), a
+row's result independent of the rows beside it, NaN and infinities as aten gives them, a clear error on bad input,
+and a bf16 model's products on it. Skipped on a CPU without AVX2 and FMA or where it cannot be built; on an AVX512
+CPU ``decode_linear`` picks its own kernel and these tests run only the kernel itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as tm
+from inferscale.kernels import avx2_linear, decode_linear
+from inferscale.models.loader import from_model
+from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
+
+F = torch.nn.functional
+# Gemma-3-270M's products: fused q/k/v, o, fused gate/up, down; and a slice of the LM head's rows
+SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048), (8192, 640)]
+ROWS = (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 48, 49, 100)  # every register block, and more than one row chunk
+
+
+@pytest.fixture(scope="module")
+def product():
+    op = avx2_linear.load()
+    if op is None:
+        pytest.skip("no AVX2 and FMA here, or the kernel could not be built")
+    return op
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)  # NaN compares equal to itself here
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernel_gives_f_linear_numbers_bit_for_bit(product, shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    weight = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        for rows in ROWS:
+            x = (torch.randn(rows, shape[1], generator=gen) * rows).to(torch.bfloat16)
+            out = product(weight, x)
+            assert out.shape == (rows, shape[0]) and out.is_contiguous()
+            assert torch.equal(out, F.linear(x, weight)), (shape, rows)
+
+
+def test_cancelling_weights_show_the_chains_and_tree_are_atens():
+    """+2^24 at in-feature 0, -2^24 at the last, 1 at c: whether c's 1 survives depends on which of the 64 chains
+    it sits in and where the reduction tree meets the +2^24 (a 1 added to 2^24 in fp32 is lost). Random rows rarely
+    tell summation orders apart; these do, per c."""
+    if avx2_linear.load() is None:
+        pytest.skip("no AVX2 and FMA here")
+    for in_features in (640, 2048):
+        weight = torch.zeros(in_features - 2, in_features)
+        weight[:, 0], weight[:, -1] = 2.0 ** 24, -(2.0 ** 24)
+        weight[torch.arange(in_features - 2), torch.arange(1, in_features - 1)] = 1.0
+        weight = weight[: (in_features - 2) // 16 * 16].to(torch.bfloat16)
+        with torch.inference_mode():
+            for rows in (1, 7):
+                x = torch.ones(rows, in_features).to(torch.bfloat16)
+                out, ref = avx2_linear.product(weight, x), F.linear(x, weight)
+                assert torch.equal(out, ref), (in_features, rows)
+                assert 0 < int((out[0] == 0).sum()) < len(weight)  # both kinds of c occur
+
+
+def test_nan_and_infinities_come_out_as_atens(product):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 128, generator=gen)
+    weight[0, 5], weight[1, 7], weight[2, :] = float("inf"), float("nan"), 3e38  # inf, NaN, overflow to inf
+    weight[3, 0], weight[3, 64] = float("inf"), float("-inf")  # inf - inf: NaN
+    weight = weight.to(torch.bfloat16)
+    x = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
+    x[4] = 0.0  # 0 * inf: NaN
+    with torch.inference_mode():
+        out, ref = product(weight, x), F.linear(x, weight)
+    assert torch.equal(bits(out), bits(ref))
+    assert out[:, :4].isnan().any() and out[:, :4].isinf().any()
+
+
+def test_a_row_gets_the_same_numbers_whatever_rides_along(product):
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(1008, 640, generator=gen).to(torch.bfloat16)
+    x = torch.randn(100, 640, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([product(weight, x[i: i + 1]) for i in range(100)])
+        for rows in (2, 6, 7, 16, 48, 49, 100):
+            assert torch.equal(product(weight, x[:rows]), alone[:rows]), rows
+
+
+def test_bad_input_is_refused_with_an_error_naming_it(product):
+    pack, op = torch.ops.inferscale_avx2.avx2_pack, torch.ops.inferscale_avx2.avx2_linear
+    weight = torch.randn(64, 128).to(torch.bfloat16)
+    packed = pack(weight)
+    with pytest.raises(RuntimeError, match="x must be bf16 \\[rows, 128\\]"):
+        op(packed, torch.randn(1, 64).to(torch.bfloat16), 64)
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        op(packed, torch.randn(1, 128), 64)
+    with pytest.raises(RuntimeError, match="packed by avx2_pack"):
+        op(weight, torch.randn(1, 128).to(torch.bfloat16), 64)
+    with pytest.raises(RuntimeError, match="out_features 65 does not match the packed weight's 64"):
+        op(packed, torch.randn(1, 128).to(torch.bfloat16), 65)
+    with pytest.raises(RuntimeError, match="in-features a multiple of 64"):
+        pack(torch.randn(64, 48).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out-features a multiple of 16"):
+        pack(torch.randn(40, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        pack(torch.randn(64, 64))
+    assert not avx2_linear.fits(torch.randn(40, 64).to(torch.bfloat16))
+    assert avx2_linear.fits(torch.randn(48, 64).to(torch.bfloat16))
+
+
+def test_a_weight_written_in_place_is_packed_again(product):
+    """The packed copy is kept on the weight; a write (a state dict loaded into the model) makes a new one."""
+    weight = torch.randn(128, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = product(weight, x)
+    with torch.no_grad():
+        weight.mul_(2)
+    with torch.inference_mode():
+        assert torch.equal(product(weight, x), F.linear(x, weight)) and not torch.equal(product(weight, x), first)
+
+
+def test_a_bf16_model_runs_its_products_on_the_kernel_at_every_row_count(product):
+    if decode_linear.load() is not product:
+        pytest.skip("AVX512 here: decode_linear picks its own kernel")
+    loaded = from_model(tm.model("gemma3", dtype=torch.bfloat16, sliding_window=8), tm.tokenizer())
+    linears = [m for m in loaded.model.modules() if isinstance(m, WeightMajorLinear)]
+    fitting = [m for m in linears if avx2_linear.fits(m.weight)]
+    assert fitting and all(m.blocks == KERNEL and m.max_rows > 10 ** 9 for m in fitting)
+    x = torch.randn(300, fitting[0].in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(fitting[0](x), F.linear(x, fitting[0].weight))
