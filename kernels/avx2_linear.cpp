@@ -70,7 +70,8 @@ at::Tensor avx2_pack(const at::Tensor& weight) {
       for (int64_t c = 0; c < kChains; ++c)
         for (int64_t s = 0; s < steps; ++s)
           for (int64_t j = 0; j < kGroup; ++j)
-            pk[((g * kChains + c) * steps + s) * kGroup + 2 * (j % 8) + j / 8] = w[(g * kGroup + j) * in + s * kChains + c];
+            pk[((g * kChains + c) * steps + s) * kGroup + 2 * (j % 8) + j / 8] =
+                w[(g * kGroup + j) * in + s * kChains + c];
   });
   return packed;
 }
@@ -164,8 +165,8 @@ at::Tensor avx2_linear(const at::Tensor& packed, const at::Tensor& x, int64_t ou
               packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
               "avx2_linear: the weight must be packed by avx2_pack");
   const int64_t groups = packed.size(0), steps = packed.size(2), in = steps * kChains;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in && x.scalar_type() == at::kBFloat16, "avx2_linear: x must be bf16 [rows, ",
-              in, "], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in && x.scalar_type() == at::kBFloat16,
+              "avx2_linear: x must be bf16 [rows, ", in, "], got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(out_features == groups * kGroup, "avx2_linear: out_features ", out_features,
               " does not match the packed weight's ", groups * kGroup);
   const int64_t rows = x.size(0);

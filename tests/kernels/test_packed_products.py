@@ -1,0 +1,69 @@
+"""What the two kernels that pack a copy of the weight (``kernels/bf16_linear.cpp`` on AVX512-BF16, issue 22;
+``kernels/avx2_linear.cpp`` on AVX2) must both give: F.linear's numbers bit for bit at Gemma-3-270M's shapes and at
+the row counts each takes, a row's result independent of the rows beside it, and a new packed copy once the weight
+is written in place (``cppext.kept_packing``). Each kernel is skipped where it cannot run here."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from inferscale.kernels import avx2_linear, bf16_linear
+from inferscale.models.weightmajor import KERNEL_MAX_ROWS
+
+F = torch.nn.functional
+LAYERS = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # fused q/k/v, o, fused gate/up, down
+# per kernel: the model's layer shapes and a slice of the LM head's rows (bf16_linear: with a ragged tail), and the
+# row counts it takes (bf16_linear up to KERNEL_MAX_ROWS; avx2_linear any: every register block, two row chunks)
+CASES = {
+    "bf16_linear": ([*LAYERS, (8192 + 7, 640)], (1, 2, 5, 8, 9, 16, 17, 32, KERNEL_MAX_ROWS), (2, 16, 33, 64)),
+    "avx2_linear": ([*LAYERS, (8192, 640)], (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 48, 49, 100), (2, 6, 7, 16, 48, 100)),
+}
+MODULES: dict[str, ModuleType] = {"bf16_linear": bf16_linear, "avx2_linear": avx2_linear}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def kernel(request):
+    if MODULES[request.param].load() is None:
+        pytest.skip(f"{request.param} cannot run here, or could not be built")
+    return request.param
+
+
+def test_the_kernel_gives_f_linear_numbers_bit_for_bit(kernel):
+    shapes, rows_counts, _ = CASES[kernel]
+    product = MODULES[kernel].product
+    for shape in shapes:
+        gen = torch.Generator().manual_seed(shape[0])
+        weight = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+        with torch.inference_mode():
+            for rows in rows_counts:
+                x = (torch.randn(rows, shape[1], generator=gen) * rows).to(torch.bfloat16)
+                out = product(weight, x)
+                assert out.shape == (rows, shape[0]) and out.is_contiguous()
+                assert torch.equal(out, F.linear(x, weight)), (kernel, shape, rows)
+
+
+def test_a_row_gets_the_same_numbers_whatever_rides_along(kernel):
+    product = MODULES[kernel].product
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(1008, 640, generator=gen).to(torch.bfloat16)
+    x = torch.randn(100, 640, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([product(weight, x[i: i + 1]) for i in range(100)])
+        for rows in CASES[kernel][2]:
+            assert torch.equal(product(weight, x[:rows]), alone[:rows]), rows
+
+
+def test_a_weight_written_in_place_is_packed_again(kernel):
+    """The packed copy is kept on the weight; a write (a state dict loaded into the model) makes a new one."""
+    product = MODULES[kernel].product
+    weight = torch.randn(128, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = product(weight, x)
+    with torch.no_grad():
+        weight.mul_(2)
+    with torch.inference_mode():
+        assert torch.equal(product(weight, x), F.linear(x, weight)) and not torch.equal(product(weight, x), first)
