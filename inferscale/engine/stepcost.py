@@ -61,9 +61,12 @@ class StepCost:
             weight = SMOOTHING * min(1.0, tokens / FULL_WEIGHT_TOKENS)
             # Before a decode pass told the fixed part, a token's cost is its pass's share: a stand-in the first
             # observation with the fixed part known replaces instead of averaging with (it is 2-4x too high).
-            self.prompt_token_s = ewma(None if self._fixed_part_unknown else self.prompt_token_s, marginal, weight)
+            # Stand-ins average with each other like any observation: one pass the OS held up (a 7-token pass of
+            # 1.3 s on a loaded 2-core machine, against 7 ms) must not set the rate that sheds requests.
+            replace = self._fixed_part_unknown and self.pass_s is not None
+            self.prompt_token_s = ewma(None if replace else self.prompt_token_s, marginal, weight)
             for tenant in tenants:
-                old = None if self._fixed_part_unknown else self.tenant_token_s.pop(tenant, None)
+                old = None if replace else self.tenant_token_s.pop(tenant, None)
                 self.tenant_token_s[tenant] = ewma(old, marginal, weight)  # re-inserted: the newest last
             while len(self.tenant_token_s) > TENANTS_KEPT:
                 del self.tenant_token_s[next(iter(self.tenant_token_s))]

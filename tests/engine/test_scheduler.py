@@ -209,6 +209,22 @@ def test_a_prompt_token_costs_what_it_adds_to_a_pass_not_its_share_of_the_pass()
     assert cost.prompt_token_s == pytest.approx(0.00075)
 
 
+def test_one_held_up_pass_before_any_decode_does_not_set_the_rate_that_sheds():
+    """Seen in CI on a loaded machine: before any decode pass, each prompt pass's share replaced the estimate, so
+    one pass the OS held up (7 tokens in 1.3 s, the others in ~7 ms) made three small requests look 30 s away and
+    one was refused on an idle engine. Stand-ins average like other observations."""
+    cost = StepCost()
+    cost.observe_prefill(7, 0.007)
+    cost.observe_prefill(7, 0.007)
+    cost.observe_prefill(7, 1.3)  # held up
+    assert cost.prompt_token_s < 0.02  # not 0.19 s a token
+    s = Scheduler(SchedulerConfig(chunk_tokens=7, step_tokens=64))
+    s.cost = cost
+    for _ in range(3):
+        s.add(ScheduledRequest("a", prompt_tokens=60))  # refused here (EngineBusyError) before
+    assert s.schedule().shed == []
+
+
 def test_a_lone_tenants_burst_starts_in_one_step_in_passes_another_tenant_interrupts():
     """Issue 22: 16 questions of one tenant (31 tokens each) while its first decodes. Costs about as measured on
     the 2-core CPU: a pass's fixed part 60 ms, 0.8 ms a prompt token. A 0.25 s step beside its prompt pass and
