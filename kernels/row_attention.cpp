@@ -1,7 +1,7 @@
 // row_attention(q, k, v, mask, scale): attention of a few new tokens per row (a decode step's one, a question's few
-// dozen), each over the keys its own row of the mask shows, on AVX512-BF16 CPUs (issue 22: a 16-row decode step of
-// Gemma-3-270M spent ~16 of its ~49 ms in torch's CPU flash attention, which read the rows' K/V at ~15 GB/s of the
-// ~40 the machine reads; a kv request's 28-43-token question pass spent ~19 ms there).
+// dozen), each over the keys its own row of the mask shows, on AVX512-BF16 or AVX2 CPUs (issue 22: a 16-row decode
+// step of Gemma-3-270M spent ~16 of its ~49 ms in torch's CPU flash attention, which read the rows' K/V at ~15 GB/s
+// of the ~40 the machine reads; a kv request's 28-43-token question pass spent ~19 ms there).
 //
 // What it computes, per row b, new token t and query head g of key head h (GQA: the G query heads of a key head read
 // its keys together): s_j = (q . k_j) * scale + mask_j over the keys the mask shows (b, t), softmax, sum of p_j * v_j;
@@ -20,6 +20,11 @@
 //
 // A mask value at or below kHidden (the dtype's lowest, which the model's masks use, or -inf) hides its key; other
 // values are added to the score. Bool masks: true shows the key. A query with no visible key gets zeros.
+//
+// Two builds of this source (row_attention.py picks the flags): with AVX512-BF16 each chunk's keys and values are
+// rearranged once and scores and p.V are vdpbf16ps products; with AVX2 and FMA only (AMD Zen 3) they are read in
+// place and converted to float32 as they are used, a block of queries sharing each load (its own summation order,
+// checked the same way). Everything else (masks, chunks, the combination in key order) is the same code.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,8 +41,6 @@
 
 namespace {
 
-#include "avx512_transpose.h"
-
 constexpr int64_t kChunk = 64;       // keys per task, at absolute key indices c * kChunk ..: a row alone or padded
                                      // in a batch splits its keys the same way
 constexpr int64_t kMaxGroup = 8;     // query heads per key head
@@ -52,29 +55,6 @@ inline float bf16_float(uint16_t b) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
-}
-
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// e^x for x <= 0 (scores minus their maximum): 2^n * e^r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial
-// (relative error < 2e-7); 0 below -87 (and for -inf), where float32 would go subnormal.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
 // The mask's value of key j for one (row, new token) as a score addend: kNegInf where it hides the key.
@@ -102,6 +82,33 @@ struct Shape {
 struct Unit {  // one task: one row's keys first..last-1 (within one kChunk) for one key head, all its queries
   int64_t row, head, first, last;
 };
+
+#if defined(__AVX512BF16__)  // ---- AVX512-BF16: vdpbf16ps over rearranged chunks ----
+
+#include "avx512_transpose.h"
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// e^x for x <= 0 (scores minus their maximum): 2^n * e^r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7); 0 below -87 (and for -inf), where float32 would go subnormal.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
 
 // A task's scratch: the chunk's keys as one vector of 16 keys per bf16 pair of dims (kt), its values as pairs of
 // keys per dim (vt), and the mask's addends of each new token.
@@ -256,6 +263,158 @@ void chunk(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t*
     }
   }
 }
+
+#else  // ---- AVX2 and FMA: the same computation in 8-lane float32 vectors, K and V read in place ----
+
+// 8 bf16 -> float32 (exact).
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+}
+
+// e^x for x <= 0, as the AVX512 path computes it: 2^n * e^r, |r| <= ln2/2, degree-6 Taylor; 0 below -87 and for -inf.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^n as float bits ((n + 127) << 23): n >= -126 here, a normal number
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), live);
+}
+
+// float32 -> the nearest bf16, back as float32 (round to nearest even; the scores' e^x are finite and >= 0).
+inline __m256 round_bf16(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+struct Scratch {  // a task's mask addends of each new token, the queries in float32, scores and bf16-rounded e^(s - m)
+  alignas(32) float add[64 * kChunk];
+  alignas(32) float q[kBlock][kMaxDim];
+  alignas(32) float p[kBlock][kChunk];
+};
+
+// One block of kBlock queries (q rows of `dim` bf16; null: a pad query) against the chunk's n keys (k, v at stride
+// k_t, v_t): each query's max score m, sum of e^(s - m) l and sum over keys of bf16(e^(s - m)) v. A query's every
+// operation is its own (the block shares only the loads), so its result does not depend on its block.
+void block(const Shape& s, const uint16_t* const q[kBlock], const float* const add[kBlock], const uint16_t* k,
+           const uint16_t* v, int64_t n, Scratch& w, float* m_out, float* l_out, float* acc) {
+  const int64_t dim = s.dim;
+  for (int i = 0; i < kBlock; ++i)
+    for (int64_t d = 0; d < dim; d += 8)
+      _mm256_store_ps(w.q[i] + d, q[i] ? bf16x8(q[i] + d) : _mm256_setzero_ps());
+  alignas(32) float score[kBlock][kChunk];
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* kj = k + j * s.k_t;
+    __m256 a[kBlock][2];
+    for (int i = 0; i < kBlock; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m256 k0 = bf16x8(kj + d), k1 = bf16x8(kj + d + 8);
+      for (int i = 0; i < kBlock; ++i) {
+        a[i][0] = _mm256_fmadd_ps(_mm256_load_ps(w.q[i] + d), k0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(_mm256_load_ps(w.q[i] + d + 8), k1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < kBlock; ++i) score[i][j] = hsum(_mm256_add_ps(a[i][0], a[i][1]));
+  }
+  for (int i = 0; i < kBlock; ++i) {
+    float top = kNegInf;
+    for (int64_t j = 0; j < kChunk; ++j) {
+      const float a = j < n ? add[i][j] : kNegInf;  // keys past n, and keys the mask hides, score -inf
+      score[i][j] = a == kNegInf ? kNegInf : std::fma(score[i][j], s.scale, a);
+      top = std::max(top, score[i][j]);
+    }
+    m_out[i] = top;
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < kChunk; j += 8) {
+      const __m256 shifted = _mm256_sub_ps(_mm256_load_ps(score[i] + j), _mm256_set1_ps(top));
+      const __m256 e = top == kNegInf ? _mm256_setzero_ps() : exp_nonpositive(shifted);
+      sum = _mm256_add_ps(sum, e);
+      _mm256_store_ps(w.p[i] + j, round_bf16(e));
+    }
+    l_out[i] = top == kNegInf ? 0.0f : hsum(sum);
+  }
+  for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+    __m256 a[kBlock][2];
+    for (int i = 0; i < kBlock; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* vj = v + j * s.v_t + d0;
+      const __m256 v0 = bf16x8(vj), v1 = bf16x8(vj + 8);
+      for (int i = 0; i < kBlock; ++i) {
+        const __m256 pj = _mm256_broadcast_ss(w.p[i] + j);
+        a[i][0] = _mm256_fmadd_ps(pj, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(pj, v1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < kBlock; ++i) {
+      _mm256_storeu_ps(acc + i * dim + d0, a[i][0]);
+      _mm256_storeu_ps(acc + i * dim + d0 + 8, a[i][1]);
+    }
+  }
+}
+
+// The next task's K/V lines into L2 (a decode step's rows read their K/V from DRAM, each layer its own).
+void prefetch_rows(const uint16_t* x, int64_t stride, int64_t n, int64_t dim) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < dim; d += 32) _mm_prefetch(reinterpret_cast<const char*>(x + j * stride + d), _MM_HINT_T1);
+}
+
+// One task: every query of the row and key head against the chunk's keys, read in place.
+void chunk(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v, const MaskRow* masks,
+           const Unit& u, const Unit* next, float* m_out, float* l_out, float* acc) {
+  thread_local Scratch w;
+  const int64_t n = u.last - u.first;
+  const auto at_k = [&](const Unit& x) { return k + x.row * s.k_b + x.head * s.k_h + x.first * s.k_t; };
+  const auto at_v = [&](const Unit& x) { return v + x.row * s.v_b + x.head * s.v_h + x.first * s.v_t; };
+  if (next) {
+    prefetch_rows(at_k(*next), s.k_t, next->last - next->first, s.dim);
+    prefetch_rows(at_v(*next), s.v_t, next->last - next->first, s.dim);
+  }
+  for (int64_t t = 0; t < s.tokens; ++t)
+    for (int64_t j = 0; j < n; ++j) w.add[t * kChunk + j] = masks[t].at(u.first + j);
+  alignas(32) float pad_acc[kBlock * kMaxDim];
+  for (int64_t r0 = 0; r0 < s.queries; r0 += kBlock) {
+    const uint16_t* qs[kBlock];
+    const float* adds[kBlock];
+    for (int i = 0; i < kBlock; ++i) {
+      const int64_t r = r0 + i, t = r / s.group, g = r % s.group;
+      const bool real = r < s.queries;
+      qs[i] = real ? q + u.row * s.q_b + t * s.q_t + (u.head * s.group + g) * s.q_h : nullptr;
+      adds[i] = w.add + (real ? t : 0) * kChunk;
+    }
+    float pm[kBlock], pl[kBlock];
+    const bool whole = r0 + kBlock <= s.queries;
+    block(s, qs, adds, at_k(u), at_v(u), n, w, whole ? m_out + r0 : pm, whole ? l_out + r0 : pl,
+          whole ? acc + r0 * s.dim : pad_acc);
+    if (!whole) {
+      for (int64_t r = r0; r < s.queries; ++r) {
+        m_out[r] = pm[r - r0];
+        l_out[r] = pl[r - r0];
+        std::memcpy(acc + r * s.dim, pad_acc + (r - r0) * s.dim, s.dim * sizeof(float));
+      }
+    }
+  }
+}
+
+#endif
 
 // The first and one past the last key the mask shows (first == last: none).
 std::pair<int64_t, int64_t> visible(const MaskRow& mask, int64_t keys) {

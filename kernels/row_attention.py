@@ -1,5 +1,6 @@
 """``row_attention(q, k, v, mask, scale)``: attention of a few new tokens per row (a decode step's one, a kv
-question's few dozen), each over the keys its own mask row shows (``row_attention.cpp``), on AVX512-BF16 CPUs.
+question's few dozen), each over the keys its own mask row shows (``row_attention.cpp``), on AVX512-BF16 CPUs, and
+in an 8-lane float32 build of the same source on AVX2 CPUs without it (AMD Zen 3: ``flags``).
 
 torch's CPU flash attention ran a 16-row decode step's attention of Gemma-3-270M (18 layers, 630 keys a row) in
 ~16-20 ms; this kernel reads only the keys each row's mask shows: ~6 ms where the K/V sit in L3 (one layer's cache
@@ -16,7 +17,7 @@ combined in key order. Its outputs are not torch's bits (another summation order
 keys, not per block of 512). ``load()`` hands the operator out only after checking, on random shapes of the layouts
 Gemma uses, that (1) its error against a float64 reference is no larger than SDPA's own (``ERROR_RATIO``), and (2)
 every row's output is the same alone and in a batch with longer, masked rows. None, and attention stays SDPA, on
-other CPUs, where the build fails, where a check fails, or with ``INFERSCALE_ROW_ATTENTION=0``. What it does to
+CPUs without AVX2, where the build fails, where a check fails, or with ``INFERSCALE_ROW_ATTENTION=0``. What it does to
 answers is measured end to end (README: answers against the SDPA path over LoCoMo questions).
 """
 
@@ -35,7 +36,8 @@ from inferscale.kernels import cppext
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("row_attention.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+AVX512_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # the source's 8-lane float32 path (no AVX512-BF16)
 MAX_TOKENS = 64  # new tokens per row it takes (decode, a kv question; the C++ checks the same); longer chunks: SDPA
 MAX_GROUP = 8  # query heads per key head it takes (the C++'s kMaxGroup)
 HEAD_MULTIPLE = 64  # head sizes it takes: multiples of this up to 512
@@ -48,16 +50,23 @@ CHECK_SHAPES = ((4, 4, 1, 1, 630, 256), (2, 4, 1, 9, 300, 256), (3, 8, 2, 1, 77,
 RowAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
 
+def flags() -> list[str] | None:
+    """The build for this CPU: AVX512-BF16's ``vdpbf16ps`` path, else the AVX2 one, else none (SDPA stays)."""
+    if "avx512_bf16" in cpu_flags():
+        return AVX512_FLAGS
+    return AVX2_FLAGS if {"avx2", "fma"} <= cpu_flags() else None
+
+
 def build_dir() -> Path:
-    return cppext.build_dir(SOURCE, FLAGS)
+    return cppext.build_dir(SOURCE, flags() or AVX2_FLAGS)
 
 
 @functools.cache
 def load() -> RowAttention | None:
     """The operator once built and checked here; None where attention stays SDPA."""
-    if os.environ.get("INFERSCALE_ROW_ATTENTION", "1") == "0" or "avx512_bf16" not in cpu_flags():
+    if os.environ.get("INFERSCALE_ROW_ATTENTION", "1") == "0" or flags() is None:
         return None
-    if not cppext.build(SOURCE, FLAGS):
+    if not cppext.build(SOURCE, flags()):
         return None
     op = torch.ops.inferscale_attention.row_attention
     if not agrees(op):
