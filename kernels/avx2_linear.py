@@ -9,6 +9,10 @@ number of rows: each row's outputs are F.linear's for that row alone, at every r
 not change with the row count here either; ``weightmajor`` checks both before using it).
 Built once per machine as a torch C++ extension into InferScale's cache (``cppext``).
 
+The same source screens the LM head in int8 for greedy steps (``screen_ops``: ``vpmaddubsw`` + ``vpmaddwd``, exact
+int32 sums, x in 63 levels so that no pair saturates; the method and its bounds are ``greedy_screen.h``'s, shared with
+the AVX512 and AMX kernels; used by ``models/greedyhead.py``).
+
 ``load()`` returns None, and the model keeps aten, on a CPU without AVX2 and FMA, where the build fails, or with
 ``INFERSCALE_AVX2_LINEAR=0``.
 """
@@ -28,7 +32,6 @@ from inferscale.kernels import cppext
 
 SOURCE = Path(__file__).with_name("avx2_linear.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-GROUP = 16  # out-features per packed group
 CHAINS = 64  # aten's 8 accumulators x 8 lanes: in-features must be a multiple
 
 
@@ -47,11 +50,27 @@ def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     return product
 
 
+def screen_ops() -> tuple[Callable, Callable] | None:
+    """``(screen_pack, greedy_screen)`` (``avx2_linear.cpp``): ``screen_pack(weight)`` -> [packed head (int8 + 128,
+    8 rows a vector), stats], ``greedy_screen(*packed, x)`` -> [n, 2] candidates; None where the kernel is not built
+    here."""
+    if load() is None:
+        return None
+    return torch.ops.inferscale_avx2.screen_pack, torch.ops.inferscale_avx2.greedy_screen
+
+
+def screen_rows() -> int:
+    """Rows of x one ``greedy_screen`` call takes: up to 4 with two int8 rows each, up to 16 with one (the wide
+    screen, as on VNNI)."""
+    return int(torch.ops.inferscale_avx2.greedy_screen_rows()) if load() is not None else 0
+
+
 def fits(weight: torch.Tensor) -> bool:
-    """Whether the kernel takes ``weight``: bf16 [out, in] on the CPU, contiguous, out-features a multiple of 16,
-    in-features of 64 (aten's dot then has no tail, whose order this kernel does not reproduce)."""
+    """Whether the kernel takes ``weight``: bf16 [out, in] on the CPU, contiguous, in-features a multiple of 64
+    (aten's dot then has no tail, whose order this kernel does not reproduce); any out-features (the last group of
+    16 is padded)."""
     return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.is_contiguous() and weight.shape[0] % GROUP == 0 and weight.shape[1] % CHAINS == 0)
+            and weight.is_contiguous() and weight.shape[1] % CHAINS == 0)
 
 
 def product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

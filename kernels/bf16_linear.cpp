@@ -265,14 +265,11 @@ struct VectorSink {
     const __m512 lo = _mm512_mask_sub_ps(neg_inf, valid, est, bound);
     const __m512 hi = _mm512_mask_add_ps(neg_inf, valid, est, bound);
     best[r] = std::max(best[r], _mm512_reduce_max_ps(lo));
-    __mmask16 hits = _mm512_mask_cmp_ps_mask(valid, hi, _mm512_set1_ps(margin_floor(best[r])), _CMP_GE_OQ);
+    const __mmask16 hits = _mm512_mask_cmp_ps_mask(valid, hi, _mm512_set1_ps(margin_floor(best[r])), _CMP_GE_OQ);
     if (!hits) return;
     alignas(64) float his[kLanes];
     _mm512_store_ps(his, hi);
-    for (; hits; hits &= hits - 1) {
-      const int i = __builtin_ctz(hits);
-      kept.push_back({static_cast<float>(r), static_cast<float>(o + i), his[i]});
-    }
+    keep_hits(kept, r, o, hits, his);
   }
 
   void done() { result.merge(best, kept); }
@@ -368,18 +365,8 @@ void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xs, c
 }
 
 at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats, const at::Tensor& x) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kLanes &&
-              packed.is_contiguous(), "greedy_screen: screen_pack's packed int8 weight expected");
-  const int64_t vocab = stats.dim() == 2 ? stats.size(1) : 0, quads = packed.size(1);
-  TORCH_CHECK(vocab < (int64_t{1} << 24), "greedy_screen: more vocabulary rows than float32 counts exactly");
-  TORCH_CHECK(packed.size(0) == (vocab + kLanes - 1) / kLanes, "greedy_screen: screen_pack's stats expected");
-  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == kStats && stats.size(1) == vocab &&
-              stats.scalar_type() == at::kFloat && stats.is_contiguous(),
-              "greedy_screen: screen_pack's stats expected");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(0) >= 1,
-              "greedy_screen: contiguous bf16 rows x [rows, in] expected");
-  TORCH_CHECK(x.size(1) == 4 * quads, "greedy_screen: in-features differ: ", x.size(1), " vs ", 4 * quads);
-  TORCH_CHECK(x.size(0) <= kVnniScreenMaxRows, "greedy_screen: at most ", kVnniScreenMaxRows, " rows of x");
+  check_screen(packed, stats, x, kLanes, at::kInt, 4, kVnniScreenMaxRows);
+  const int64_t vocab = stats.size(1), quads = packed.size(1);
   const int64_t rows = x.size(0), in = x.size(1);
   const bool wide = rows > kVnniPairRows;
   const int64_t columns = wide ? (rows <= 8 ? 8 : 16) : 2 * rows;

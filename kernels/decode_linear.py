@@ -33,14 +33,18 @@ def any_rows() -> bool:
 def screen_ops() -> tuple[Callable, Callable] | None:
     """The LM head's int8 screen (``greedy_screen.h``) on the same kernel as the products: ``screen_pack(weight)`` ->
     a list of tensors, ``greedy_screen(*packed, x)`` -> [n, 2] candidates; None where that kernel has none."""
-    return amx_linear.screen_ops() if amx_linear.load() is not None else bf16_linear.screen_ops()
+    if amx_linear.load() is not None:
+        return amx_linear.screen_ops()
+    return bf16_linear.screen_ops() if bf16_linear.load() is not None else avx2_linear.screen_ops()
 
 
 def screen_rows() -> int:
-    """The most rows of x one ``greedy_screen`` call takes where it pays: the VNNI kernel's wide screen up to 16
-    (``bf16_linear.cpp``, one int8 row of x each), the AMX one 4 (its tiles past that cost more than the bf16 head:
-    16 rows 30 vs 23 ms)."""
-    return amx_linear.SCREEN_ROWS if amx_linear.load() is not None else bf16_linear.screen_rows()
+    """The most rows of x one ``greedy_screen`` call takes where it pays: the VNNI and AVX2 kernels' wide screens up
+    to 16 (one int8 row of x each), the AMX one 4 (its tiles past that cost more than the bf16 head: 16 rows 30 vs
+    23 ms)."""
+    if amx_linear.load() is not None:
+        return amx_linear.SCREEN_ROWS
+    return bf16_linear.screen_rows() if bf16_linear.load() is not None else avx2_linear.screen_rows()
 
 
 def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -1,8 +1,9 @@
-// The LM head's int8 screen for greedy decoding, shared by the AMX kernel (amx_linear.cpp) and the AVX512 one
-// (bf16_linear.cpp): the int8 copy of the head with its per-row bounds, x's two int8 rows, the sink that turns a
-// tile of exact int32 products into kept candidates, and the final filter. Each kernel reads the int8 head its own
-// way; the AMX one hands ScreenSink 16 vocabulary rows x 16 columns of int32 sums (column 2r: x row r's p1, 2r + 1:
-// its p2), the AVX512 one computes the same bounds 16 vocabulary rows a vector (its VectorSink).
+// The LM head's int8 screen for greedy decoding, shared by the AMX kernel (amx_linear.cpp), the AVX512 one
+// (bf16_linear.cpp) and the AVX2 one (avx2_linear.cpp): the int8 copy of the head with its per-row bounds, x's int8
+// (or int16) rows, the sink that turns a tile of exact int32 products into kept candidates, and the final filter.
+// Each kernel reads the int8 head its own way; the AMX one hands ScreenSink 16 vocabulary rows x 16 columns of int32
+// sums (column 2r: x row r's p1, 2r + 1: its p2), the AVX512 one computes the same bounds 16 vocabulary rows a vector
+// (its VectorSink), the AVX2 one 8 (x as one int16 row, quantize_fine).
 // Included inside each kernel's anonymous namespace.
 #pragma once
 
@@ -75,15 +76,18 @@ struct Quantized {  // one row of x as a p1 + b p2 (int8 rows), with the bound's
   double a = 1.0, b = 1.0, rest = 0.0, l1 = 0.0;
 };
 
-// v ~ a p, p an int8 row: a = max|v| / 127 (1 where v is all zero), p = v / a rounded to nearest even and clamped.
-// The rule for every int8 row of x, in both screens. Returns a.
-double int8_row(const std::vector<double>& v, int8_t* p) {
+// v ~ a p, p a row of integers in [-levels, levels]: a = max|v| / levels (1 where v is all zero), p = v / a rounded
+// to nearest even and clamped. The rule for every row of x, in every screen. Returns a.
+template <typename T>
+double integer_row(const std::vector<double>& v, T* p, double levels) {
   double top = 0.0;
   for (const double e : v) top = std::max(top, std::fabs(e));
-  const double a = top > 0.0 ? top / 127.0 : 1.0;
-  for (size_t i = 0; i < v.size(); ++i) p[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] / a), -127.0, 127.0));
+  const double a = top > 0.0 ? top / levels : 1.0;
+  for (size_t i = 0; i < v.size(); ++i) p[i] = static_cast<T>(std::clamp(std::nearbyint(v[i] / a), -levels, levels));
   return a;
 }
+
+double int8_row(const std::vector<double>& v, int8_t* p) { return integer_row(v, p, 127.0); }
 
 std::vector<double> row_values(const c10::BFloat16* x, int64_t in) {
   std::vector<double> v(in);
@@ -127,6 +131,15 @@ RowBound row_bound(const Quantized& z, float gamma) {
   const float x_l1 = static_cast<float>(z.l1) * (1.0f + 1e-6f);
   return {static_cast<float>(z.a), static_cast<float>(z.b), x_l1, static_cast<float>(z.rest) * (1.0f + 1e-6f),
           x_l1 * gamma};
+}
+
+// A vector sink's kept rows: vocabulary row o + i for each set bit i of `hits`, with its upper bound his[i], for
+// x row r.
+void keep_hits(std::vector<std::array<float, 3>>& kept, int64_t r, int64_t o, uint32_t hits, const float* his) {
+  for (; hits; hits &= hits - 1) {
+    const int i = __builtin_ctz(hits);
+    kept.push_back({static_cast<float>(r), static_cast<float>(o + i), his[i]});
+  }
 }
 
 float margin_floor(float lb) { return lb - (std::fabs(lb) * 0.03125f + 1e-30f); }  // two bf16 steps: 2^-5 |lb|
@@ -202,3 +215,58 @@ at::Tensor screen_candidates(const ScreenResult& result, const at::TensorOptions
 }
 
 float screen_gamma(int64_t in) { return static_cast<float>(static_cast<double>(in) * std::ldexp(1.0, -23)); }
+
+// Checks a vector screen's arguments: screen_pack's head packed as [vectors, words, lanes] (`word` elements of
+// `per_word` in-features each, `lanes` vocabulary rows a vector), its stats [kStats, vocab], and contiguous bf16 rows
+// x [rows, in], at most max_rows of them.
+void check_screen(const at::Tensor& packed, const at::Tensor& stats, const at::Tensor& x, int64_t lanes,
+                  at::ScalarType word, int64_t per_word, int64_t max_rows) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == word && packed.size(2) == lanes && packed.is_contiguous(),
+              "greedy_screen: screen_pack's packed int8 weight expected");
+  const int64_t vocab = stats.dim() == 2 ? stats.size(1) : 0, words = packed.size(1);
+  TORCH_CHECK(vocab < (int64_t{1} << 24), "greedy_screen: more vocabulary rows than float32 counts exactly");
+  TORCH_CHECK(packed.size(0) == (vocab + lanes - 1) / lanes, "greedy_screen: screen_pack's stats expected");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == kStats && stats.size(1) == vocab &&
+              stats.scalar_type() == at::kFloat && stats.is_contiguous(),
+              "greedy_screen: screen_pack's stats expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(0) >= 1,
+              "greedy_screen: contiguous bf16 rows x [rows, in] expected");
+  TORCH_CHECK(x.size(1) == per_word * words, "greedy_screen: in-features differ: ", x.size(1), " vs ",
+              per_word * words);
+  TORCH_CHECK(x.size(0) <= max_rows, "greedy_screen: at most ", max_rows, " rows of x");
+}
+
+// ---- x as one int16 row (the AVX2 screen) ------------------------------------------------------------------------
+//
+// AVX2 has no int8 dot product into int32 (VNNI's `vpdpbusd`), and `vpmaddubsw`'s int16 pair sums saturate unless x
+// loses a bit; `vpmaddwd` multiplies int16 pairs into exact int32 sums at the same rate per multiply-add. So there x
+// is one int16 row in int16_levels(in) levels (26,413 for 640 in-features, where the sum of in products of int8
+// weights cannot leave int32) and the head's int8 rows are widened to int16 as they load: x's quantization error is
+// ~200x below one int8 row's, so one row does what the two-row screen's two int8 rows do, for half the products.
+// Both rigorous bounds are at hand (screen_pack's stats); each vocabulary row takes the smaller:
+//   L1:  max|w - s q| |x|_1 + |s q|_1 max|x - a p|        (the two-row screen's, with b = 0)
+//   L2:  |w - s q|_2 |x|_2 + |s q|_2 |x - a p|_2           (the wide screen's)
+// each plus the float32 summation's max|w| |x|_1 D 2^-23.
+double int16_levels(int64_t in) {
+  return std::min(32767.0, std::floor(2147483647.0 / (127.0 * static_cast<double>(in))));
+}
+
+struct FineBound {
+  float a, x_l1, rest, xn, en, g;  // x ~ a p; |x|_1, max|x - a p|, |x|_2, |x - a p|_2 rounded up; |x|_1 gamma
+};
+
+FineBound quantize_fine(const c10::BFloat16* x, int64_t in, int16_t* p, float gamma) {
+  const std::vector<double> v = row_values(x, in);
+  const double a = integer_row(v, p, int16_levels(in));
+  double l1 = 0.0, rest = 0.0, xx = 0.0, ee = 0.0;
+  for (int64_t i = 0; i < in; ++i) {
+    const double e = v[i] - a * p[i];
+    l1 += std::fabs(v[i]);
+    rest = std::max(rest, std::fabs(e));
+    xx += v[i] * v[i];
+    ee += e * e;
+  }
+  const float x_l1 = round_up(l1 * (1.0 + 1e-12)) * (1.0f + 1e-6f);
+  return {static_cast<float>(a), x_l1, round_up(rest * (1.0 + 1e-12)), round_up(std::sqrt(xx) * (1.0 + 1e-12)),
+          round_up(std::sqrt(ee) * (1.0 + 1e-12)), x_l1 * gamma};
+}

@@ -1,5 +1,6 @@
 """The LM head's int8 screen for greedy decoding (``models/greedyhead.py``, ``kernels/greedy_screen.h`` on AMX in
-``amx_linear.cpp`` or AVX512-VNNI in ``bf16_linear.cpp``, whichever ``decode_linear`` picks here; issue 22):
+``amx_linear.cpp``, AVX512-VNNI in ``bf16_linear.cpp`` or AVX2 in ``avx2_linear.cpp``, whichever ``decode_linear``
+picks here; issue 22):
 the token is the full bf16 head's argmax bit for bit (ties to the first maximum included), the int8 product is
 exact, the screen stands aside where it cannot apply, and a greedy decode says the same tokens with and without
 it. Skipped where neither kernel's screen runs (the full head is used there)."""
@@ -21,13 +22,13 @@ from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
 @pytest.fixture(scope="module")
 def ops():
     if decode_linear.screen_ops() is None:
-        pytest.skip("no AMX-INT8 or AVX512-VNNI kernel here: greedy steps read the whole head")
+        pytest.skip("no decode kernel with a screen here: greedy steps read the whole head")
     return decode_linear.screen_ops()
 
 
 @pytest.fixture(scope="module")
 def max_rows(ops) -> int:
-    return decode_linear.screen_rows()  # 4 on AMX, 16 on the VNNI kernel (its wide screen from 5 rows)
+    return decode_linear.screen_rows()  # 4 on AMX, 16 on the VNNI kernel (its wide screen from 5 rows) and on AVX2
 
 
 def _head(weight: torch.Tensor) -> WeightMajorLinear:

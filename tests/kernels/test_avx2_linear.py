@@ -72,16 +72,29 @@ def test_bad_input_is_refused_with_an_error_naming_it(product):
         op(packed, torch.randn(1, 128), 64)
     with pytest.raises(RuntimeError, match="packed by avx2_pack"):
         op(weight, torch.randn(1, 128).to(torch.bfloat16), 64)
-    with pytest.raises(RuntimeError, match="out_features 65 does not match the packed weight's 64"):
+    with pytest.raises(RuntimeError, match="out_features 65 does not match the packed weight's 4 groups of 16"):
         op(packed, torch.randn(1, 128).to(torch.bfloat16), 65)
+    with pytest.raises(RuntimeError, match="out_features 48 does not match"):
+        op(packed, torch.randn(1, 128).to(torch.bfloat16), 48)
     with pytest.raises(RuntimeError, match="in-features a multiple of 64"):
         pack(torch.randn(64, 48).to(torch.bfloat16))
-    with pytest.raises(RuntimeError, match="out-features a multiple of 16"):
-        pack(torch.randn(40, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="contiguous bf16"):
         pack(torch.randn(64, 64))
-    assert not avx2_linear.fits(torch.randn(40, 64).to(torch.bfloat16))
+    assert not avx2_linear.fits(torch.randn(48, 40).to(torch.bfloat16))
     assert avx2_linear.fits(torch.randn(48, 64).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("out", [1, 15, 17, 174, 4099])
+def test_out_features_that_end_mid_group_are_f_linears(product, out):
+    """A last group of fewer than 16 outputs (a tiny model's 174-token head, a 4,099-row one): packed with zero rows,
+    its real outputs F.linear's bits, the padding never returned."""
+    gen = torch.Generator().manual_seed(out)
+    weight = torch.randn(out, 128, generator=gen).to(torch.bfloat16)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+        got = product(weight, x)
+        assert got.shape == (rows, out) and got.is_contiguous()
+        assert torch.equal(bits(got), bits(F.linear(x, weight))), (out, rows)
 
 
 def test_a_bf16_model_runs_its_products_on_the_kernel_at_every_row_count(product):
