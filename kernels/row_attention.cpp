@@ -88,6 +88,36 @@ struct Unit {  // one task: one row's keys first..last-1 (within one kChunk) for
   int64_t row, head, first, last;
 };
 
+// Every query of unit u (s.queries: new tokens x the key head's group) in blocks of kBlock, both builds: each query's
+// row of q (as Query words) and mask row (add: kChunk addends a token), a tail block padded with `pad` queries and
+// `pad_add` rows; block(qs, adds, m, l, acc) computes one block's kBlock results, which a tail block writes to scratch
+// (pad_acc) and only its real queries' are copied out.
+template <typename Query, typename Block>
+void query_blocks(const Shape& s, const uint16_t* q, const Unit& u, const float* add, const Query* pad,
+                  const float* pad_add, float* m_out, float* l_out, float* acc, float* pad_acc, Block&& block) {
+  for (int64_t r0 = 0; r0 < s.queries; r0 += kBlock) {
+    const Query* qs[kBlock];
+    const float* adds[kBlock];
+    for (int i = 0; i < kBlock; ++i) {
+      const int64_t r = r0 + i, t = r / s.group, g = r % s.group;
+      const bool real = r < s.queries;
+      qs[i] = real ? reinterpret_cast<const Query*>(q + u.row * s.q_b + t * s.q_t + (u.head * s.group + g) * s.q_h)
+                   : pad;
+      adds[i] = real ? add + t * kChunk : pad_add;
+    }
+    float pm[kBlock], pl[kBlock];
+    const bool whole = r0 + kBlock <= s.queries;
+    block(qs, adds, whole ? m_out + r0 : pm, whole ? l_out + r0 : pl, whole ? acc + r0 * s.dim : pad_acc);
+    if (!whole) {
+      for (int64_t r = r0; r < s.queries; ++r) {
+        m_out[r] = pm[r - r0];
+        l_out[r] = pl[r - r0];
+        std::memcpy(acc + r * s.dim, pad_acc + (r - r0) * s.dim, s.dim * sizeof(float));
+      }
+    }
+  }
+}
+
 #if defined(__AVX512BF16__)  // ---- AVX512-BF16: vdpbf16ps over rearranged chunks ----
 
 #include "avx512_transpose.h"
@@ -240,27 +270,10 @@ void chunk(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t*
   alignas(64) static const uint32_t pad_query[kMaxDim / 2] = {};
   alignas(64) static const float pad_add[kChunk] = {};
   alignas(64) float pad_acc[kBlock * kMaxDim];
-  for (int64_t r0 = 0; r0 < s.queries; r0 += kBlock) {
-    const uint32_t* qs[kBlock];
-    const float* adds[kBlock];
-    for (int i = 0; i < kBlock; ++i) {
-      const int64_t r = r0 + i, t = r / s.group, g = r % s.group;
-      const bool real = r < s.queries;
-      qs[i] = real ? reinterpret_cast<const uint32_t*>(q + u.row * s.q_b + t * s.q_t + (u.head * s.group + g) * s.q_h)
-                   : pad_query;
-      adds[i] = real ? w.add + t * kChunk : pad_add;
-    }
-    float pm[kBlock], pl[kBlock];
-    const bool whole = r0 + kBlock <= s.queries;
-    block(s, qs, adds, w, n, whole ? m_out + r0 : pm, whole ? l_out + r0 : pl, whole ? acc + r0 * s.dim : pad_acc);
-    if (!whole) {
-      for (int64_t r = r0; r < s.queries; ++r) {
-        m_out[r] = pm[r - r0];
-        l_out[r] = pl[r - r0];
-        std::memcpy(acc + r * s.dim, pad_acc + (r - r0) * s.dim, s.dim * sizeof(float));
-      }
-    }
-  }
+  query_blocks(s, q, u, w.add, pad_query, pad_add, m_out, l_out, acc, pad_acc,
+               [&](const uint32_t* const* qs, const float* const* adds, float* m, float* l, float* a) {
+                 block(s, qs, adds, w, n, m, l, a);
+               });
 }
 
 #else  // ---- AVX2 and FMA: the same computation in 8-lane float32 vectors, K and V read in place ----
@@ -385,27 +398,12 @@ void chunk(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t*
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t j = 0; j < n; ++j) w.add[t * kChunk + j] = masks[t].at(u.first + j);
   alignas(32) float pad_acc[kBlock * kMaxDim];
-  for (int64_t r0 = 0; r0 < s.queries; r0 += kBlock) {
-    const uint16_t* qs[kBlock];
-    const float* adds[kBlock];
-    for (int i = 0; i < kBlock; ++i) {
-      const int64_t r = r0 + i, t = r / s.group, g = r % s.group;
-      const bool real = r < s.queries;
-      qs[i] = real ? q + u.row * s.q_b + t * s.q_t + (u.head * s.group + g) * s.q_h : nullptr;
-      adds[i] = w.add + (real ? t : 0) * kChunk;
-    }
-    float pm[kBlock], pl[kBlock];
-    const bool whole = r0 + kBlock <= s.queries;
-    block(s, qs, adds, at_k(u), at_v(u), n, w, whole ? m_out + r0 : pm, whole ? l_out + r0 : pl,
-          whole ? acc + r0 * s.dim : pad_acc);
-    if (!whole) {
-      for (int64_t r = r0; r < s.queries; ++r) {
-        m_out[r] = pm[r - r0];
-        l_out[r] = pl[r - r0];
-        std::memcpy(acc + r * s.dim, pad_acc + (r - r0) * s.dim, s.dim * sizeof(float));
-      }
-    }
-  }
+  const uint16_t* const keys = at_k(u);
+  const uint16_t* const values = at_v(u);
+  query_blocks<uint16_t>(s, q, u, w.add, nullptr, w.add, m_out, l_out, acc, pad_acc,
+                         [&](const uint16_t* const* qs, const float* const* adds, float* m, float* l, float* a) {
+                           block(s, qs, adds, keys, values, n, w, m, l, a);
+                         });
 }
 
 #endif
