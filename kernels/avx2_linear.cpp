@@ -340,8 +340,9 @@ at::Tensor greedy_screen_avx2(const at::Tensor& packed, const at::Tensor& stats,
   at::Tensor xq = at::zeros({columns, in}, x.options().dtype(at::kShort));  // pad columns: zero, never read out
   std::vector<FineBound> bounds;
   const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+  const float gamma = screen_gamma(in);
   for (int64_t r = 0; r < rows; ++r)
-    bounds.push_back(quantize_fine(xp + r * in, in, xq.data_ptr<int16_t>() + r * in, screen_gamma(in)));
+    bounds.push_back(quantize_fine(xp + r * in, in, xq.data_ptr<int16_t>() + r * in, gamma, int16_levels(in)));
   ScreenResult result;
   result.best.assign(rows, -INFINITY);
   const auto* pk = reinterpret_cast<const int16_t*>(packed.data_ptr());

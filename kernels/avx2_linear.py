@@ -9,9 +9,9 @@ number of rows: each row's outputs are F.linear's for that row alone, at every r
 not change with the row count here either; ``weightmajor`` checks both before using it).
 Built once per machine as a torch C++ extension into InferScale's cache (``cppext``).
 
-The same source screens the LM head in int8 for greedy steps (``screen_ops``: ``vpmaddubsw`` + ``vpmaddwd``, exact
-int32 sums, x in 63 levels so that no pair saturates; the method and its bounds are ``greedy_screen.h``'s, shared with
-the AVX512 and AMX kernels; used by ``models/greedyhead.py``).
+The same source screens the LM head in int8 for greedy steps (``screen_ops``: x as one int16 row against the int8
+head widened as it loads, ``vpmaddwd``, exact int32 sums; the method and its bounds are ``greedy_screen.h``'s, shared
+with the AVX512 and AMX kernels; used by ``models/greedyhead.py``).
 
 ``load()`` returns None, and the model keeps aten, on a CPU without AVX2 and FMA, where the build fails, or with
 ``INFERSCALE_AVX2_LINEAR=0``.
@@ -51,17 +51,16 @@ def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
 
 
 def screen_ops() -> tuple[Callable, Callable] | None:
-    """``(screen_pack, greedy_screen)`` (``avx2_linear.cpp``): ``screen_pack(weight)`` -> [packed head (int8 + 128,
-    8 rows a vector), stats], ``greedy_screen(*packed, x)`` -> [n, 2] candidates; None where the kernel is not built
-    here."""
+    """``(screen_pack, greedy_screen)`` (``avx2_linear.cpp``): ``screen_pack(weight)`` -> [packed head (int8, 8 rows a
+    vector, two in-features a 16-bit word), stats], ``greedy_screen(*packed, x)`` -> [n, 2] candidates; None where the
+    kernel is not built here."""
     if load() is None:
         return None
     return torch.ops.inferscale_avx2.screen_pack, torch.ops.inferscale_avx2.greedy_screen
 
 
 def screen_rows() -> int:
-    """Rows of x one ``greedy_screen`` call takes: up to 4 with two int8 rows each, up to 16 with one (the wide
-    screen, as on VNNI)."""
+    """Rows of x one ``greedy_screen`` call takes: up to 16, one int16 row each."""
     return int(torch.ops.inferscale_avx2.greedy_screen_rows()) if load() is not None else 0
 
 

@@ -189,25 +189,7 @@ std::vector<at::Tensor> screen_pack_vnni(const at::Tensor& weight) {
 // one int8 row, x ~ a p1, and a Cauchy-Schwarz bound, |w.x - s q.(a p1)| = |(w - s q).x + s q.(x - a p1)| <=
 // |w - s q|_2 |x|_2 + |s q|_2 |x - a p1|_2 (screen_pack's kErr2 and kL2): on real Gemma-3-270M final hidden rows it
 // leaves a median of ~150 of the 262,144 vocabulary rows (p90 ~860), where the L1 x max bound of the two-row screen
-// with one int8 row would leave ~450 (p90 ~2,400).
-struct WideBound {
-  float a, xn, en, g;  // x ~ a p1; |x|_2 and |x - a p1|_2 rounded up; |x|_1 times the summation's gamma
-};
-
-WideBound quantize_wide(const c10::BFloat16* x, int64_t in, int8_t* p1, float gamma) {
-  const std::vector<double> v = row_values(x, in);
-  const double a = int8_row(v, p1);
-  double l1 = 0.0, xx = 0.0, ee = 0.0;
-  for (int64_t i = 0; i < in; ++i) {
-    l1 += std::fabs(v[i]);
-    xx += v[i] * v[i];
-    ee += (v[i] - a * p1[i]) * (v[i] - a * p1[i]);
-  }
-  const float x_l1 = round_up(l1 * (1.0 + 1e-12)) * (1.0f + 1e-6f);
-  return {static_cast<float>(a), round_up(std::sqrt(xx) * (1.0 + 1e-12)), round_up(std::sqrt(ee) * (1.0 + 1e-12)),
-          x_l1 * gamma};
-}
-
+// with one int8 row would leave ~450 (p90 ~2,400). Its factors are greedy_screen.h's quantize_fine with 127 levels.
 // ScreenSink's estimates, bounds and filter with 16 vocabulary rows a vector: the sums of one row of x arrive as
 // int32 vectors (p1, p2; the wide screen's p1 alone) straight from the accumulators, so a vocabulary row costs a few
 // vector lanes instead of a transposed store and a scalar pass (the scalar sink was a quarter of the screen's time on
@@ -218,7 +200,7 @@ struct VectorSink {
   int64_t vocab;
   ScreenResult& result;
   std::vector<RowBound> rows;   // the two-row screen's
-  std::vector<WideBound> wide;  // the wide screen's
+  std::vector<FineBound> wide;  // the wide screen's (its L2 bound)
   std::vector<float> best;
   std::vector<std::array<float, 3>> kept;
 
@@ -249,7 +231,7 @@ struct VectorSink {
 
   // The wide screen's: x row r's exact sums q.p1 (s1).
   void lane(__m512i s1, int64_t r, int64_t o, __mmask16 valid) {
-    const WideBound& x = wide[r];
+    const FineBound& x = wide[r];
     const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(x.a), _mm512_cvtepi32_ps(s1));
     const __m512 scale = stat(kScale, o, valid);
     keep(_mm512_mul_ps(scale, t1), terms(kErr2, x.xn, kL2, x.en, x.g, o, valid),
@@ -375,11 +357,11 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   const float gamma = screen_gamma(in);
   at::Tensor xq = at::zeros({columns, in}, x.options().dtype(at::kChar));  // pad columns: zero, unread by the sink
   std::vector<Quantized> z;
-  std::vector<WideBound> zw;
+  std::vector<FineBound> zw;
   if (wide) {
     const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
     int8_t* xq8 = xq.data_ptr<int8_t>();
-    for (int64_t r = 0; r < rows; ++r) zw.push_back(quantize_wide(xp + r * in, in, xq8 + r * in, gamma));
+    for (int64_t r = 0; r < rows; ++r) zw.push_back(quantize_fine(xp + r * in, in, xq8 + r * in, gamma, 127.0));
   } else {
     z = quantize_rows(x, xq);
   }

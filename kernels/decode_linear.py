@@ -39,9 +39,9 @@ def screen_ops() -> tuple[Callable, Callable] | None:
 
 
 def screen_rows() -> int:
-    """The most rows of x one ``greedy_screen`` call takes where it pays: the VNNI and AVX2 kernels' wide screens up
-    to 16 (one int8 row of x each), the AMX one 4 (its tiles past that cost more than the bf16 head: 16 rows 30 vs
-    23 ms)."""
+    """The most rows of x one ``greedy_screen`` call takes where it pays: 16 on the VNNI kernel (its wide screen, one
+    int8 row of x each, from 5 rows) and on the AVX2 one (one int16 row each), 4 on AMX (its tiles past that cost
+    more than the bf16 head: 16 rows 30 vs 23 ms)."""
     if amx_linear.load() is not None:
         return amx_linear.SCREEN_ROWS
     return bf16_linear.screen_rows() if bf16_linear.load() is not None else avx2_linear.screen_rows()

@@ -255,9 +255,12 @@ struct FineBound {
   float a, x_l1, rest, xn, en, g;  // x ~ a p; |x|_1, max|x - a p|, |x|_2, |x - a p|_2 rounded up; |x|_1 gamma
 };
 
-FineBound quantize_fine(const c10::BFloat16* x, int64_t in, int16_t* p, float gamma) {
+// One row of x as a p (p in [-levels, levels]) with both bounds' factors: AVX2's int16 row (int16_levels(in)) and
+// the VNNI wide screen's int8 row (127 levels, its L2 bound alone).
+template <typename T>
+FineBound quantize_fine(const c10::BFloat16* x, int64_t in, T* p, float gamma, double levels) {
   const std::vector<double> v = row_values(x, in);
-  const double a = integer_row(v, p, int16_levels(in));
+  const double a = integer_row(v, p, levels);
   double l1 = 0.0, rest = 0.0, xx = 0.0, ee = 0.0;
   for (int64_t i = 0; i < in; ++i) {
     const double e = v[i] - a * p[i];
