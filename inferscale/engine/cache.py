@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from inferscale import kvquant
 from inferscale.contract import DEFAULT_KV_DTYPE
+from inferscale.engine.slots import SlotCache
+from inferscale.kernels import rotate_place
 from inferscale.kernels.inject import rotate_in_place, shift_and_place  # Triton on CUDA, torch on CPU
 from inferscale.kvformat import KVBlock
 from inferscale.models.layout import ModelLayout
@@ -46,59 +49,103 @@ def injected_cache(
     return cache
 
 
-def injected_groups(
-    prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLayout, *, windowed: bool = True
-) -> Iterator[tuple[list[int], torch.Tensor, int, int]]:
-    """Per group of layers sharing a type: (layer indices, kv [G, 2, H, n - keep_from, D] of positions
-    keep_from..n-1 with keys rotated into place, keep_from, n = prefix + memory tokens).
+@dataclass
+class GroupPlan:
+    """One layer group's injection (one type: one θ, one window): what goes to positions keep_from..n-1."""
 
-    Per group of layers sharing a type (one θ, one window), only the tokens the model can still attend to are
-    gathered and rotated: on a sliding layer that is the last window-1 tokens, so the work per request stays flat
-    as k grows. ``windowed=False`` keeps every token on every layer (for passes with their own masks).
+    idx: list[int]  # the group's layers
+    inv_freq: torch.Tensor
+    keep_from: int  # the first position the group's layers can still attend to
+    n: int  # prefix + memory tokens
+    sources: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # [layers, 2, H, tokens, D], first token
+    deltas: list[int] = field(default_factory=list)  # per block source (after the prefix, which never moves)
+    compact: list[tuple[KVBlock, int, int, int]] = field(default_factory=list)  # (block, skip, slot offset, Δ)
 
-    Compact blocks (``kv_dtype`` other than bf16) are dequantized here and nowhere earlier: each goes through
-    ``shift_and_place`` with its scale (dequantize, then rotate in float32), straight into its slot. Blocks of
-    different formats can share a request: each is read in its own format."""
+    @property
+    def rotated_from(self) -> int:
+        """Index of the first block source: the kept prefix, if any, comes first."""
+        return len(self.sources) - len(self.deltas)
+
+
+def group_plans(prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLayout, *,
+                windowed: bool = True) -> Iterator[GroupPlan]:
+    """Per group of layers sharing a type, the tokens the model can still attend to, from which source: on a
+    sliding layer that is the last window-1 tokens, so the work per request stays flat as k grows. ``windowed=False``
+    keeps every token on every layer (for passes with their own masks). Compact blocks (``kv_dtype`` other than
+    bf16) are listed in ``compact`` too, with Δ 0 in ``deltas``: they are rotated while dequantized."""
     p = prefix_kv.shape[3]
     starts, pos = [], p
     for b in blocks:
         starts.append(pos)
         pos += b.num_tokens
     n = pos
-    dtype, device = prefix_kv.dtype, prefix_kv.device
     for ltype, (idx, inv_freq) in layout.freq_groups().items():
         window = layout.layers[idx[0]].sliding_window if windowed else None
-        keep_from = max(0, n - (window - 1)) if window else 0  # first position this layer group still needs
-        sources, deltas = [], []  # (tensor [layers, 2, H, tokens, D], first token to take)
-        compact: list[tuple[KVBlock, int, int, int]] = []  # (block, first token to take, slot offset, Δ)
+        keep_from = max(0, n - (window - 1)) if window else 0
+        plan = GroupPlan(idx, inv_freq, keep_from, n)
         if keep_from < p:
-            sources.append((prefix_kv, keep_from))
+            plan.sources.append((prefix_kv, keep_from))
         for b, start in zip(blocks, starts):
             if start + b.num_tokens <= keep_from:
                 continue
             skip = max(0, keep_from - start)
             if b.kv_dtype != DEFAULT_KV_DTYPE:
-                compact.append((b, skip, start + skip - keep_from, start - b.start_pos))
-                delta = 0  # rotated while dequantized, below; Δ = 0 leaves its keys exactly as they are
+                plan.compact.append((b, skip, start + skip - keep_from, start - b.start_pos))
+                plan.deltas.append(0)  # rotated while dequantized, below; Δ = 0 leaves its keys exactly as they are
             else:
-                delta = start - b.start_pos
-            sources.append((b.kv, skip))
-            deltas.append(torch.full((b.num_tokens - skip,), delta, dtype=torch.long))
-        kept = n - keep_from
+                plan.deltas.append(start - b.start_pos)
+            plan.sources.append((b.kv, skip))
+        yield plan
+
+
+def injected_groups(
+    prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLayout, *, windowed: bool = True
+) -> Iterator[tuple[list[int], torch.Tensor, int, int]]:
+    """Per group of layers sharing a type: (layer indices, kv [G, 2, H, n - keep_from, D] of positions
+    keep_from..n-1 with keys rotated into place, keep_from, n = prefix + memory tokens) (``group_plans``).
+
+    Compact blocks are dequantized here and nowhere earlier: each goes through ``shift_and_place`` with its scale
+    (dequantize, then rotate in float32), straight into its slot. Blocks of different formats can share a request:
+    each is read in its own format."""
+    dtype, device = prefix_kv.dtype, prefix_kv.device
+    for plan in group_plans(prefix_kv, blocks, layout, windowed=windowed):
+        idx, kept = plan.idx, plan.n - plan.keep_from
         kv = torch.empty((len(idx), *prefix_kv.shape[1:3], kept, prefix_kv.shape[4]), dtype=dtype, device=device)
-        if not compact:
+        if not plan.compact:
             # Copy each run of consecutive layers with one cat straight into place: no per-block intermediates.
             for j0, j1 in _runs(idx):
                 l0, l1 = idx[j0], idx[j1 - 1] + 1
-                torch.cat([t[l0:l1, :, :, skip:].to(device=device, dtype=dtype) for t, skip in sources], dim=3,
+                torch.cat([t[l0:l1, :, :, skip:].to(device=device, dtype=dtype) for t, skip in plan.sources], dim=3,
                           out=kv[j0:j1])
         else:
-            _place_mixed(kv, idx, sources, compact, inv_freq)
-        if len(deltas) > len(compact):  # some float blocks still to rotate
-            delta = torch.cat(deltas)
-            mem = kept - delta.numel()  # the kept prefix tokens come first and never move
-            rotate_in_place(kv, mem, delta, inv_freq)  # keys of tokens mem.. only
-        yield idx, kv, keep_from, n
+            _place_mixed(kv, idx, plan.sources, plan.compact, plan.inv_freq)
+        if len(plan.deltas) > len(plan.compact):  # some float blocks still to rotate
+            block_sources = plan.sources[plan.rotated_from:]
+            delta = torch.cat([torch.full((t.shape[3] - skip,), d, dtype=torch.long)
+                               for (t, skip), d in zip(block_sources, plan.deltas)])
+            rotate_in_place(kv, kept - delta.numel(), delta, plan.inv_freq)  # the kept prefix tokens never move
+        yield idx, kv, plan.keep_from, plan.n
+
+
+def inject_into_slot(slots: SlotCache, slot: int, prefix_kv: torch.Tensor, blocks: list[KVBlock],
+                     layout: ModelLayout) -> int:
+    """The prefix and ``blocks`` into ``slot`` of ``slots``, each layer group windowed (``injected_groups``'
+    contents); returns n. On CPU, bf16 blocks go through ``rotate_place`` (one pass, the same bits); other formats,
+    other devices and CPUs without the kernel take ``injected_groups`` and ``SlotCache.write_groups``."""
+    op = rotate_place.load() if prefix_kv.device.type == "cpu" else None
+    if (op is None or slots.dtype != torch.bfloat16 or prefix_kv.dtype != torch.bfloat16
+            or any(b.kv_dtype != DEFAULT_KV_DTYPE or b.kv.dtype != torch.bfloat16 for b in blocks)):
+        return slots.write_groups(slot, injected_groups(prefix_kv, blocks, layout))
+    n = prefix_kv.shape[3]
+    for plan in group_plans(prefix_kv, blocks, layout):
+        n = plan.n
+        slots.reserve(slot + 1, n)
+        if not plan.sources:
+            continue
+        cos, sin = rotate_place.rotations(plan.deltas, plan.inv_freq)
+        op([slots.keys[i] for i in plan.idx], [slots.values[i] for i in plan.idx], slot, plan.keep_from,
+           [t for t, _ in plan.sources], [skip for _, skip in plan.sources], plan.idx, cos, sin, plan.rotated_from)
+    return n
 
 
 def _place_mixed(kv: torch.Tensor, idx: list[int], sources: list[tuple[torch.Tensor, int]],

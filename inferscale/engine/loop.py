@@ -33,7 +33,7 @@ import torch
 
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine import tokenchoice
-from inferscale.engine.cache import injected_groups
+from inferscale.engine.cache import inject_into_slot
 from inferscale.engine.promptbatch import next_piece, padded_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
@@ -248,8 +248,7 @@ class ServingLoop:
             kv = eng.prefix_kv
             req.pending = [t for b in req.blocks for t in b.token_ids] + list(req.ids)
         elif req.blocks:  # straight into the slot, each layer group windowed: flat in k
-            req.length = self.slots.write_groups(req.slot, injected_groups(eng.prefix_kv, req.blocks,
-                                                                           eng.loaded.layout))
+            req.length = inject_into_slot(self.slots, req.slot, eng.prefix_kv, req.blocks, eng.loaded.layout)
             req.pending = list(req.recompute_ids) + list(req.ids)  # computed behind the injected blocks, chunked
             return
         else:

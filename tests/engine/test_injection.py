@@ -5,7 +5,9 @@ import torch
 
 import tiny_models as tm
 from inferscale.engine import MemoryItem
-from inferscale.engine.cache import injected_cache, kv_of_cache
+from inferscale.engine.cache import inject_into_slot, injected_cache, injected_groups, kv_of_cache
+from inferscale.engine.slots import SlotCache
+from inferscale.kernels import rotate_place
 from inferscale.kernels.rope import rope_shift
 
 ITEMS = [
@@ -156,3 +158,20 @@ def test_only_also_encodes_the_items_behind_a_named_one(engine):
         assert engine.encode(ITEMS)[3].extra["context"] == "m2"
     finally:
         engine.context_items = before
+
+
+@pytest.mark.parametrize("family", tm.FAMILIES)
+def test_one_pass_injection_fills_the_slot_as_the_torch_path_does(family):
+    """bf16 blocks on CPU go into the slot through rotate_place: every slot tensor equals what injected_groups and
+    write_groups put there, sliding layers trimmed to their window (8, far shorter than the blocks)."""
+    if rotate_place.load() is None:
+        pytest.skip("rotate_place.cpp not built here: injection stays on torch")
+    eng = tm.engine(family, sliding_window=8, dtype=torch.bfloat16)
+    blocks = eng.encode(ITEMS)
+    layout = eng.loaded.layout
+    fused, torch_path = (SlotCache(layout, torch.bfloat16, torch.device("cpu"), slots=3, capacity=16) for _ in "ab")
+    n = inject_into_slot(fused, 1, eng.prefix_kv, blocks, layout)
+    assert n == torch_path.write_groups(1, injected_groups(eng.prefix_kv, blocks, layout))
+    assert n == len(eng.prefix_ids) + sum(b.num_tokens for b in blocks)
+    for a, b in zip(fused.keys + fused.values, torch_path.keys + torch_path.values):
+        assert a.shape == b.shape and torch.equal(a, b)
