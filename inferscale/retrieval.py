@@ -57,9 +57,19 @@ class Embedder:
                     batch = self._queued.pop(group, [])
                 if query not in batch:  # taken along by an encode that raised: this caller tries its own
                     batch.append(query)
-                for q, row in zip(batch, self._encode([q.text for q in batch])):
+                for q, row in zip(batch, self._encode_queries([q.text for q in batch])):
                     q.embedding = row
         return query.embedding
+
+    def _encode_queries(self, texts: list[str]) -> torch.Tensor:
+        """A request's few queries in one batch: the model's own preprocess and forward (its pooling and
+        normalization modules), then ``encode``'s normalization, so the same numbers as ``_encode`` (tested), without
+        ``encode``'s per-call work (a walk over every parameter to resolve the device, ``eval()`` on every module,
+        sorting and batching): ~1 ms of a 12-13 ms query embedding on the 2-core machine (issue 22)."""
+        with torch.inference_mode():
+            out = self.model(self.model.preprocess(texts))["sentence_embedding"]
+            out = torch.nn.functional.normalize(out, p=2, dim=1)
+        return out.detach().to(torch.float32).cpu().clone()
 
     def _encode(self, texts: list[str]) -> torch.Tensor:
         with torch.inference_mode():

@@ -26,11 +26,11 @@ class CountingEmbedder(Embedder):
         self.all_queued = threading.Event()
         self.callers = callers
 
-    def _encode(self, texts):
+    def _encode_queries(self, texts):
         if not self.batches:  # the first encode waits until the others have queued behind it
             self.all_queued.wait(10)
         self.batches.append(list(texts))
-        return super()._encode(texts)
+        return super()._encode_queries(texts)
 
     def embed_query(self, text, group):
         with self._queue_lock:
@@ -78,11 +78,11 @@ def test_another_tenants_queries_never_join_the_batch(embedder):
 
 def test_a_caller_taken_along_by_a_failed_encode_embeds_its_own_query(embedder):
     class FailingBatches(CountingEmbedder):
-        def _encode(self, texts):
+        def _encode_queries(self, texts):
             if len(texts) > 1:  # the batch of the two callers queued behind the first
                 self.batches.append(list(texts))
                 raise RuntimeError("this encode fails")
-            return super()._encode(texts)
+            return super()._encode_queries(texts)
 
     failing = FailingBatches(embedder, 3)
     results = []
@@ -96,3 +96,13 @@ def test_a_caller_taken_along_by_a_failed_encode_embeds_its_own_query(embedder):
     _concurrently(call, [("first",), ("second",), ("third",)])
     # the first alone, the other two together (that encode raises for its caller), then the other caller alone
     assert sorted(map(str, results)) == sorted(map(str, [(embedder.dim,), (embedder.dim,), "raised"]))
+
+
+def test_queries_get_the_bits_encode_gives_them(embedder):
+    """The query path skips ``encode``'s per-call work, not its numbers: alone and in a batch of mixed lengths
+    (padded to the longest, as ``encode`` pads the same batch), each row is ``encode``'s bit for bit."""
+    texts = ["What is the name of Maya's dog?", "hi", "Where did Maya travel last summer and who went with her?",
+             "How did Maya feel about starting her new job at the design studio in Lisbon, and why?"]
+    assert torch.equal(embedder._encode_queries(texts), embedder._encode(texts))
+    for text in texts:
+        assert torch.equal(embedder._encode_queries([text]), embedder._encode([text]))
