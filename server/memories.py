@@ -124,9 +124,13 @@ class MemoryService:
         with tracer.start_as_current_span("retrieval", context=ctx, attributes={"inferscale.k": k}) as span:
             # The fleet path (inferscale/store/fleet.py): this pod's store, else this node's Job dir, else a peer's.
             fleet = self.fleet
-            ids, matrix = await asyncio.to_thread(fleet.embeddings, tenant, user, self.book.fingerprint)
-            span.set_attribute("inferscale.candidates", len(ids))
-            chosen = await asyncio.to_thread(self.book.rank, tenant, query, ids, matrix, k)
+
+            def rank() -> tuple[int, list[str]]:  # one hop to a worker thread, not two (each ~0.2 ms or more)
+                ids, matrix = fleet.embeddings(tenant, user, self.book.fingerprint)
+                return len(ids), self.book.rank(tenant, query, ids, matrix, k)
+
+            candidates, chosen = await asyncio.to_thread(rank)
+            span.set_attribute("inferscale.candidates", candidates)
             span.set_attribute("inferscale.retrieved", len(chosen))
         if not chosen:
             return Planned([], [], None), []
