@@ -39,6 +39,12 @@ class EngineWorker(Protocol):
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any: ...
 
+    @property
+    def active(self) -> int: ...  # requests it is serving
+
+    @property
+    def queued(self) -> int: ...  # requests and calls waiting for it
+
 
 @dataclass(frozen=True)
 class Memory:

@@ -6,7 +6,6 @@
 // The classic register tile: 6 rows of x by 16 outputs, 12 float32 accumulators, each step one broadcast of x per
 // row and two loads of the packed weight (16 outputs of one in-feature, adjacent). Each output sums its in-features
 // in blocks (tile), then + bias: its own numbers, not MKL's (f32_linear.py checks the error against float64).
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -93,26 +92,29 @@ at::Tensor f32_linear(const at::Tensor& packed, const at::Tensor& x, const c10::
   const float* xp = xc.data_ptr<float>();
   const float* pk = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t c0 = p * kCols, cols = std::min(kCols, out_features - c0);
-      const float* panel = pk + p * in * kCols;
-      const float* pb = bp ? bp + c0 : nullptr;
-      int64_t r = 0;
-      for (; r + kRows <= rows; r += kRows)
-        tile<kRows>(xp + r * in, in, panel, pb, cols, op + r * out_features + c0, out_features);
-      const float* xr = xp + r * in;
-      float* o = op + r * out_features + c0;
-      switch (rows - r) {
-        case 1: tile<1>(xr, in, panel, pb, cols, o, out_features); break;
-        case 2: tile<2>(xr, in, panel, pb, cols, o, out_features); break;
-        case 3: tile<3>(xr, in, panel, pb, cols, o, out_features); break;
-        case 4: tile<4>(xr, in, panel, pb, cols, o, out_features); break;
-        case 5: tile<5>(xr, in, panel, pb, cols, o, out_features); break;
-        default: break;
-      }
+  // OpenMP itself, not at::parallel_for: this runs on the server's side threads, each pinned to one OpenMP thread
+  // (engine/threads.py), and at::parallel_for's first call in a thread from this library reset that thread's count
+  // to torch's global one, giving it a pool of its own (a third OpenMP thread on two cores: a single stream's decode
+  // step 22-26 -> 32-39 ms through the server). The pragma reads the calling thread's own count.
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t c0 = p * kCols, cols = std::min(kCols, out_features - c0);
+    const float* panel = pk + p * in * kCols;
+    const float* pb = bp ? bp + c0 : nullptr;
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows)
+      tile<kRows>(xp + r * in, in, panel, pb, cols, op + r * out_features + c0, out_features);
+    const float* xr = xp + r * in;
+    float* o = op + r * out_features + c0;
+    switch (rows - r) {
+      case 1: tile<1>(xr, in, panel, pb, cols, o, out_features); break;
+      case 2: tile<2>(xr, in, panel, pb, cols, o, out_features); break;
+      case 3: tile<3>(xr, in, panel, pb, cols, o, out_features); break;
+      case 4: tile<4>(xr, in, panel, pb, cols, o, out_features); break;
+      case 5: tile<5>(xr, in, panel, pb, cols, o, out_features); break;
+      default: break;
     }
-  });
+  }
   return out;
 }
 

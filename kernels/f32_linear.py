@@ -12,7 +12,10 @@ check fails, or with ``INFERSCALE_F32_LINEAR=0``.
 
 ``install(model)`` puts it under every ``nn.Linear`` of a float32 CPU model for passes of up to ``MAX_ROWS`` rows (a
 query batch); longer passes (memories embedded at upload, 64 texts a batch) keep aten's. A row's output does not
-depend on the other rows, so a query gets the same embedding alone or in a batch of the same padded length.
+depend on the other rows or on the thread count, so a query gets the same embedding alone or in a batch of the same
+padded length, on the engine's thread (every core, when the server is idle: server/memories.py) or a side thread
+(one core; its products split over OpenMP's own count for the calling thread, never at::parallel_for's, which
+gave a pinned side thread a pool of its own: tests/kernels/test_f32_linear.py).
 """
 
 from __future__ import annotations

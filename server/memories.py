@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Path, Request
 from opentelemetry import trace
@@ -34,13 +35,15 @@ def _too_large(message: str, code: str, param: str = "items") -> ApiError:
     return ApiError(413, message, code=code, param=param)
 
 
+T = TypeVar("T")
+
 class MemoryService:
     """The memory domain (``book``) behind the routes and chat's retrieval, with the tenant's budgets and metrics."""
 
     def __init__(self, store: KVStore, embedder: Embedder, worker: EngineWorker, engine: Engine,
                  meters: ServerMetrics | None = None, fleet: Fleet | None = None) -> None:
         self.book = MemoryBook(store, embedder, worker, engine)
-        self.store, self.engine, self.meters = store, engine, meters
+        self.store, self.engine, self.meters, self.worker = store, engine, meters, worker
         self.fleet = fleet if fleet is not None else Fleet(store)  # the pod's one fleet (server/app.py)
         self.fetcher = Fetcher(self.fleet)  # fetch or recompute each retrieved block (inferscale/store/fetcher.py)
         self.locks = self.book.locks
@@ -48,6 +51,15 @@ class MemoryService:
     @property
     def fingerprint(self) -> str:
         return self.book.fingerprint
+
+    async def _on_idle_cores(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the engine's thread while it serves nothing, else on a side thread. The engine's thread computes
+        on every core (its OpenMP pool); a side thread on one (engine/threads.py: a second pool would slow every
+        decode step). A query's embedding took 15-21 ms on one core and 10-13 on two (issue 22): a request arriving
+        at an idle server gets the faster one; under load it runs beside the engine's steps as before."""
+        if self.worker.active == 0 and self.worker.queued == 0:
+            return await self.worker.call(lambda _engine: fn())
+        return await asyncio.to_thread(fn)
 
     @property
     def embedder(self) -> Embedder:  # the book's: tests swap in a slow one to widen race windows
@@ -129,7 +141,7 @@ class MemoryService:
                 ids, matrix = fleet.embeddings(tenant, user, self.book.fingerprint)
                 return len(ids), self.book.rank(tenant, query, ids, matrix, k)
 
-            candidates, chosen = await asyncio.to_thread(rank)
+            candidates, chosen = await self._on_idle_cores(rank)
             span.set_attribute("inferscale.candidates", candidates)
             span.set_attribute("inferscale.retrieved", len(chosen))
         if not chosen:

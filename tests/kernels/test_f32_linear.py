@@ -4,6 +4,10 @@ product past MAX_ROWS and where it is off. Skipped (except the switch) where the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -90,6 +94,33 @@ def test_install_puts_the_kernel_under_a_models_linears_for_short_passes(ops):
         long = torch.randn(f32_linear.MAX_ROWS + 1, 64, generator=gen)  # past MAX_ROWS: aten's bits
         assert torch.equal(model(long), reference[1](torch.nn.functional.gelu(reference[0](long))))
     assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight"}  # the packing is not saved
+
+
+PINNED_SIDE_THREAD = """
+import os, concurrent.futures, torch
+from inferscale.engine.threads import on_own_thread, pin_threads, configure_threads
+from inferscale.kernels import f32_linear
+configure_threads(None)
+pack, product = on_own_thread(f32_linear.load)  # as the server builds its embedder
+packed, x = pack(torch.randn(384, 384)), torch.randn(23, 384)
+side = concurrent.futures.ThreadPoolExecutor(1, initializer=pin_threads, initargs=(1,))
+side.submit(torch.get_num_threads).result()
+threads = lambda: len(os.listdir(f"/proc/{os.getpid()}/task"))
+before = threads()
+side.submit(product, packed, x, None, 384).result()
+print(before, threads())
+"""
+
+
+def test_a_side_thread_pinned_to_one_core_keeps_no_openmp_pool(ops):
+    """The server's side threads run the embedder's products on their one core: no pool of worker threads stays
+    behind (through at::parallel_for, the extension's first call on such a thread reset its count to torch's and
+    left one: a third OpenMP thread on two cores, a decode step 22-26 -> 32-39 ms through the server)."""
+    run = subprocess.run([sys.executable, "-c", PINNED_SIDE_THREAD], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    before, after = map(int, run.stdout.split()[-2:])
+    assert after == before
 
 
 def test_switched_off_it_is_not_loaded(monkeypatch):
