@@ -65,7 +65,8 @@ void tile(const float* x, int64_t in, const float* panel, const float* bias, int
   float sums[R * kCols] = {};
   for (int64_t i0 = 0; i0 < in; i0 += kBlock) panel_sums<R>(x, in, panel, i0, std::min(in, i0 + kBlock), sums);
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < cols; ++j) out[r * out_stride + j] = bias ? sums[r * kCols + j] + bias[j] : sums[r * kCols + j];
+    for (int64_t j = 0; j < cols; ++j)
+      out[r * out_stride + j] = bias ? sums[r * kCols + j] + bias[j] : sums[r * kCols + j];
 }
 
 at::Tensor f32_linear(const at::Tensor& packed, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
