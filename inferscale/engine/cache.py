@@ -79,7 +79,7 @@ def group_plans(prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLay
         starts.append(pos)
         pos += b.num_tokens
     n = pos
-    for ltype, (idx, inv_freq) in layout.freq_groups().items():
+    for idx, inv_freq in layout.freq_groups().values():
         window = layout.layers[idx[0]].sliding_window if windowed else None
         keep_from = max(0, n - (window - 1)) if window else 0
         plan = GroupPlan(idx, inv_freq, keep_from, n)
@@ -91,7 +91,7 @@ def group_plans(prefix_kv: torch.Tensor, blocks: list[KVBlock], layout: ModelLay
             skip = max(0, keep_from - start)
             if b.kv_dtype != DEFAULT_KV_DTYPE:
                 plan.compact.append((b, skip, start + skip - keep_from, start - b.start_pos))
-                plan.deltas.append(0)  # rotated while dequantized, below; Δ = 0 leaves its keys exactly as they are
+                plan.deltas.append(0)  # rotated while dequantized (injected_groups); Δ 0 leaves its keys as they are
             else:
                 plan.deltas.append(start - b.start_pos)
             plan.sources.append((b.kv, skip))
@@ -134,7 +134,8 @@ def inject_into_slot(slots: SlotCache, slot: int, prefix_kv: torch.Tensor, block
     other devices and CPUs without the kernel take ``injected_groups`` and ``SlotCache.write_groups``."""
     op = rotate_place.load() if prefix_kv.device.type == "cpu" else None
     if (op is None or slots.dtype != torch.bfloat16 or prefix_kv.dtype != torch.bfloat16
-            or any(b.kv_dtype != DEFAULT_KV_DTYPE or b.kv.dtype != torch.bfloat16 for b in blocks)):
+            or any(b.kv_dtype != DEFAULT_KV_DTYPE or b.kv.dtype != torch.bfloat16 or b.kv.device.type != "cpu"
+                   for b in blocks)):
         return slots.write_groups(slot, injected_groups(prefix_kv, blocks, layout))
     n = prefix_kv.shape[3]
     for plan in group_plans(prefix_kv, blocks, layout):
