@@ -37,6 +37,7 @@ def _too_large(message: str, code: str, param: str = "items") -> ApiError:
 
 T = TypeVar("T")
 
+
 class MemoryService:
     """The memory domain (``book``) behind the routes and chat's retrieval, with the tenant's budgets and metrics."""
 
