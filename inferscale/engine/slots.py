@@ -49,6 +49,9 @@ class _SlotLayer(DynamicLayer):
         return self.kv_len
 
 
+GROWTH_QUANTUM = 256  # tokens: a grown capacity is a multiple of it
+
+
 class SlotCache:
     """KV storage for up to ``slots`` sequences; grows (slots and capacity) on demand by reallocation."""
 
@@ -73,7 +76,9 @@ class SlotCache:
         if slots <= self.slots and capacity <= self.capacity:
             return
         new_s = max(self.slots, slots if slots <= self.slots else max(slots, 2 * self.slots))
-        new_c = max(self.capacity, capacity if capacity <= self.capacity else max(capacity, 2 * self.capacity))
+        # whole quanta: a prompt that fills the new capacity would grow it again one decode step later
+        wanted = -(-capacity // GROWTH_QUANTUM) * GROWTH_QUANTUM
+        new_c = max(self.capacity, capacity if capacity <= self.capacity else max(wanted, 2 * self.capacity))
         for tensors in (self.keys, self.values):
             for i, old in enumerate(tensors):
                 new = torch.zeros((new_s, old.shape[1], new_c, old.shape[3]), dtype=self.dtype, device=self.device)
