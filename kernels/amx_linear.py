@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,11 +38,8 @@ def build_dir() -> Path:
 @functools.cache
 def load() -> AmxLinear | None:
     """The kernel, built on first use (later processes load the cached build); None where it cannot run here."""
-    if os.environ.get("INFERSCALE_AMX_LINEAR", "1") == "0":
-        return None
-    if "amx_bf16" not in cpu_flags() or not torch.backends.mkldnn.is_available():
-        return None
-    if not cppext.build(SOURCE, FLAGS):  # no compiler, no ninja, a build error: keep oneDNN
+    runs_here = "amx_bf16" in cpu_flags() and torch.backends.mkldnn.is_available()
+    if not cppext.built(SOURCE, FLAGS if runs_here else None, "INFERSCALE_AMX_LINEAR"):  # else oneDNN is kept
         return None
     return torch.ops.inferscale_cpu.amx_linear
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,11 +42,8 @@ def build_dir() -> Path:
 def load() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """``product(weight, x)``, the kernel built on first use (later processes load the cached build); None where it
     cannot run here."""
-    if os.environ.get("INFERSCALE_BF16_LINEAR", "1") == "0" or not {"avx512_bf16", "avx512_vnni"} <= cpu_flags():
-        return None
-    if not cppext.build(SOURCE, FLAGS):
-        return None
-    return product
+    runs_here = {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
+    return product if cppext.built(SOURCE, FLAGS if runs_here else None, "INFERSCALE_BF16_LINEAR") else None
 
 
 def screen_ops() -> tuple[Callable, Callable] | None:

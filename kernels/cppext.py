@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from inferscale.cachedir import cache_dir
 
 log = logging.getLogger(__name__)
+Op = TypeVar("Op")
 
 
 def build_dir(source: Path, flags: list[str]) -> Path:
@@ -45,6 +48,22 @@ def build(source: Path, flags: list[str]) -> bool:
         log.warning("%s not built (%s); aten's operations are used instead", source.name, str(e).splitlines()[0])
         return False
     return True
+
+
+def built(source: Path, flags: list[str] | None, switch: str) -> bool:
+    """Whether ``source`` is built and loaded for use here: not where the environment variable ``switch`` (the
+    kernel's off switch) is "0", ``flags`` is None (this CPU lacks what the kernel needs) or the build fails."""
+    return os.environ.get(switch, "1") != "0" and flags is not None and build(source, flags)
+
+
+def checked(op: Op, agrees: Callable[[Op], bool], failure: str) -> Op | None:
+    """``op`` where ``agrees(op)`` (its load-time check of numbers on this machine); else None, ``failure`` logged
+    (what differed, what is used instead)."""
+    with torch.inference_mode():
+        if agrees(op):
+            return op
+    log.warning(failure)
+    return None
 
 
 def kept_packing(weight: torch.Tensor, attr: str, pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

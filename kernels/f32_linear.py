@@ -21,8 +21,6 @@ gave a pinned side thread a pool of its own: tests/kernels/test_f32_linear.py).
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +29,6 @@ import torch
 from inferscale.cpuflags import cpu_flags
 from inferscale.kernels import cppext
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("f32_linear.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 MAX_ROWS = 256  # rows a pass hands the kernel; past this, aten's MKL product (its blocking pays at many rows)
@@ -44,15 +41,11 @@ Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch
 @functools.cache
 def load() -> tuple[Callable[[torch.Tensor], torch.Tensor], Product] | None:
     """(pack, product) once built and checked here; None where aten's linears stay."""
-    if os.environ.get("INFERSCALE_F32_LINEAR", "1") == "0" or not {"avx2", "fma"} <= cpu_flags():
-        return None
-    if not cppext.build(SOURCE, FLAGS):
+    if not cppext.built(SOURCE, FLAGS if {"avx2", "fma"} <= cpu_flags() else None, "INFERSCALE_F32_LINEAR"):
         return None
     ops = torch.ops.inferscale_f32.f32_pack, torch.ops.inferscale_f32.f32_linear
-    if not agrees(*ops):
-        log.warning("f32_linear's error exceeds aten's here; the embedder keeps aten's linears")
-        return None
-    return ops
+    return cppext.checked(ops, lambda pair: agrees(*pair),
+                          "f32_linear's error exceeds aten's here; the embedder keeps aten's linears")
 
 
 def agrees(pack: Callable[[torch.Tensor], torch.Tensor], product: Product) -> bool:

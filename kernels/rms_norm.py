@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import torch
 
 from inferscale.kernels import cppext
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rms_norm.cpp")
 # No -march: aten's order is reproduced with plain arrays; no contraction: v * v is rounded before it is summed.
 # OpenMP: at::parallel_for hands runs of rows to torch's threads (a prompt pass's rows; a decode step's few run inline).
@@ -107,25 +105,17 @@ def load_qk() -> Callable | None:
     """``rms_norm.cpp``'s ``qk_norm_rope``, where ``load()`` gives the norm and the q/k step agrees here too."""
     if load() is None:
         return None
-    op = torch.ops.inferscale_norm.qk_norm_rope
-    with torch.inference_mode():
-        if not qk_agrees(op):
-            log.warning("qk_norm_rope kernel differs from the lean layer's operations here; those are used")
-            return None
-    return op
+    return cppext.checked(torch.ops.inferscale_norm.qk_norm_rope, qk_agrees,
+                          "qk_norm_rope kernel differs from the lean layer's operations here; those are used")
 
 
 @functools.cache
 def load() -> RmsNorm | None:
     """The kernel, built on first use and checked against aten here; None where it cannot be used."""
-    if os.environ.get("INFERSCALE_RMS_NORM", "1") == "0" or not cppext.build(SOURCE, FLAGS):
+    if not cppext.built(SOURCE, FLAGS, "INFERSCALE_RMS_NORM"):
         return None
-    op = torch.ops.inferscale_norm.rms_norm
-    with torch.inference_mode():
-        if not agrees(op):
-            log.warning("rms_norm kernel differs from aten's rms_norm on this machine; the composite is used")
-            return None
-    return op
+    return cppext.checked(torch.ops.inferscale_norm.rms_norm, agrees,
+                          "rms_norm kernel differs from aten's rms_norm on this machine; the composite is used")
 
 
 if __name__ == "__main__":  # scripts/setup.sh builds it ahead of the first model load

@@ -16,8 +16,6 @@ would disagree and keep the torch path. None also on CPUs without AVX2 and FMA, 
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -27,7 +25,6 @@ from inferscale.cpuflags import cpu_flags
 from inferscale.kernels import cppext
 from inferscale.kernels.rope import rope_shift, shift_cos_sin
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rotate_place.cpp")
 # FMA: addcmul_'s fused multiply-add in one instruction; no contraction elsewhere (k * cos is rounded on its own).
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -40,15 +37,10 @@ RotatePlace = Callable[[list[torch.Tensor], list[torch.Tensor], int, int, list[t
 @functools.cache
 def load() -> RotatePlace | None:
     """The operator once built and checked here; None where the torch path stays."""
-    if os.environ.get("INFERSCALE_ROTATE_PLACE", "1") == "0" or not {"avx2", "fma"} <= cpu_flags():
+    if not cppext.built(SOURCE, FLAGS if {"avx2", "fma"} <= cpu_flags() else None, "INFERSCALE_ROTATE_PLACE"):
         return None
-    if not cppext.build(SOURCE, FLAGS):
-        return None
-    op = torch.ops.inferscale_inject.rotate_place
-    if not agrees(op):
-        log.warning("rotate_place's keys differ from the torch path's here; injection stays on torch")
-        return None
-    return op
+    return cppext.checked(torch.ops.inferscale_inject.rotate_place, agrees,
+                          "rotate_place's keys differ from the torch path's here; injection stays on torch")
 
 
 def rotations(deltas: Sequence[int], inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,8 +24,6 @@ answers is measured end to end (README: answers against the SDPA path over LoCoM
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +32,6 @@ import torch
 from inferscale.cpuflags import cpu_flags
 from inferscale.kernels import cppext
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("row_attention.cpp")
 AVX512_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # the source's 8-lane float32 path (no AVX512-BF16)
@@ -64,15 +61,10 @@ def build_dir() -> Path:
 @functools.cache
 def load() -> RowAttention | None:
     """The operator once built and checked here; None where attention stays SDPA."""
-    if os.environ.get("INFERSCALE_ROW_ATTENTION", "1") == "0" or flags() is None:
+    if not cppext.built(SOURCE, flags(), "INFERSCALE_ROW_ATTENTION"):
         return None
-    if not cppext.build(SOURCE, flags()):
-        return None
-    op = torch.ops.inferscale_attention.row_attention
-    if not agrees(op):
-        log.warning("row_attention's error exceeds SDPA's here; attention stays SDPA")
-        return None
-    return op
+    return cppext.checked(torch.ops.inferscale_attention.row_attention, agrees,
+                          "row_attention's error exceeds SDPA's here; attention stays SDPA")
 
 
 def takes(dtype: torch.dtype, device: torch.device, head_dim: int, group: int) -> bool:
