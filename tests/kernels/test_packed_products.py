@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from inferscale.kernels import avx2_linear, bf16_linear
+from test_avx2_linear import atens_avx2_build
 from inferscale.models.weightmajor import KERNEL_MAX_ROWS
 
 F = torch.nn.functional
@@ -32,6 +33,8 @@ def kernel(request):
 
 
 def test_the_kernel_gives_f_linear_numbers_bit_for_bit(kernel):
+    if kernel == "avx2_linear":
+        atens_avx2_build()
     shapes, rows_counts, _ = CASES[kernel]
     product = MODULES[kernel].product
     for shape in shapes:
