@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SLOT_TOKENS = 1024  # each slot's first capacity (4 slots: 75 MB of bf16 K/V for Gemma-3-270M)
 
 # ---- events: what a request's client receives ------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -133,9 +132,7 @@ class ServingLoop:
         if config.max_pass_tokens is None:  # timed passes stay on the model's decode-path products
             config = dataclasses.replace(config, max_pass_tokens=loaded.pass_rows)
         self.scheduler = Scheduler(config)
-        # Sized for a k=20 kv prompt and its answer from the start: growing it (a copy of every layer's K/V, first
-        # touch of new pages) cost the first request after a start ~160 ms, twice (its prompt, then its decode)
-        self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device, capacity=SLOT_TOKENS)
+        self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device)
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
         self.steps = 0

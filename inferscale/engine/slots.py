@@ -49,6 +49,10 @@ class _SlotLayer(DynamicLayer):
         return self.kv_len
 
 
+# Tokens a slot holds from the start: a k=20 kv prompt and its answer (4 slots: 75 MB of bf16 K/V for Gemma-3-270M).
+# Growing (a copy of every layer's K/V, first touch of new pages) cost the first request after a start ~160 ms, twice:
+# its prompt, then its first decode step (issue 22).
+FIRST_CAPACITY = 1024
 GROWTH_QUANTUM = 256  # tokens: a grown capacity is a multiple of it
 
 
@@ -56,7 +60,7 @@ class SlotCache:
     """KV storage for up to ``slots`` sequences; grows (slots and capacity) on demand by reallocation."""
 
     def __init__(self, layout: ModelLayout, dtype: torch.dtype, device: torch.device, *, slots: int = 4,
-                 capacity: int = 256) -> None:
+                 capacity: int = FIRST_CAPACITY) -> None:
         self.layout, self.dtype, self.device = layout, dtype, device
         self.num_layers = len(layout.layers)
         shape = (slots, layout.num_kv_heads, capacity, layout.head_dim)
