@@ -20,7 +20,7 @@ class CountingEmbedder(Embedder):
     """The real embedder, counting its encodes and holding the first one until every caller is queued."""
 
     def __init__(self, inner: Embedder, callers: int) -> None:  # noqa: D107 - shares the inner model
-        self.model, self.dim = inner.model, inner.dim
+        self.model, self.dim, self._query_forward = inner.model, inner.dim, inner._query_forward
         self._lock, self._queue_lock, self._queued = threading.Lock(), threading.Lock(), {}
         self.batches: list[list[str]] = []
         self.all_queued = threading.Event()
@@ -106,3 +106,10 @@ def test_queries_get_the_bits_encode_gives_them(embedder):
     assert torch.equal(embedder._encode_queries(texts), embedder._encode(texts))
     for text in texts:
         assert torch.equal(embedder._encode_queries([text]), embedder._encode([text]))
+
+
+def test_the_lean_query_pass_is_in_use_where_f32_linear_is(embedder):
+    """The bit-for-bit test above checks the lean pass (queryforward.py) only where it is the path taken."""
+    from inferscale.kernels import f32_linear
+
+    assert (embedder._query_forward is not None) == (f32_linear.load() is not None)
