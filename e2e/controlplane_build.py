@@ -66,7 +66,7 @@ def go_binary() -> str:
     found = shutil.which("go") or ("/usr/local/go/bin/go" if os.access("/usr/local/go/bin/go", os.X_OK) else None)
     if not found:
         raise ControlPlaneUnavailable("no `go` on PATH (nor /usr/local/go/bin/go): the control plane is built from "
-                                      f"its Go modules (Go >= 1.26, about 5 GiB of disk for modules and build cache)")
+                                      "its Go modules (Go >= 1.26, about 5 GiB of disk for modules and build cache)")
     return found
 
 

@@ -24,7 +24,6 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from inferscale.kvformat import SUFFIX

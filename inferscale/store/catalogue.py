@@ -12,7 +12,6 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 

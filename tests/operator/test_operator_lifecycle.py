@@ -299,7 +299,7 @@ def test_lost_serving_pod_is_replaced(cluster: Cluster, operator: Any) -> None:
         standins[2].used = 10**9 - 1  # nearly full: chosen last
         first = ready(cluster, standins, replicas=2)
         assert sorted(p["pod"] for p in first["placements"]) == ["inferscale-server-0", "inferscale-server-1"]
-        cluster.delete(f"/api/v1/namespaces/inferscale-system/pods/inferscale-server-0")
+        cluster.delete("/api/v1/namespaces/inferscale-system/pods/inferscale-server-0")
 
         st = wait_for(lambda: (s := cluster.status("caroline")).get("phase") == "Ready"
                       and "inferscale-server-2" in [p["pod"] for p in s["placements"]] and s, what="re-placed")

@@ -6,7 +6,6 @@ import argparse
 import builtins
 import json
 
-import pytest
 
 from inferscale.bench import isolation
 

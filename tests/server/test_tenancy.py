@@ -3,13 +3,11 @@ in-flight cap 429."""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import openai
 import pytest
 
-from conftest import KEYS, MODEL
+from conftest import MODEL
 
 Q = [{"role": "user", "content": "where did caroline move?"}]
 

@@ -116,7 +116,7 @@ def test_fill_pool_writes_rotated_blocks_into_the_requests_pages_only():
     for layer_ids, inv_freq in groups:
         for li in layer_ids:
             for p in range(16):
-                page, off = pool[pages[p // tpb], li, :, :, p % tpb], None
+                page = pool[pages[p // tpb], li, :, :, p % tpb]
                 if p < 4:
                     assert torch.isnan(page).all()  # TensorRT-LLM's own page: untouched
                     continue
