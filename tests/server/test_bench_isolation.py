@@ -6,7 +6,6 @@ import argparse
 import builtins
 import json
 
-
 from inferscale.bench import isolation
 
 
