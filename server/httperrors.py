@@ -81,6 +81,16 @@ def from_exception(e: BaseException) -> ApiError:
 _UNION_TAG = re.compile(r"[^\[\]]*\[.*\]|str|int|float|bool|constrained-str")
 
 
+def _specific(errors: list) -> list:
+    """The errors that say what is wrong: a value that fails every member of a union is reported once per member,
+    and a member of another type only says it is not that type ("stop": 1,000 strings fail ``str`` as not a string
+    and ``list[str]`` as too long; the second is the caller's mistake)."""
+    def other_type(e) -> bool:
+        return str(e.get("type", "")).endswith("_type") and any(
+            isinstance(p, str) and _UNION_TAG.fullmatch(p) for p in e.get("loc", ()))
+    return [e for e in errors if not other_type(e)] or errors
+
+
 def _param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
              and not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
@@ -139,7 +149,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
-        errs = e.errors()
+        errs = _specific(list(e.errors()))
         first = errs[0] if errs else {"msg": "invalid request", "loc": (), "type": "invalid"}
         if first.get("type") == "json_invalid":
             return response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",

@@ -75,10 +75,14 @@ def test_default_stop_is_the_profiles_visible_and_overridable(engine_live):
 
 
 def test_too_many_or_empty_stop_sequences_are_400(live):
-    for stop in (["a", "b", "c", "d", "e"], ""):
+    """The message says what is wrong with the value as sent, not that a list is not a string (``stop`` is a string
+    or a list of them: pydantic reports a bad value once per member)."""
+    for stop, says in ((["a", "b", "c", "d", "e"], "at most 4 items"), ("", "at least 1 character"),
+                       ([""], "at least 1 character"), (["x" * 300], "at most 256 characters")):
         with pytest.raises(openai.BadRequestError) as e:
             ask(live.client(), stop=stop)
-        assert e.value.param == "stop", e.value.body
+        assert e.value.param and e.value.param.startswith("stop"), e.value.body
+        assert says in e.value.message and "valid string" not in e.value.message, e.value.message
 
 
 # ---- lengths and usage --------------------------------------------------------------------------------------------
