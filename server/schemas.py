@@ -89,7 +89,7 @@ class ChatMessage(BaseModel):
 
 
 class MemoryOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     k: int | None = Field(None, ge=0, le=HARD_MAX_K, description="memories to retrieve (top-k by cosine similarity)")
     mode: Mode | None = Field(
         None, description="kv: inject cached KV; text: paste memories into the prompt; none: no memories"
@@ -109,8 +109,10 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(NoLoneSurrogates):
     """OpenAI's request body. An unknown field is refused (400 "Unrecognized request argument", as OpenAI does);
-    a known one this server cannot honour is refused by ``unsupported()`` (400 naming the ``param``)."""
-    model_config = ConfigDict(extra="forbid")
+    a known one this server cannot honour is refused by ``unsupported()`` (400 naming the ``param``). NaN and
+    infinities (JSON's ``NaN``, ``Infinity``, which Python's parser takes) are refused as not finite, not as out of
+    range."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     stream: bool | None = False

@@ -85,6 +85,19 @@ def test_too_many_or_empty_stop_sequences_are_400(live):
         assert says in e.value.message and "valid string" not in e.value.message, e.value.message
 
 
+
+@pytest.mark.parametrize("field, literal", [("temperature", "NaN"), ("top_p", "Infinity"),
+                                            ("presence_penalty", "-Infinity")])
+def test_nan_and_infinity_are_400_as_not_finite(live, field, literal):
+    """JSON's NaN and Infinity (which Python's parser takes) are refused as what they are: NaN is not "greater than
+    2", which is what the range check alone said of it."""
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (MODEL, field, literal)
+    r = httpx.post(live.url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={**live.headers(), "content-type": "application/json"})
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (400, field), r.text
+    assert "finite" in err["message"], err["message"]
+
 # ---- lengths and usage --------------------------------------------------------------------------------------------
 def test_max_completion_tokens_bounds_the_answer_and_wins_over_max_tokens(engine_live):
     c = engine_live.client()
