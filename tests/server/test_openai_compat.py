@@ -85,7 +85,6 @@ def test_too_many_or_empty_stop_sequences_are_400(live):
         assert says in e.value.message and "valid string" not in e.value.message, e.value.message
 
 
-
 @pytest.mark.parametrize("field, literal", [("temperature", "NaN"), ("top_p", "Infinity"),
                                             ("presence_penalty", "-Infinity")])
 def test_nan_and_infinity_are_400_as_not_finite(live, field, literal):
