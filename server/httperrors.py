@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -81,19 +82,21 @@ def from_exception(e: BaseException) -> ApiError:
 _UNION_TAG = re.compile(r"[^\[\]]*\[.*\]|str|int|float|bool|constrained-str")
 
 
-def _specific(errors: list) -> list:
+def _union_tag(part: object) -> bool:
+    return isinstance(part, str) and _UNION_TAG.fullmatch(part) is not None
+
+
+def _specific(errors: Sequence[dict]) -> list[dict]:
     """The errors that say what is wrong: a value that fails every member of a union is reported once per member,
     and a member of another type only says it is not that type ("stop": 1,000 strings fail ``str`` as not a string
     and ``list[str]`` as too long; the second is the caller's mistake)."""
-    def other_type(e) -> bool:
-        return str(e.get("type", "")).endswith("_type") and any(
-            isinstance(p, str) and _UNION_TAG.fullmatch(p) for p in e.get("loc", ()))
-    return [e for e in errors if not other_type(e)] or errors
+    def other_type(e: dict) -> bool:
+        return str(e.get("type", "")).endswith("_type") and any(map(_union_tag, e.get("loc", ())))
+    return [e for e in errors if not other_type(e)] or list(errors)
 
 
 def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
-             and not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header") and not _union_tag(p)]
     return ".".join(parts) or None
 
 
@@ -149,7 +152,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
-        errs = _specific(list(e.errors()))
+        errs = _specific(e.errors())
         first = errs[0] if errs else {"msg": "invalid request", "loc": (), "type": "invalid"}
         if first.get("type") == "json_invalid":
             return response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",

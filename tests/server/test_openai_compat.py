@@ -77,11 +77,12 @@ def test_default_stop_is_the_profiles_visible_and_overridable(engine_live):
 def test_too_many_or_empty_stop_sequences_are_400(live):
     """The message says what is wrong with the value as sent, not that a list is not a string (``stop`` is a string
     or a list of them: pydantic reports a bad value once per member)."""
-    for stop, says in ((["a", "b", "c", "d", "e"], "at most 4 items"), ("", "at least 1 character"),
-                       ([""], "at least 1 character"), (["x" * 300], "at most 256 characters")):
+    for stop, param, says in ((["a", "b", "c", "d", "e"], "stop", "at most 4 items"),
+                              ("", "stop", "at least 1 character"), ([""], "stop.0", "at least 1 character"),
+                              (["x" * 300], "stop.0", "at most 256 characters")):
         with pytest.raises(openai.BadRequestError) as e:
             ask(live.client(), stop=stop)
-        assert e.value.param and e.value.param.startswith("stop"), e.value.body
+        assert e.value.param == param, e.value.body
         assert says in e.value.message and "valid string" not in e.value.message, e.value.message
 
 
@@ -96,6 +97,7 @@ def test_nan_and_infinity_are_400_as_not_finite(live, field, literal):
     err = r.json()["error"]
     assert (r.status_code, err["param"]) == (400, field), r.text
     assert "finite" in err["message"], err["message"]
+
 
 # ---- lengths and usage --------------------------------------------------------------------------------------------
 def test_max_completion_tokens_bounds_the_answer_and_wins_over_max_tokens(engine_live):
