@@ -385,9 +385,9 @@ class ServingLoop:
 
     def _postprocess(self, req: GenRequest, logits: torch.Tensor | None, greedy: int | None = None) -> None:
         """Sample the next token (``greedy``: the argmax of ``logits``, when already known; ``logits`` may then be
-        None for a ``tokenchoice.greedy`` request), emit its text, and stop or keep the request running."""
+        None where ``tokenchoice.decides`` it), emit its text, and stop or keep the request running."""
         eng, sampling = self.engine, req.sampling
-        if greedy is not None and tokenchoice.greedy(req, eng.stop_ids):
+        if greedy is not None and tokenchoice.decides(req, greedy, eng.stop_ids):
             token = greedy  # what sample() would choose: argmax is exact in any dtype (bf16 -> fp32 is lossless)
         else:
             token = sample(logits.float(), sampling, req.generator, tokenchoice.banned(req, eng.stop_ids))

@@ -169,7 +169,7 @@ def test_a_screen_that_disagrees_with_the_head_is_not_installed(ops, monkeypatch
     assert install_greedy_head(_head(weight), softcap=None) is None
 
 
-def _greedy_decode(engine, screen: bool) -> list[int]:
+def _greedy_decode(engine, screen: bool, **sampling) -> list[int]:
     loaded = engine.loaded
     saved = loaded.greedy
     if not screen:
@@ -179,7 +179,7 @@ def _greedy_decode(engine, screen: bool) -> list[int]:
         out = []
         for q in ("where did caroline go?", "what is the plan for the weekend"):
             req = GenRequest(ids=engine.question_ids(q), blocks=[], mode="none", emit=lambda e: None,
-                             sampling=Sampling(max_new_tokens=24, ignore_eos=True))
+                             sampling=Sampling(max_new_tokens=24, **(sampling or {"ignore_eos": True})))
             loop.add(req)
             loop.run_until_done()
             out.append(req.output)
@@ -200,3 +200,19 @@ def test_a_greedy_decode_says_the_same_tokens_screened(ops):
         greedyhead.GreedyHead.argmax = original
     assert calls, "decode steps went through the screen"
     assert screened == _greedy_decode(engine, screen=False)
+
+
+def test_min_tokens_keeps_the_screen_and_the_tokens(ops):
+    """``min_tokens`` bans the stop tokens until reached: a screened argmax that is not one of them is still the
+    token (the first maximum of those the row may choose), so forced lengths decode through the screen too."""
+    engine = tm.engine("gemma3", dtype=torch.bfloat16, sliding_window=8)
+    calls = []
+    original = greedyhead.GreedyHead.argmax
+    greedyhead.GreedyHead.argmax = lambda self, hidden: calls.append(1) or original(self, hidden)
+    try:
+        screened = _greedy_decode(engine, screen=True, min_tokens=24)
+    finally:
+        greedyhead.GreedyHead.argmax = original
+    assert len(calls) >= 2 * 23, "every decode step went through the screen"
+    assert screened == _greedy_decode(engine, screen=False, min_tokens=24)
+    assert all(len(out) == 24 and not set(out) & engine.stop_ids for out in screened)
