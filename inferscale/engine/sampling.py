@@ -81,6 +81,13 @@ def held_back(text: str, stops: tuple[str, ...], start: int) -> int:
     return longest
 
 
+# A nucleus (top_p) is looked for among the likeliest 1,024 tokens first (``torch.topk``: 0.8 ms over Gemma's
+# 262,144 logits on 2 Zen 4 cores, where sorting them all took 16-21 ms), then 8,192 (2.5 ms), then all of them.
+# Gemma-3-270M answering with 20 memories, 96 draws a setting: nucleus sizes median 1 / p90 14 at temperature 0.7,
+# top_p 0.9; median 13 / p90 490 / max 1,375 at 1.0 and 0.95.
+NUCLEUS_CANDIDATES = (1024, 8192)
+
+
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
            banned: Collection[int] = ()) -> int:
     """One token from ``logits`` [vocab] (float32); ``banned`` ids are never chosen."""
@@ -91,12 +98,34 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < sampling.top_p
-        keep[0] = True  # the likeliest token always (a top_p below float32's range compares as 0)
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    # The exponential race: argmax(p / E) with E ~ Exp(1) draws from p, as torch.multinomial does (vLLM samples so),
-    # but probabilities that are not finite cannot trip a device-side assert, which on CUDA would fail every later
-    # kernel of the process: a request's numbers stay that request's problem.
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / race))
+        probs, ids = nucleus(probs, sampling.top_p)
+        return int(ids[draw(probs, generator)])
+    return draw(probs, generator)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top_p nucleus of ``probs`` [vocab]: the likeliest tokens, most likely first, up to the first whose
+    predecessors' mass reaches ``top_p`` (the likeliest always: a top_p below float32's range compares as 0), as
+    (their probabilities, their ids). Once a candidate is left out, every less likely token is too, so the nucleus
+    found among the top candidates is the one a sort of the whole vocabulary gives (tied tokens at its edge may come in
+    another order)."""
+    for k in (*(k for k in NUCLEUS_CANDIDATES if k < probs.numel()), probs.numel()):
+        top, ids = torch.topk(probs, k)  # sorted, most likely first
+        keep = torch.cumsum(top, 0) - top < top_p
+        keep[0] = True
+        if not bool(keep[-1]):
+            break
+    return top[keep], ids[keep]
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index drawn with probability ``probs[i] / probs.sum()``: one uniform number against the cumulative sum
+    (float64, so 262,144 float32 terms lose nothing that matters), never an index of zero probability. An exponential
+    race (argmax p / E, E ~ Exp(1)) draws the same distribution but needs a random number per token: 4.3 ms per draw
+    over Gemma's vocabulary here, against ~0.3. Probabilities that are not finite still give an index in range, with
+    no device-side assert to trip on CUDA (that would fail every later kernel of the process): a request's numbers
+    stay that request's problem."""
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    last = torch.searchsorted(cdf, cdf[-1:])  # the last index of non-zero probability
+    return int(torch.minimum(torch.searchsorted(cdf, u, right=True), last).clamp_(0, probs.numel() - 1))
