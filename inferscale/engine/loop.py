@@ -34,10 +34,12 @@ import torch
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine import tokenchoice
 from inferscale.engine.cache import inject_into_slot
+from inferscale.engine.detokenize import AnswerText
 from inferscale.engine.promptbatch import next_piece, padded_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
 from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
+from inferscale.engine.spans import request_span
 from inferscale.engine.threads import pin_threads, tuned_choices
 from inferscale.engine.threadtuner import ThreadTuner
 from inferscale.models.greedyhead import Head
@@ -102,6 +104,7 @@ class GenRequest:
     last: int | None = None  # the token the next decode step feeds
     first_token: int | None = None
     first_logits: torch.Tensor | None = None  # [vocab] float32 on the CPU, with keep_first_logits
+    answer_text: AnswerText | None = None  # decodes ``output`` token by token (set at admission)
     text: str = ""  # the decoded output so far (never ending in a partial UTF-8 character)
     sent: int = 0  # characters of ``text`` already emitted (the rest may be the start of a stop sequence)
     stops: tuple[str, ...] = ()  # the stop sequences in force (resolved by ServingLoop.add)
@@ -232,6 +235,7 @@ class ServingLoop:
         """Give ``req`` a slot holding what it starts from: the prefix, plus its blocks in kv modes."""
         eng = self.engine
         req.span = request_span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks)})
+        req.answer_text = AnswerText(eng.tokenizer)
         req.slot = len(self.rows)
         self.rows.append(req)
         if req.sampling.seed is not None:  # on the logits' device: a CPU generator cannot draw on CUDA tensors
@@ -397,11 +401,11 @@ class ServingLoop:
             self._finish(req, "stop")
             return
         req.output.append(token)
-        text = eng.tokenizer.decode(req.output, skip_special_tokens=True)
+        grew = req.answer_text.add(token)
         now = time.perf_counter()
-        if text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+        if not grew:  # a partial UTF-8 character held back, or a special token: nothing new to say
             req.emit(TokenEvent(token, "", now))
-        elif self._stopped(req, text, now):
+        elif self._stopped(req, req.answer_text.text, now):
             return
         if len(req.output) >= sampling.max_new_tokens:
             self._finish(req, "length")
@@ -432,9 +436,10 @@ class ServingLoop:
         return True
 
     def _finish(self, req: GenRequest, reason: str) -> None:
-        if req.answer is None:  # no stop sequence ended it: flush what was held back
-            text = self.engine.tokenizer.decode(req.output, skip_special_tokens=True)
-            if len(text) > req.sent and text.startswith(req.text[:req.sent]):
+        if req.answer is None:  # no stop sequence ended it: flush what was held back (an incomplete last character
+            text = self.engine.tokenizer.decode(req.output, skip_special_tokens=True)  # too, as the whole decodes it)
+            text = text if text.startswith(req.text[:req.sent]) else req.text  # invalid bytes: see detokenize.py
+            if len(text) > req.sent:
                 req.emit(TokenEvent(None, text[req.sent:], time.perf_counter()))
         self._end_span(req)  # before the client hears of it: its trace is complete when the answer is
         req.ended = True
@@ -482,18 +487,3 @@ class ServingLoop:
         self.rows[req.slot], self.rows[dst] = other, req
         other.slot, req.slot = req.slot, dst
 
-
-class _NoSpan:
-    def set_attribute(self, *_: object) -> None: ...
-    def record_exception(self, *_: object) -> None: ...
-    def end(self) -> None: ...
-
-
-_NO_SPAN = _NoSpan()
-
-
-def request_span(req: GenRequest, name: str, **attrs):
-    """A child span of the request's own (prefill, decode), or a no-op span when the request carries no tracer."""
-    if req.tracer is None:
-        return _NO_SPAN
-    return req.tracer.start_span(name, context=req.context, attributes=attrs)

@@ -32,7 +32,8 @@ from typing import TypeVar
 
 from inferscale.engine.engine import Engine
 from inferscale.engine.scheduler import Arrival
-from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent, request_span
+from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
+from inferscale.engine.spans import request_span
 from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, PromptSide
 from inferscale.errors import ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError, TransferError
 from inferscale.trtllm.core import cache_salt
