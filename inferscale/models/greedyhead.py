@@ -9,8 +9,9 @@ every logit, and returns the few vocabulary rows whose bound reaches the best (m
 LoCoMo text); those rows are then computed exactly by the same kernel as the full head and the first maximum is
 taken. The bounds are rigorous (quantization error of the weights and of the activations, float32 summation, and
 a margin of two bf16 steps so that a row left out cannot even tie), so the token is the full head's argmax bit for
-bit; the screen checks that at install time too. Rows that need logits (sampling, a banned stop token, the first
-logits kept for fidelity) take the full head (``Head.logits``).
+bit; the screen checks that at install time too. Rows that need logits (sampling, the first logits kept for
+fidelity, an argmax that is a stop token ``min_tokens`` bans: ``engine/tokenchoice.py``) take the full head
+(``Head.logits``).
 
 Used only where the head's logits come from the decode kernel (``decode_linear``: so the rescored rows are those
 logits bit for bit) and it has a screen (AMX-INT8, AVX512-VNNI beside AVX512-BF16, or AVX2), there is no final
