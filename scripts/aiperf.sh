@@ -6,7 +6,8 @@
 #   PROMPTS=bench sends `inferscale bench load`'s own questions, as a single_turn input file, instead of aiperf's
 #   24-token synthetic prompts: the same requests through both clients, so their TTFTs can be compared)
 # Starts a server on a fresh data dir with one tenant, stores 20 synthetic memories for user "maya", runs aiperf
-# once per mode (concurrency 1, 24-token synthetic prompts, 16 output tokens forced with ignore_eos), stops it.
+# once per mode (concurrency 1, 24-token synthetic prompts, 16 output tokens forced as aiperf's users force them:
+# ignore_eos and min_tokens), stops it.
 # aiperf paces its requests at RATE per second (default 100, above what one stream can ask for, so concurrency 1 is
 # what binds): with concurrency alone its timing_manager polls for a free slot without sleeping, a whole core
 # (95 % of one measured), which on a small machine shared with the server is taken from the server (kv TTFT 214 ms
@@ -76,7 +77,7 @@ for MODE in ${MODES:-kv text}; do
     --api-key isk-aiperf --tokenizer "$TOKENIZER" --concurrency 1 "${PACING[@]}" --request-count "$REQUESTS" \
     --warmup-request-count 2 "${PROMPT_ARGS[@]}" \
     --prompt-output-tokens-mean 16 --prompt-output-tokens-stddev 0 \
-    --extra-inputs "{\"user\": \"maya\", \"inferscale\": {\"k\": $K, \"mode\": \"$MODE\"}, \"ignore_eos\": true}" \
+    --extra-inputs "{\"user\": \"maya\", \"inferscale\": {\"k\": $K, \"mode\": \"$MODE\"}, \"ignore_eos\": true, \"min_tokens\": 16}" \
     --ui-type simple --no-server-metrics --output-artifact-dir "$DATA/aiperf-$MODE" 2>&1 \
     | grep -v -E "^[0-9:.]+ +(INFO|WARNING|DEBUG|NOTICE)"
   scrape "$MODE" "$DATA/metrics-$MODE-after.json"
