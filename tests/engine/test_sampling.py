@@ -29,7 +29,16 @@ def test_the_nucleus_is_the_one_a_full_sort_gives(scale, top_p):
     assert torch.equal(top, probs[ids]) and bool((top[:-1] >= top[1:]).all())
 
 
+@pytest.mark.parametrize("ratio", [1e-4, 0.5, 1.0])  # the likely tokens alone hold the nucleus, or not
+def test_the_nucleus_is_the_same_whichever_candidates_hold_it(monkeypatch, ratio):
+    monkeypatch.setattr(sampling, "NUCLEUS_RATIO", ratio)
+    probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 2.0, dim=-1)
+    for top_p in (0.05, 0.5, 0.9):
+        assert set(nucleus(probs, top_p)[1].tolist()) == _sorted_nucleus(probs, top_p), (ratio, top_p)
+
+
 def test_a_nucleus_past_every_candidate_count_is_still_found(monkeypatch):
+    monkeypatch.setattr(sampling, "NUCLEUS_RATIO", 1.0)  # only the likeliest token: never enough here
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (4, 16))
     probs = torch.softmax(torch.randn(300, generator=torch.Generator().manual_seed(1)) * 0.1, dim=-1)
     assert set(nucleus(probs, 0.9)[1].tolist()) == _sorted_nucleus(probs, 0.9) and len(_sorted_nucleus(probs, 0.9)) > 16
