@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", default="1,4,16,32", help="comma-separated numbers of concurrent streams")
     p.add_argument("--modes", default="kv,text", help="comma-separated modes, run side by side")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request (forced with ignore_eos)")
+    p.add_argument("--extra-body", default=None,
+                   help='JSON object of more request fields for the load streams, e.g. \'{"min_tokens": 64}\' (how '
+                        'aiperf forces a length) or \'{"temperature": 0.7, "top_p": 0.9}\' (sampled answers)')
     p.add_argument("-k", type=int, default=20, help="memories per request")
     p.add_argument("--flood", action="store_true", help="also run the tenant flood scenario (issue 12)")
     p.add_argument("--flood-requests", type=int, default=32, help="tenant A's long text requests in the flood")
@@ -172,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n {args.n!r}: expected positive integers")
     if args.tokens < 2 or args.k < 0 or args.repeats < 1:
         raise ConfigError("--tokens must be 2 or more, -k 0 or more and --repeats 1 or more")
+    extra = _extra_body(args.extra_body)
     repeats = []
     server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine,
                         torch_threads=args.torch_threads)
@@ -179,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         _load_memories(server, args.k)
         for _ in range(args.repeats):
             repeats.append({"floor": _floor(server),
-                            "rows": [concurrent(server.url, server.model, mode, n, args.k, args.tokens)
+                            "rows": [concurrent(server.url, server.model, mode, n, args.k, args.tokens, extra)
                                      for n in ns for mode in modes]})
     finally:
         server.close()
@@ -197,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
     result = {"model": server.model, "device": args.device or "cpu", "cores": os.cpu_count(),
               "torch_threads": __import__("torch").get_num_threads(), "platform": platform.platform(),
-              "tokens": args.tokens, "k": args.k, "repeats": repeats, "summary": _spread(summaries),
+              "tokens": args.tokens, "k": args.k, "extra_body": extra, "repeats": repeats, "summary": _spread(summaries),
               # the first repeat's rows under the names earlier versions wrote
               "rows": repeats[0]["rows"], "flood": repeats[0].get("flood"), "floor": repeats[0]["floor"]}
     for rep in repeats:
@@ -210,9 +214,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _extra_body(text: str | None) -> dict:
+    """``--extra-body``: a JSON object (ConfigError naming what is wrong)."""
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--extra-body {text!r}: not JSON ({e})") from None
+    if not isinstance(extra, dict):
+        raise ConfigError(f"--extra-body {text!r}: expected a JSON object")
+    return extra
+
+
 def _print(result: dict, rep: dict) -> None:
     fl = rep["floor"]
-    print(f"bench load: {result['model']}, {result['tokens']} tokens per request, k={result['k']}; decode floor "
+    extra = f" with {json.dumps(result['extra_body'])}" if result["extra_body"] else ""
+    print(f"bench load: {result['model']}, {result['tokens']} tokens per request{extra}, k={result['k']}; decode floor "
           f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
           f"{fl['floor_threads']} threads; the engine decodes on {fl['torch_threads']} now)")
     print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'steady':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "

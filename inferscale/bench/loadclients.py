@@ -59,9 +59,10 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:
-    """N concurrent streams (and one arriving while N-1 decode), measured in a client process."""
-    return _spawned(_concurrent, url, model, mode, n, k, tokens)
+def concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, extra: dict | None = None) -> dict:
+    """N concurrent streams (and one arriving while N-1 decode), measured in a client process; ``extra``: more
+    request fields for each (``bench load --extra-body``)."""
+    return _spawned(_concurrent, url, model, mode, n, k, tokens, extra or {})
 
 
 def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: Callable[[], int]) -> dict:
@@ -112,11 +113,12 @@ def _child(target, args: tuple, results) -> None:
 
 
 async def _stream(client, model: str, mode: str, k: int, tokens: int, question: str = QUESTION,
-                  user: str = "maya", first: asyncio.Event | None = None) -> Stream:
+                  user: str = "maya", first: asyncio.Event | None = None, extra: dict | None = None) -> Stream:
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
         model=model, user=user, stream=True, max_tokens=tokens, messages=[{"role": "user", "content": question}],
-        stream_options={"include_usage": True}, extra_body={"inferscale": {"k": k, "mode": mode}, "ignore_eos": True})
+        stream_options={"include_usage": True},
+        extra_body={"inferscale": {"k": k, "mode": mode}, "ignore_eos": True, **(extra or {})})
     times, used = [], 0
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:  # visible content: what TTFT ends at
@@ -132,23 +134,25 @@ async def _stream(client, model: str, mode: str, k: int, tokens: int, question: 
     return Stream(ttft, tpot, used, tuple(times))
 
 
-async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int) -> dict:
+async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, extra: dict) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
     await _stream(client, model, mode, k, 1)  # the client's first request pays its connection and first-use costs
-    idle = statistics.median([(await _stream(client, model, mode, k, tokens)).ttft_s for _ in range(PROBES)])
+    idle = statistics.median([(await _stream(client, model, mode, k, tokens, extra=extra)).ttft_s
+                              for _ in range(PROBES)])
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(_stream(client, model, mode, k, tokens) for _ in range(n)))
+    results = await asyncio.gather(*(_stream(client, model, mode, k, tokens, extra=extra) for _ in range(n)))
     wall = time.perf_counter() - t0
     # One more request arriving while n-1 streams decode (longer ones, so they are still decoding when it lands).
     arrival = None
     if n > 1:
         firsts = [asyncio.Event() for _ in range(n - 1)]
-        background = [asyncio.create_task(_stream(client, model, mode, k, tokens * 4, first=f)) for f in firsts]
+        background = [asyncio.create_task(_stream(client, model, mode, k, tokens * 4, first=f, extra=extra))
+                      for f in firsts]
         for f in firsts:  # every one of them is decoding
             await f.wait()
-        arrival = (await _stream(client, model, mode, k, tokens)).ttft_s
+        arrival = (await _stream(client, model, mode, k, tokens, extra=extra)).ttft_s
         await asyncio.gather(*background)
     await client.close()
     ttfts, tpots = [r.ttft_s for r in results], [r.tpot_s for r in results if r.tpot_s is not None]

@@ -118,6 +118,21 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
     assert result["floor"]["floor_threads"] >= 1 and result["floor"]["torch_threads"] >= 1
 
 
+def test_bench_load_sends_the_extra_body(model_dir, tmp_path, capsys):
+    """``--extra-body`` reaches every load stream's request (a temperature the server refuses fails the run, naming
+    it), and is written and printed with the results; what is not a JSON object is refused before any server starts."""
+    out = tmp_path / "load.json"
+    base = ["bench", "load", "--model", str(model_dir), "--n", "1", "--modes", "kv", "--tokens", "3", "-k", "2"]
+    assert main([*base, "--extra-body", '{"temperature": 0.7, "top_p": 0.9, "min_tokens": 3}', "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["extra_body"] == {"temperature": 0.7, "top_p": 0.9, "min_tokens": 3}
+    assert 'tokens per request with {"temperature": 0.7, "top_p": 0.9, "min_tokens": 3}' in capsys.readouterr().out
+    assert main([*base, "--extra-body", '{"temperature": 5}']) == 2
+    assert "temperature" in capsys.readouterr().err
+    for bad in ("{temperature: 1}", "[1]"):
+        assert main([*base, "--extra-body", bad]) == 2
+        assert "--extra-body" in capsys.readouterr().err
+
+
 def test_the_steady_rate_counts_only_while_every_stream_decodes():
     """Two streams: one decodes from t=0 at 10 tokens/s, the other starts at t=1 (its prompt's prefill in between)
     at 10 tokens/s too. While both decode the rate is 20/s; over the whole span it reads lower."""
