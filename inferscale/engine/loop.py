@@ -104,9 +104,8 @@ class GenRequest:
     last: int | None = None  # the token the next decode step feeds
     first_token: int | None = None
     first_logits: torch.Tensor | None = None  # [vocab] float32 on the CPU, with keep_first_logits
-    answer_text: AnswerText | None = None  # decodes ``output`` token by token (set at admission)
-    text: str = ""  # the decoded output so far (never ending in a partial UTF-8 character)
-    sent: int = 0  # characters of ``text`` already emitted (the rest may be the start of a stop sequence)
+    answer_text: AnswerText | None = None  # ``output`` decoded so far, token by token (set at admission)
+    sent: int = 0  # characters of that text already emitted (the rest may be the start of a stop sequence)
     stops: tuple[str, ...] = ()  # the stop sequences in force (resolved by ServingLoop.add)
     stop_floor: int = 0  # a stop sequence may begin no earlier (text said before min_tokens was reached)
     answer: str | None = None  # the final text when a stop sequence ended it
@@ -401,30 +400,31 @@ class ServingLoop:
             self._finish(req, "stop")
             return
         req.output.append(token)
+        said = len(req.answer_text.text)
         grew = req.answer_text.add(token)
         now = time.perf_counter()
         if not grew:  # a partial UTF-8 character held back, or a special token: nothing new to say
             req.emit(TokenEvent(token, "", now))
-        elif self._stopped(req, req.answer_text.text, now):
+        elif self._stopped(req, said, now):
             return
         if len(req.output) >= sampling.max_new_tokens:
             self._finish(req, "length")
             return
         req.last = token
 
-    def _stopped(self, req: GenRequest, text: str, now: float) -> bool:
-        """Take the new decoded ``text``: emit what can no longer be part of a stop sequence, and finish the
-        request when a stop sequence appeared. Stops match only after the answer's leading whitespace (a model that
-        opens with a line break is not cut off) and not in text said before ``min_tokens`` was reached."""
-        prev, req.text = req.text, text
-        token = req.output[-1]
+    def _stopped(self, req: GenRequest, said: int, now: float) -> bool:
+        """The answer's text grew past its first ``said`` characters: emit what can no longer be part of a stop
+        sequence, and finish the request when a stop sequence appeared. Stops match only after the answer's leading
+        whitespace (a model that opens with a line break is not cut off) and not in text said before ``min_tokens``
+        was reached."""
+        text, token = req.answer_text.text, req.output[-1]
         if not req.stops or len(req.output) < req.sampling.min_tokens:
             req.stop_floor = len(text) if req.stops else 0
             req.emit(TokenEvent(token, text[req.sent:], now))
             req.sent = len(text)
             return False
         visible = len(text) - len(text.lstrip())
-        start = max(req.stop_floor, visible, len(prev) - max(map(len, req.stops)) + 1)
+        start = max(req.stop_floor, visible, said - max(map(len, req.stops)) + 1)
         at = find_stop(text, req.stops, start)
         end = at if at is not None else max(req.sent, len(text) - held_back(text, req.stops, start))
         req.emit(TokenEvent(token, text[req.sent:end], now))
@@ -438,7 +438,8 @@ class ServingLoop:
     def _finish(self, req: GenRequest, reason: str) -> None:
         if req.answer is None:  # no stop sequence ended it: flush what was held back (an incomplete last character
             text = self.engine.tokenizer.decode(req.output, skip_special_tokens=True)  # too, as the whole decodes it)
-            text = text if text.startswith(req.text[:req.sent]) else req.text  # invalid bytes: see detokenize.py
+            streamed = req.answer_text.text
+            text = text if text.startswith(streamed[:req.sent]) else streamed  # invalid bytes: see detokenize.py
             if len(text) > req.sent:
                 req.emit(TokenEvent(None, text[req.sent:], time.perf_counter()))
         self._end_span(req)  # before the client hears of it: its trace is complete when the answer is

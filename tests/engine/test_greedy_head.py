@@ -188,16 +188,21 @@ def _greedy_decode(engine, screen: bool, **sampling) -> list[int]:
         loaded.greedy = saved
 
 
-def test_a_greedy_decode_says_the_same_tokens_screened(ops):
-    engine = tm.engine("gemma3", dtype=torch.bfloat16, sliding_window=8)
-    assert engine.loaded.greedy is not None, "a bf16 Gemma-3 on the decode kernel gets the screen"
+def _screened_decode(engine, **sampling) -> tuple[list[list[int]], int]:
+    """``_greedy_decode`` with the screen, and how many times the screen was asked."""
     calls = []
     original = greedyhead.GreedyHead.argmax
     greedyhead.GreedyHead.argmax = lambda self, hidden: calls.append(1) or original(self, hidden)
     try:
-        screened = _greedy_decode(engine, screen=True)
+        return _greedy_decode(engine, screen=True, **sampling), len(calls)
     finally:
         greedyhead.GreedyHead.argmax = original
+
+
+def test_a_greedy_decode_says_the_same_tokens_screened(ops):
+    engine = tm.engine("gemma3", dtype=torch.bfloat16, sliding_window=8)
+    assert engine.loaded.greedy is not None, "a bf16 Gemma-3 on the decode kernel gets the screen"
+    screened, calls = _screened_decode(engine)
     assert calls, "decode steps went through the screen"
     assert screened == _greedy_decode(engine, screen=False)
 
@@ -206,13 +211,7 @@ def test_min_tokens_keeps_the_screen_and_the_tokens(ops):
     """``min_tokens`` bans the stop tokens until reached: a screened argmax that is not one of them is still the
     token (the first maximum of those the row may choose), so forced lengths decode through the screen too."""
     engine = tm.engine("gemma3", dtype=torch.bfloat16, sliding_window=8)
-    calls = []
-    original = greedyhead.GreedyHead.argmax
-    greedyhead.GreedyHead.argmax = lambda self, hidden: calls.append(1) or original(self, hidden)
-    try:
-        screened = _greedy_decode(engine, screen=True, min_tokens=24)
-    finally:
-        greedyhead.GreedyHead.argmax = original
-    assert len(calls) >= 2 * 23, "every decode step went through the screen"
+    screened, calls = _screened_decode(engine, min_tokens=24)
+    assert calls >= 2 * 23, "every decode step went through the screen"
     assert screened == _greedy_decode(engine, screen=False, min_tokens=24)
     assert all(len(out) == 24 and not set(out) & engine.stop_ids for out in screened)
