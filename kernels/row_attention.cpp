@@ -147,10 +147,49 @@ struct Scratch {
   alignas(64) float add[64 * kChunk];
 };
 
+// The next task's K and V lines into L2 while this task computes: a decode step's rows read their K/V from DRAM
+// (each layer's own, 16 rows x ~600 keys ~ 9 MB). With the hardware prefetcher alone a 16-row step's attention read
+// them at ~10 GB/s (18 layers 14-16 ms); prefetching the next task's lines all at once while this task rearranged
+// its own, at ~23 GB/s (10-12 ms): memory worked while the rearranging ran and sat idle through the products.
+// `step` issues a few lines every kPrefetchEvery iterations of the products instead, so the next chunk streams in
+// while this one computes (row_attention.py has the numbers).
+constexpr int64_t kPrefetchEvery = 8;  // product iterations one burst of the next task's lines (2 KB) covers
+
+class LinePrefetcher {
+ public:
+  LinePrefetcher() = default;
+  LinePrefetcher(const uint16_t* k, int64_t k_t, const uint16_t* v, int64_t v_t, int64_t n, int64_t dim,
+                 int64_t iterations)
+      : row_(k), v_(v), stride_(k_t), v_t_(v_t), keys_(n), per_key_(dim / 32),
+        per_step_((2 * n * (dim / 32) + iterations - 1) / std::max<int64_t>(1, iterations)) {}
+  // inlined: a call inside the products' loops would spill their vector accumulators (caller-saved) every time
+  __attribute__((always_inline)) void step() {
+    for (int64_t i = 0; i < per_step_ && row_; ++i) next();
+  }
+  void finish() {
+    while (row_) next();
+  }
+
+ private:
+  // one line: along a key's row, then the next key; K's rows first, then V's
+  __attribute__((always_inline)) void next() {
+    _mm_prefetch(reinterpret_cast<const char*>(row_ + 32 * part_), _MM_HINT_T1);
+    if (++part_ < per_key_) return;
+    part_ = 0;
+    row_ += stride_;
+    if (++key_ < keys_) return;
+    key_ = 0;
+    row_ = v_;
+    v_ = nullptr;
+    stride_ = v_t_;
+  }
+  const uint16_t *row_ = nullptr, *v_ = nullptr;  // the key row now prefetched; V's first (null once it is V's turn)
+  int64_t stride_ = 0, v_t_ = 0, keys_ = 0, per_key_ = 1, per_step_ = 0, key_ = 0, part_ = 0;
+};
+
 // Keys j = 0..n-1 (rows of `dim` bf16 at stride k_t) -> kt[p * kChunk + j]: dims 2p, 2p+1 of key j (zero past n).
-// `next`, where set, is the next task's first key: the same lines of its keys go to L2 while these are rearranged.
-// A decode step's rows read their K/V from DRAM (each layer's own, 16 rows x ~600 keys ~ 9 MB); with the hardware
-// prefetcher alone a 16-row step's attention read them at ~10 GB/s (18 layers 14-16 ms), with this 10-12 ms.
+// `next`, where set, is the next task's first key: the same lines of its keys go to L2 while these are rearranged
+// (a question's tasks, whose K/V were just written and sit in the cache: there this beats spreading, above).
 void keys_by_pair(const uint16_t* k, int64_t k_t, int64_t n, int64_t dim, uint32_t* kt, const uint16_t* next) {
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -187,13 +226,16 @@ void values_by_pair(const uint16_t* v, int64_t v_t, int64_t n, int64_t dim, uint
 
 // One block of kBlock queries (q rows of `dim` bf16; null: a pad query) against the chunk's n keys: each query's max
 // score m, sum of e^(s - m) l and sum over keys of bf16(e^(s - m)) v, written to m_out, l_out, acc [kBlock, dim].
+// (A template on it: without, the branch in the loops cost a question's pass ~5 %.)
+template <bool kSpread>
 void block(const Shape& s, const uint32_t* const q[kBlock], const float* const add[kBlock], const Scratch& w,
-           int64_t n, float* m_out, float* l_out, float* acc) {
+           int64_t n, float* m_out, float* l_out, float* acc, LinePrefetcher* next) {
   const int64_t words = s.dim / 2, blocks16 = (n + 15) / 16;
   __m512 score[kBlock][kChunk / 16];
   for (int i = 0; i < kBlock; ++i)
     for (int64_t c = 0; c < kChunk / 16; ++c) score[i][c] = _mm512_setzero_ps();
   for (int64_t p = 0; p < words; ++p) {
+    if constexpr (kSpread) if (p % kPrefetchEvery == 0) next->step();
     __m512i qp[kBlock];
     for (int i = 0; i < kBlock; ++i) qp[i] = _mm512_set1_epi32(static_cast<int>(q[i][p]));
     for (int64_t c = 0; c < blocks16; ++c) {
@@ -239,6 +281,7 @@ void block(const Shape& s, const uint32_t* const q[kBlock], const float* const a
     for (int i = 0; i < kBlock; ++i)
       for (int x = 0; x < 4; ++x) a[i][x] = _mm512_setzero_ps();
     for (int64_t jp = 0; jp < key_pairs; ++jp) {
+      if constexpr (kSpread) if (jp % kPrefetchEvery == 0) next->step();
       __m512i vv[4];
       for (int x = 0; x < 4; ++x) vv[x] = _mm512_load_si512(w.vt + jp * s.dim + d0 + 16 * x);
       for (int i = 0; i < kBlock; ++i) {
@@ -263,8 +306,15 @@ void chunk(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t*
   const int64_t n = u.last - u.first;
   const auto at_k = [&](const Unit& x) { return k + x.row * s.k_b + x.head * s.k_h + x.first * s.k_t; };
   const auto at_v = [&](const Unit& x) { return v + x.row * s.v_b + x.head * s.v_h + x.first * s.v_t; };
-  keys_by_pair(at_k(u), s.k_t, n, s.dim, w.kt, next ? at_k(*next) : nullptr);
-  values_by_pair(at_v(u), s.v_t, n, s.dim, w.vt, next ? at_v(*next) : nullptr);
+  // A decode step's one block of queries (its K/V from DRAM): the next task's lines spread over the products, every
+  // kPrefetchEvery iterations of the score loop's dim / 2, then p.V's. A question's many: while rearranging.
+  const bool decode = s.queries <= kBlock;
+  keys_by_pair(at_k(u), s.k_t, n, s.dim, w.kt, next && !decode ? at_k(*next) : nullptr);
+  values_by_pair(at_v(u), s.v_t, n, s.dim, w.vt, next && !decode ? at_v(*next) : nullptr);
+  LinePrefetcher prefetch = next && decode
+      ? LinePrefetcher(at_k(*next), s.k_t, at_v(*next), s.v_t, next->last - next->first, s.dim,
+                       (s.dim / 2 + s.dim / 64 * ((n + 1) / 2)) / kPrefetchEvery)
+      : LinePrefetcher();
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t j = 0; j < n; ++j) w.add[t * kChunk + j] = masks[t].at(u.first + j);
   alignas(64) static const uint32_t pad_query[kMaxDim / 2] = {};
@@ -272,8 +322,10 @@ void chunk(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t*
   alignas(64) float pad_acc[kBlock * kMaxDim];
   query_blocks(s, q, u, w.add, pad_query, pad_add, m_out, l_out, acc, pad_acc,
                [&](const uint32_t* const* qs, const float* const* adds, float* m, float* l, float* a) {
-                 block(s, qs, adds, w, n, m, l, a);
+                 if (decode) block<true>(s, qs, adds, w, n, m, l, a, &prefetch);
+                 else block<false>(s, qs, adds, w, n, m, l, a, nullptr);
                });
+  prefetch.finish();
 }
 
 #else  // ---- AVX2 and FMA: the same computation in 8-lane float32 vectors, K and V read in place ----
