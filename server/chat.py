@@ -58,6 +58,9 @@ def _limits(req: ChatCompletionRequest, tenant: Tenant, settings) -> tuple[Memor
     if max_tokens > tenant.max_tokens:
         raise ApiError(400, f"{tokens_param}={max_tokens} exceeds this tenant's limit of {tenant.max_tokens}",
                        code="max_tokens_limit_exceeded", param=tokens_param)
+    if req.min_tokens > max_tokens:  # as vLLM refuses it: the answer could never reach it
+        raise ApiError(400, f"min_tokens={req.min_tokens} exceeds {tokens_param}={max_tokens}",
+                       code="min_tokens_exceeds_max_tokens", param="min_tokens")
     return opts, k, mode, max_tokens
 
 
@@ -115,7 +118,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         sampling = Sampling(max_new_tokens=max_tokens, temperature=req.temperature or 0.0,
                             top_p=req.top_p if req.top_p is not None else 1.0, seed=req.seed,
                             stop=req.stop_sequences(), ignore_eos=req.ignore_eos,
-                            min_tokens=min(req.min_tokens, max_tokens))
+                            min_tokens=req.min_tokens)
         job = EventStream()
         job.request = GenRequest(
             ids=prompt_ids, blocks=blocks, mode=effective_mode, sampling=sampling, emit=job.emit, tenant=tenant.name,

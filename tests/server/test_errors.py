@@ -34,6 +34,8 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"model": MODEL, "messages": Q, "user": "x" * 257}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "inferscale": {"k": 51}}, 400, "k_limit_exceeded"),
     ({"model": MODEL, "messages": Q, "max_tokens": 65}, 400, "max_tokens_limit_exceeded"),
+    ({"model": MODEL, "messages": Q, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens_exceeds_max_tokens"),
+    ({"model": MODEL, "messages": Q, "min_tokens": 10**30}, 400, "min_tokens_exceeds_max_tokens"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_chat_requests(live, body, status, code, stream):
