@@ -92,6 +92,8 @@ def test_serve_runs_the_tenant_and_internal_listeners_together(tmp_path, monkeyp
     while not (len(servers) == 2 and all(s.started for s in servers)):
         assert time.time() < deadline and not done.is_set(), "listeners did not start"
         time.sleep(0.05)
+    # uvicorn[standard]'s stack, as the server extra installs it: httptools parses, uvloop runs the loop
+    assert [s.config.http_protocol_class.__name__ for s in servers] == ["HttpToolsProtocol"] * 2
     auth = {"Authorization": "Bearer tok-internal"}
     assert httpx.get(f"http://127.0.0.1:{internal}/internal/v1/capacity", headers=auth).status_code == 200
     assert httpx.get(f"http://127.0.0.1:{port}/internal/v1/capacity", headers=auth).status_code == 404
@@ -99,3 +101,22 @@ def test_serve_runs_the_tenant_and_internal_listeners_together(tmp_path, monkeyp
     servers[1].should_exit = True  # the internal listener stops: the tenant one follows
     assert done.wait(15)
     assert asyncio.iscoroutinefunction(cli.serve_together)
+
+
+def test_serve_runs_its_event_loop_on_uvloop():
+    """Every streamed token is a socket write and callbacks on the serving loop, on the engine's cores: the server
+    extra brings uvloop and ``inferscale serve`` runs on it (asyncio's loop only where it is not installed)."""
+    import asyncio
+
+    import uvloop
+
+    factory = cli.event_loop_factory()
+    assert factory is uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert runner.run(_loop_type()) is uvloop.Loop
+
+
+async def _loop_type() -> type:
+    import asyncio
+
+    return type(asyncio.get_running_loop())

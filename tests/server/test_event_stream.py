@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+import uvloop
+
 from inferscale.engine.loop import DoneEvent, TokenEvent
 from inferscale.server.scheduler import EventStream
 
@@ -21,7 +24,8 @@ def _tokens(n: int, stream: int) -> list[TokenEvent]:
     return [TokenEvent(i, f"{stream}:{i}", float(i)) for i in range(n)]
 
 
-def test_each_request_gets_its_events_in_order_from_the_worker_thread():
+@pytest.mark.parametrize("loop_factory", [None, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_each_request_gets_its_events_in_order_from_the_worker_thread(loop_factory):
     async def main() -> list[list[str]]:
         streams = [EventStream() for _ in range(16)]
 
@@ -43,7 +47,8 @@ def test_each_request_gets_its_events_in_order_from_the_worker_thread():
         thread.join()
         return got
 
-    got = asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:  # `inferscale serve` runs on uvloop
+        got = runner.run(main())
     assert got == [[f"{s}:{i}" for i in range(50)] for s in range(16)]
 
 
