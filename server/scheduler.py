@@ -56,10 +56,9 @@ class EventStream:
     """Hands a request's events from the worker thread to its asyncio loop; ``bind`` a GenRequest to it."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.request: GenRequest | None = None
-        self._mailbox = _mailbox(self.loop)
+        self._mailbox = _mailbox(asyncio.get_running_loop())
 
     def emit(self, event: Event) -> None:  # worker thread
         try:

@@ -117,16 +117,22 @@ def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tens
     top, order = torch.sort(probs[likely], descending=True)
     mass = torch.cumsum(top, 0)
     if likely.numel() and float(mass[-1]) >= top_p:  # every other token is less likely and comes after them
-        keep = mass - top < top_p
-        keep[0] = True
+        keep = _kept(top, mass, top_p)
         return top[keep], likely[order[keep]]
     for k in (*(k for k in NUCLEUS_CANDIDATES if k < probs.numel()), probs.numel()):
         top, ids = torch.topk(probs, k)  # sorted, most likely first
-        keep = torch.cumsum(top, 0) - top < top_p
-        keep[0] = True
+        keep = _kept(top, torch.cumsum(top, 0), top_p)
         if not bool(keep[-1]):
             break
     return top[keep], ids[keep]
+
+
+def _kept(top: torch.Tensor, mass: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which of the sorted probabilities ``top`` (cumulative ``mass``) the nucleus keeps: those whose predecessors'
+    mass is below ``top_p``, and the likeliest always (a top_p below float32's range compares as 0)."""
+    keep = mass - top < top_p
+    keep[0] = True
+    return keep
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
