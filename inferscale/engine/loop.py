@@ -37,7 +37,7 @@ from inferscale.engine.cache import inject_into_slot
 from inferscale.engine.detokenize import AnswerText
 from inferscale.engine.promptbatch import next_piece, padded_groups
 from inferscale.engine.sampling import Sampling, find_stop, held_back, sample
-from inferscale.engine.scheduler import Arrival, ScheduledRequest, Scheduler, SchedulerConfig
+from inferscale.engine.scheduler import NEWCOMER_PASS_TOKENS, Arrival, ScheduledRequest, Scheduler, SchedulerConfig
 from inferscale.engine.slots import SlotCache
 from inferscale.engine.spans import request_span
 from inferscale.engine.threads import pin_threads, tuned_choices
@@ -131,8 +131,9 @@ class ServingLoop:
         self.engine = engine
         loaded = engine.loaded
         config = config or SchedulerConfig()
-        if config.max_pass_tokens is None:  # timed passes stay on the model's decode-path products
-            config = dataclasses.replace(config, max_pass_tokens=loaded.pass_rows)
+        self.kernel_rows = loaded.pass_rows  # no pass holds more: past them the model's kernels change
+        if config.max_pass_tokens is None and self.kernel_rows is not None:  # timed passes stay on those kernels
+            config = dataclasses.replace(config, max_pass_tokens=min(self.kernel_rows, NEWCOMER_PASS_TOKENS))
         self.scheduler = Scheduler(config)
         self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device)
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
@@ -268,7 +269,8 @@ class ServingLoop:
         chunks = [(r, min(n, len(r.pending))) for r, n in chunks]
         first = True
         while chunks:
-            pieces = [(r, next_piece(n, pass_tokens, self.scheduler.config.min_chunk_tokens)) for r, n in chunks]
+            sliver = self.scheduler.config.min_chunk_tokens
+            pieces = [(r, next_piece(n, pass_tokens, sliver, self.kernel_rows)) for r, n in chunks]
             groups = padded_groups([n for _, n in pieces], max_tokens=pass_tokens)
             going_on = {r.sched.tenant for (r, n), (_, m) in zip(chunks, pieces) if n > m}
             for k, group in enumerate(groups):

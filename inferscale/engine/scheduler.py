@@ -71,6 +71,11 @@ SHED_AT = 0.8
 # While a tenant with no prompt started is on its way, steps are bounded to this share of ``step_time_s``: it
 # arrives during one of them and waits that one out before its own prompt runs first.
 NEWCOMER_STEP_SHARE = 0.35
+# The most prompt tokens the serving loop lets a timed pass hold where the model's fast kernels take more
+# (``LoadedModel.pass_rows``: 128 on AVX512-BF16): a newcomer waits out the pass in progress. On the 2-core Zen 4
+# machine, 2026-12-04, ``bench load --flood`` (3 repeats): passes of up to 128 tokens gave tenant B 2.46x [2.32, 2.55]
+# its idle TTFT, of up to 64 1.69x [1.56, 1.70] the night before.
+NEWCOMER_PASS_TOKENS = 64
 
 
 class Arrival:
@@ -98,9 +103,10 @@ class SchedulerConfig:
     # ``min_chunk_tokens``, so prompts always progress). What a request arriving mid-step waits for.
     step_time_s: float = 0.25
     # The most prompt tokens a timed pass holds (None: no limit): the rows the model's decode-path products take
-    # (``LoadedModel.pass_rows``; the serving loop sets it). Past them a pass changes kernel, and its cost per token
-    # with it, so the time bound, sized on the passes measured so far, missed: in a flood, passes of 66-74 tokens
-    # took 118-140 ms against the 87 ms meant, and the other tenant waited them out.
+    # (``LoadedModel.pass_rows``), at most ``NEWCOMER_PASS_TOKENS`` (the serving loop sets it). Past those rows a
+    # pass changes kernel, and its cost per token with it, so the time bound, sized on the passes measured so far,
+    # missed: in a flood, passes of 66-74 tokens took 118-140 ms against the 87 ms meant, and the other tenant
+    # waited them out.
     max_pass_tokens: int | None = None
 
     @property

@@ -49,3 +49,12 @@ def test_a_chunk_longer_than_a_pass_is_cut_without_leaving_a_sliver():
     assert next_piece(90, 32, 8) == 32 and next_piece(58, 32, 8) == 32 and next_piece(26, 32, 8) == 26
     assert next_piece(34, 33, 8) == 34  # 33 + 1 would be a pass for one token
     assert next_piece(90, None, 8) == 90
+
+
+def test_no_piece_passes_the_fast_kernels_rows():
+    """A chunk a sliver longer than the kernels' rows (``most``) is not one pass past them (the slow kernels: a
+    131-token question took 130 ms) but two halves; within them the sliver still rides along."""
+    assert next_piece(131, None, 32, most=128) == 66 and next_piece(65, None, 32, most=128) == 65
+    assert next_piece(131, 100, 32, most=128) == 66 and next_piece(120, 100, 32, most=128) == 120
+    assert next_piece(200, None, 32, most=128) == 128 and next_piece(140, 100, 32, most=128) == 100
+    assert next_piece(34, 33, 8, most=64) == 34 and next_piece(128, None, 32, most=128) == 128
