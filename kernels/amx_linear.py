@@ -45,6 +45,7 @@ def load() -> AmxLinear | None:
 
 
 SCREEN_ROWS = 4  # rows of x a screen call takes where it pays (decode_linear.screen_rows)
+MAX_ROWS = 64  # the most rows a pass hands the kernel: past them oneDNN's AMX matmul is faster (amx_linear.cpp)
 
 
 def screen_ops() -> tuple[Callable, Callable] | None:

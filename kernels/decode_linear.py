@@ -8,6 +8,7 @@ only on its own input row; ``weightmajor`` checks each against F.linear before u
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -24,10 +25,14 @@ def fits(weight: torch.Tensor) -> bool:
     return avx2_linear.fits(weight) if load() is avx2_linear.product else amx_linear.fits(weight)
 
 
-def any_rows() -> bool:
-    """Whether the kernel should take every row count, prompts too: on AVX2 aten's bf16 product is slow at every
-    count past one row (avx2_linear.py); oneDNN's AVX512 and AMX kernels win past 64 rows (weightmajor)."""
-    return load() is avx2_linear.product
+def max_rows() -> int:
+    """The most rows a pass should hand the kernel (past them F.linear): every count on AVX2, where aten's bf16
+    product is slow at every count past one row (avx2_linear.py); the scheduler's 128-token prompt chunk on
+    AVX512-BF16 (``bf16_linear.MAX_ROWS``); 64 on AMX, past which oneDNN's AMX matmul wins."""
+    kernel = load()
+    if kernel is avx2_linear.product:
+        return sys.maxsize
+    return bf16_linear.MAX_ROWS if kernel is bf16_linear.product else amx_linear.MAX_ROWS
 
 
 def screen_ops() -> tuple[Callable, Callable] | None:

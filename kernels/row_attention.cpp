@@ -1,7 +1,8 @@
 // row_attention(q, k, v, mask, scale): attention of a few new tokens per row (a decode step's one, a question's few
-// dozen), each over the keys its own row of the mask shows, on AVX512-BF16 or AVX2 CPUs (issue 22: a 16-row decode
-// step of Gemma-3-270M spent ~16 of its ~49 ms in torch's CPU flash attention, which read the rows' K/V at ~15 GB/s
-// of the ~40 the machine reads; a kv request's 28-43-token question pass spent ~19 ms there).
+// dozen, a prompt chunk's up to 128), each over the keys its own row of the mask shows, on AVX512-BF16 or AVX2 CPUs
+// (issue 22: a 16-row decode step of Gemma-3-270M spent ~16 of its ~49 ms in torch's CPU flash attention, which read
+// the rows' K/V at ~15 GB/s of the ~40 the machine reads; a kv request's 28-43-token question pass spent ~19 ms
+// there).
 //
 // What it computes, per row b, new token t and query head g of key head h (GQA: the G query heads of a key head read
 // its keys together): s_j = (q . k_j) * scale + mask_j over the keys the mask shows (b, t), softmax, sum of p_j * v_j;
@@ -46,6 +47,7 @@ constexpr int64_t kChunk = 64;       // keys per task, at absolute key indices c
 constexpr int64_t kMaxGroup = 8;     // query heads per key head
 constexpr int64_t kMaxDim = 512;     // head size
 constexpr int64_t kMaxQueries = 512; // new tokens x query heads per key head, per row
+constexpr int64_t kMaxTokens = 128;  // new tokens per row
 constexpr int64_t kBlock = 4;        // queries per register block
 constexpr float kHidden = -3.0e38f;  // bf16's and float32's lowest are -3.39e38 and -3.40e38
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -144,7 +146,7 @@ inline __m512 exp_nonpositive(__m512 x) {
 struct Scratch {
   alignas(64) uint32_t kt[kMaxDim / 2 * kChunk];
   alignas(64) uint32_t vt[kChunk / 2 * kMaxDim];
-  alignas(64) float add[64 * kChunk];
+  alignas(64) float add[kMaxTokens * kChunk];
 };
 
 // The next task's K and V lines into L2 while this task computes: a decode step's rows read their K/V from DRAM
@@ -366,7 +368,7 @@ inline __m256 round_bf16(__m256 f) {
 }
 
 struct Scratch {  // a task's mask addends of each new token, the queries in float32, scores and bf16-rounded e^(s - m)
-  alignas(32) float add[64 * kChunk];
+  alignas(32) float add[kMaxTokens * kChunk];
   alignas(32) float q[kBlock][kMaxDim];
   alignas(32) float p[kBlock][kChunk];
 };
@@ -503,8 +505,8 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
               "row_attention: query heads must be 1..", kMaxGroup, " times the key heads");
   TORCH_CHECK(dim % 64 == 0 && dim <= kMaxDim, "row_attention: head size must be a multiple of 64 up to ", kMaxDim,
               ", got ", dim);
-  TORCH_CHECK(tokens >= 1 && tokens <= 64 && tokens * (heads / kv_heads) <= kMaxQueries,
-              "row_attention: takes 1..64 new tokens a row (and at most ", kMaxQueries,
+  TORCH_CHECK(tokens >= 1 && tokens <= kMaxTokens && tokens * (heads / kv_heads) <= kMaxQueries,
+              "row_attention: takes 1..", kMaxTokens, " new tokens a row (and at most ", kMaxQueries,
               " per key head with its query heads), got ", tokens);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "row_attention: D must be contiguous");
   if (mask.has_value()) {

@@ -16,9 +16,9 @@ computes the same numbers with fewer of them:
 - ``rotate_half(x) * sin`` is ``roll(x, D/2) * signed_sin`` (``rotary_tables``: sin's first half negated once per
   pass), one operation instead of four; the activation's own function is called, not its module.
 
-The attention of passes of up to ``row_attention.MAX_TOKENS`` new tokens a row (decode steps, kv questions) runs
-``kernels/row_attention`` once ``install_row_attention`` has put it on the layers (after the check above, which
-runs SDPA): each row over its own keys, batch-invariant, 2-3x faster than SDPA, not SDPA's bits (its
+The attention of passes of up to ``row_attention.MAX_TOKENS`` new tokens a row (decode steps, kv questions, prompt
+chunks) runs ``kernels/row_attention`` once ``install_row_attention`` has put it on the layers (after the check
+above, which runs SDPA): each row over its own keys, batch-invariant, 2-3x faster than SDPA, not SDPA's bits (its
 error against float64 no larger than SDPA's, checked at load; what it does to answers is measured end to end).
 ``INFERSCALE_ROW_ATTENTION=0`` keeps SDPA.
 
@@ -145,7 +145,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
             key, v = cache.update(key, v, attn.layer_idx)
         if key_from:
             key, v = key[:, :, key_from:], v[:, :, key_from:]
-        if q_len <= row_attention.MAX_TOKENS and lean.row_attention is not None:  # [B, q, H, D], row by row
+        if lean.row_attention is not None and row_attention.fits(q_len, lean.group):  # [B, q, H, D], row by row
             out = lean.row_attention(query, key, v, attention_mask, attn.scaling)
         else:
             out, _ = sdpa_attention_forward(attn, query, key, v, attention_mask, dropout=0.0, scaling=attn.scaling,
@@ -182,6 +182,7 @@ class _LeanState:
         self.post_feedforward_norm = norm_weight(layer.post_feedforward_layernorm)
         d = attn.head_dim
         heads, kv_heads = attn.q_proj.weight.shape[0] // d, attn.k_proj.weight.shape[0] // d
+        self.group = heads // kv_heads  # query heads per key head
         # one [1, D] row per head: q's norm weight for the query heads, k's for the key heads
         self.qk_norm = torch.cat([norm_weight(attn.q_norm).expand(heads, 1, d),
                                   norm_weight(attn.k_norm).expand(kv_heads, 1, d)])

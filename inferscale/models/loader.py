@@ -59,7 +59,8 @@ class LoadedModel:
     @property
     def pass_rows(self) -> int | None:
         """The most rows (tokens) one pass computes on the decode-path products (``weightmajor``: 64 on the AMX
-        kernel, else 32); past them the products change kernel. None where the model has none of them."""
+        kernel, 128 on the AVX512-BF16 one, every count on the AVX2 one, else 32); past them the products change
+        kernel. None where the model has none of them."""
         rows = [m.max_rows for m in self.model.modules() if isinstance(m, WeightMajorLinear)]
         return min(rows) if rows else None
 

@@ -20,7 +20,7 @@ shapes (the same tile instruction, the same order, so again bit for bit F.linear
 the weight's rows split over every torch thread and prefetched. oneDNN reads a layer's weights on one thread at
 ~10-12 GB/s; the kernel reads them at ~20 GB/s, the machine's reduction bandwidth (issue 22: the 72 layer
 products of a Gemma-3-270M decode step 10 ms instead of 17-22 ms; 16 rows 14 instead of 21 ms). With it, inputs of
-up to ``KERNEL_MAX_ROWS`` rows take the path; past F.linear's 32 each row gets what it gets among fewer rows.
+up to ``decode_linear.max_rows()`` rows take the path; past F.linear's 32 each row gets what it gets among fewer rows.
 On a CPU with AVX512-BF16 but no AMX (AMD Zen 4) the kernel is ``kernels/bf16_linear.cpp`` (``decode_linear`` picks):
 oneDNN's ``vdpbf16ps`` arithmetic there, checked the same way (Gemma-3-270M's decode step on the 2-core Zen 4
 machine 67 -> 25-29 ms through the server, the LM head 30-35 -> 10 ms).
@@ -29,7 +29,6 @@ machine 67 -> 25-29 ms through the server, the LM head 30-35 -> 10 ms).
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 
@@ -45,18 +44,17 @@ CHECK_ROWS = (1, 3, 17, MAX_ROWS)  # row counts the equality is checked at, per 
 # blocks' thread hand-offs cost more than they save (a decode step 54 vs 46 ms, 16 rows 84 vs 76 ms, interleaved).
 SPLIT_MIN_BYTES = 64 * 2**20
 KERNEL = -1  # the ``blocks`` value that runs the AMX kernel (every thread, any weight size)
-# The AMX kernel gives each row what it gives that row alone at any row count, and is faster than F.linear up to
-# 64 rows (amx_linear.cpp's numbers); so with it, prompt chunks of 33-64 tokens take this path too (a 48-token pass
+# The kernels give each row what they give that row alone at any row count, and are faster than F.linear up to
+# ``decode_linear.max_rows()`` rows (AMX: 64, amx_linear.cpp's numbers; AVX512-BF16: 128, the scheduler's prompt
+# chunk, bf16_linear.py's); so with them, prompt chunks past F.linear's 32 take this path too (on AMX a 48-token pass
 # of Gemma-3-270M 87 vs 100 ms, two 31-token questions 92 vs 116 ms), their rows bit for bit what the rows get alone.
-KERNEL_MAX_ROWS = 64
+ALONE_CHECK_ROWS = 128  # the rows of the call ``_rows_alone`` checks (at most the kernel's own limit)
 
 
 def max_rows(blocks: int) -> int:
-    """The most rows ``weight_major_product`` takes with ``blocks``; longer inputs keep F.linear. The AVX2 kernel
-    takes every count (``decode_linear.any_rows``: aten's bf16 product there is slower at all of them)."""
-    if blocks == KERNEL:
-        return sys.maxsize if decode_linear.any_rows() else KERNEL_MAX_ROWS
-    return MAX_ROWS
+    """The most rows ``weight_major_product`` takes with ``blocks``; longer inputs keep F.linear. The kernel's own
+    limit with it (``decode_linear.max_rows``: every count on AVX2, where aten's bf16 product is slower at all)."""
+    return decode_linear.max_rows() if blocks == KERNEL else MAX_ROWS
 
 
 def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int = 1) -> torch.Tensor:
@@ -108,8 +106,9 @@ def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
 
 def _rows_alone(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Past F.linear's range the kernel must give each row what it gives that row among fewer: ``x``'s rows
-    first in a ``KERNEL_MAX_ROWS``-row call."""
-    wide = torch.cat([x, x.flip(0)] * (KERNEL_MAX_ROWS // (2 * len(x)) + 1))[:KERNEL_MAX_ROWS]
+    first in a call of as many rows as a pass hands the kernel (``ALONE_CHECK_ROWS`` at most)."""
+    rows = min(max_rows(KERNEL), ALONE_CHECK_ROWS)
+    wide = torch.cat([x, x.flip(0)] * (rows // (2 * len(x)) + 1))[:rows]
     return torch.equal(weight_major_product(weight, wide, KERNEL)[: len(x)], weight_major_product(weight, x, KERNEL))
 
 

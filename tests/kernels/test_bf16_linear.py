@@ -10,8 +10,9 @@ import torch
 
 import tiny_models as tm
 from inferscale.kernels import amx_linear, bf16_linear, decode_linear
+from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.models.loader import from_model
-from inferscale.models.weightmajor import KERNEL, KERNEL_MAX_ROWS, WeightMajorLinear
+from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
 
 F = torch.nn.functional
 
@@ -65,7 +66,7 @@ def test_a_bf16_model_runs_its_products_on_the_decode_kernel(product):
     loaded = from_model(tm.model("gemma3", dtype=torch.bfloat16, sliding_window=8), tm.tokenizer())
     linears = [m for m in loaded.model.modules() if isinstance(m, WeightMajorLinear)]
     assert linears and all(m.blocks == KERNEL for m in linears)
-    assert loaded.pass_rows == KERNEL_MAX_ROWS
+    assert loaded.pass_rows == bf16_linear.MAX_ROWS == SchedulerConfig().chunk_tokens  # a whole prompt chunk
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "all -inf", "nan", "inf and -0"])

@@ -29,7 +29,8 @@ def _inputs(gen, batch, heads, kv_heads, tokens, keys, dim, sharpness=1.0):
 
 
 @pytest.mark.parametrize("shape", [(16, 4, 1, 1, 630, 256), (2, 4, 1, 43, 630, 256), (3, 8, 2, 5, 200, 64),
-                                   (1, 4, 1, 1, 3000, 256), (5, 2, 2, 1, 129, 128)])
+                                   (1, 4, 1, 1, 3000, 256), (5, 2, 2, 1, 129, 128), (2, 4, 1, 128, 700, 256),
+                                   (1, 8, 1, 64, 300, 128)])
 @pytest.mark.parametrize("sharpness", [1.0, 6.0])
 def test_error_against_float64_is_no_larger_than_sdpas(kernel, shape, sharpness):
     batch, heads, kv_heads, tokens, keys, dim = shape
@@ -113,13 +114,22 @@ def test_a_query_that_sees_no_key_gets_zeros(kernel):
     (lambda q, k, v, m: (q[..., :96], k[..., :96], v[..., :96], m), "multiple of 64"),
     (lambda q, k, v, m: (q, k, v, m[..., :10]), "mask must be"),
     (lambda q, k, v, m: (q, k, v, m.to(torch.int32)), "mask must be bfloat16"),
-    (lambda q, k, v, m: (q.expand(2, 4, 65, 256), k, v, None), "1..64 new tokens"),
+    (lambda q, k, v, m: (q.expand(2, 4, 129, 256), k, v, None), "1..128 new tokens"),
+    (lambda q, k, v, m: (torch.zeros(2, 8, 65, 256, dtype=BF16), k, v, None), "at most 512 per key head"),
 ])
 def test_what_it_cannot_take_is_a_clear_error(kernel, bad, message):
     q, k, v = _inputs(torch.Generator().manual_seed(7), 2, 4, 1, 1, 40, 256)
     mask = torch.zeros(2, 1, 1, 40, dtype=BF16)
     with pytest.raises(RuntimeError, match=message):
         kernel(*bad(q, k, v, mask), 0.0625)
+
+
+def test_the_layers_take_what_the_kernel_takes():
+    """``fits`` is the C++'s own rule: a whole prompt chunk of the scheduler's (128 tokens) with Gemma's four query
+    heads a key head, half that with eight."""
+    from inferscale.engine.scheduler import SchedulerConfig
+    assert row_attention.fits(SchedulerConfig().chunk_tokens, 4) and row_attention.fits(1, 8)
+    assert not row_attention.fits(129, 1) and not row_attention.fits(65, 8) and row_attention.fits(64, 8)
 
 
 def test_switched_off_it_is_not_loaded(monkeypatch):
