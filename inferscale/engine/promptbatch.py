@@ -40,8 +40,9 @@ def next_piece(n: int, pass_tokens: int | None, sliver: int, most: int | None = 
     """The tokens of an n-token chunk the next pass computes: at most ``pass_tokens`` (a chunk longer than a pass
     runs over several), unless the rest would be fewer than ``sliver``, a pass of its own for a few tokens (a
     34-token question cut 33 + 1 paid a second ~30 ms pass): then all n, or where n passes ``most`` (the rows the
-    model's fast kernels take, ``LoadedModel.pass_rows``) the first half: a 131-token question (the
-    scheduler's 128-token chunk and its 3-token tail) ran as one pass past them in 130 ms, as 66 + 65 in ~80."""
+    model's fast kernels take, ``LoadedModel.pass_rows``) the first half: before any pass was timed (no
+    ``pass_tokens``), a 131-token question (the scheduler's 128-token chunk and its 3-token tail) ran as one pass
+    past them, on SDPA and oneDNN."""
     limit = pass_tokens if most is None else most if pass_tokens is None else min(pass_tokens, most)
     if limit is None or n <= limit:
         return n
