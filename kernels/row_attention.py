@@ -47,7 +47,7 @@ AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # the source's 8-lane float
 # vs 12.0 ms, 64 tokens 6.3 vs 17.3, 96 tokens 9.3 vs 27.1, 128 tokens 12.0 vs 36.8 (64 was the limit until then:
 # a 66-token kv question's pass took 59 ms against a 61-token one's 33).
 MAX_TOKENS = 128
-MAX_QUERIES = 512
+MAX_QUERIES = 512  # new tokens x query heads per key head (the C++'s kMaxQueries)
 MAX_GROUP = 8  # query heads per key head it takes (the C++'s kMaxGroup)
 HEAD_MULTIPLE = 64  # head sizes it takes: multiples of this up to 512
 ERROR_RATIO = 1.25  # its mean and max error against float64 may exceed SDPA's by at most this factor

@@ -74,7 +74,7 @@ NEWCOMER_STEP_SHARE = 0.35
 # The most prompt tokens the serving loop lets a timed pass hold where the model's fast kernels take more
 # (``LoadedModel.pass_rows``: 128 on AVX512-BF16): a newcomer waits out the pass in progress. On the 2-core Zen 4
 # machine, 2026-12-04, ``bench load --flood`` (3 repeats): passes of up to 128 tokens gave tenant B 2.46x [2.32, 2.55]
-# its idle TTFT, of up to 64 1.69x [1.56, 1.70] the night before.
+# its idle TTFT, of up to 64 1.43x [1.34, 1.98] in the next run (and 1.63x [1.52, 1.71] in the one after).
 NEWCOMER_PASS_TOKENS = 64
 
 
