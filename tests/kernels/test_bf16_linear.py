@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tiny_models as tm
-from inferscale.kernels import amx_linear, bf16_linear, decode_linear
 from inferscale.engine.scheduler import SchedulerConfig
+from inferscale.kernels import amx_linear, bf16_linear, decode_linear
 from inferscale.models.loader import from_model
 from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
 
