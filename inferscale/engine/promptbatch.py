@@ -43,7 +43,7 @@ def next_piece(n: int, pass_tokens: int | None, sliver: int, most: int | None = 
     model's fast kernels take, ``LoadedModel.pass_rows``) the first half: before any pass was timed (no
     ``pass_tokens``), a 131-token question (the scheduler's 128-token chunk and its 3-token tail) ran as one pass
     past them, on SDPA and oneDNN."""
-    limit = pass_tokens if most is None else most if pass_tokens is None else min(pass_tokens, most)
+    limit = min((t for t in (pass_tokens, most) if t is not None), default=None)
     if limit is None or n <= limit:
         return n
     if n - limit >= sliver:
