@@ -27,9 +27,9 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
+from inferscale.bench.floor import decode_floor
 from inferscale.bench.loadclients import B_K, KEYS, concurrent, flood
 from inferscale.contract import DEFAULT_ENGINE, ENGINES
 from inferscale.errors import ConfigError
@@ -89,39 +89,14 @@ def _in_engine(server: LiveServer) -> int:
     return worker.active + worker.queued
 
 
-def _floor(server: LiveServer, reps: int = 5) -> dict:
-    """The decode step's floor, in this process: every weight byte read once, at the best read bandwidth of a
-    reduction over the largest weight (the embedding, which the LM head reads too) with one thread or every core
-    (the counts the engine's thread tuner picks between), whichever reads faster now."""
+def _floor(server: LiveServer) -> dict:
+    """The decode step's floor (``floor.decode_floor``) for the server's model, beside the threads it decodes on."""
     import torch
 
-    from inferscale.engine.threads import on_own_thread, pin_threads, usable_cores
-
-    params = {p.data_ptr(): p for p in server.app.state.engine.loaded.model.parameters()}.values()  # tied: once
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    big = max(params, key=lambda p: p.numel()).detach().flatten()
-    # Its bytes summed as float32 (a bf16 sum converts every element and runs below memory speed on a CPU).
-    words = big.view(torch.float32) if big.numel() * big.element_size() % 4 == 0 else big
-    engine_threads = torch.get_num_threads()
     loop = getattr(server.app.state.worker, "loop", None)  # the PyTorch backend's serving loop
     tuner = getattr(loop, "threads", None)
-
-    def read_speed(threads: int) -> float:  # bytes/s; on a thread of its own, whose OpenMP pool ends with it
-        pin_threads(threads)
-        with torch.inference_mode():
-            words.sum()  # warm-up
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                float(words.sum())
-                times.append(time.perf_counter() - t0)
-        return big.numel() * big.element_size() / statistics.median(times)
-
-    best = {threads: on_own_thread(read_speed, threads) for threads in sorted({1, usable_cores()})}
-    threads, bandwidth = max(best.items(), key=lambda kv: kv[1])
-    return {"weight_bytes": weight_bytes, "read_gb_per_s": bandwidth / 1e9, "floor_ms": weight_bytes / bandwidth * 1e3,
-            "floor_threads": threads,
-            "torch_threads": tuner.current if tuner is not None and tuner.active else engine_threads}
+    threads = tuner.current if tuner is not None and tuner.active else torch.get_num_threads()
+    return decode_floor(server.app.state.engine.loaded.model, threads)
 
 
 def _load_memories(server: LiveServer, k: int) -> None:
