@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "store": ("inferscale.bench.store", "moving 50 blocks into DRAM: NIXL vs plain baselines"),
     "locomo": ("inferscale.bench.locomo", "quality on LoCoMo: F1 and agreement per mode"),
     "load": ("inferscale.bench.load", "concurrent streams through the real server: tokens/s, TTFT, TPOT; kv vs text"),
+    "step": ("inferscale.bench.step", "the engine's decode step alone at N rows vs 1, against the floor"),
     "isolation": ("inferscale.bench.isolation", "timing audit: can tenant B see tenant A's memories or activity (KS)"),
     "fleet": ("inferscale.bench.fleet", "TTFT when the k blocks come from a peer over NIXL vs DRAM vs text"),
     "replay": ("inferscale.bench.replay", "a Zipf trace through the real server: DRAM hit rate and fetch times vs plan"),

@@ -118,6 +118,40 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
     assert result["floor"]["floor_threads"] >= 1 and result["floor"]["torch_threads"] >= 1
 
 
+def test_bench_step_json(model_dir, tmp_path, capsys):
+    """The engine's step alone: each N's steady steps, N rows against one in each repeat, the floor beside them, and
+    (--profile) the last repeat's operators per step."""
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--model", str(model_dir), "--n", "2,1", "--tokens", "6", "-k", "2", "--repeats",
+                 "2", "--profile", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["repeats"]) == 2
+    for i, rep in enumerate(result["repeats"]):
+        assert rep["floor"]["floor_ms"] > 0 and rep["floor"]["weight_bytes"] > 0
+        one, two = rep["rows"]
+        assert (one["n"], two["n"]) == (1, 2)
+        for row in rep["rows"]:
+            assert row["steady_steps"] >= 1 and 0 < row["step_min_ms"] <= row["step_ms"] <= row["step_max_ms"]
+            assert row["tokens_per_s"] == pytest.approx(row["n"] / row["step_ms"] * 1e3)
+            profiled = "operators" in row
+            assert profiled == (i == 1)  # the last repeat only
+            if profiled:
+                assert row["operators"] and all(op["ms_per_step"] >= 0 and op["calls_per_step"] > 0
+                                                for op in row["operators"])
+    ratios = [2 * r["rows"][0]["step_ms"] / r["rows"][1]["step_ms"] for r in result["repeats"]]
+    spread = result["summary"]["tokens_per_s_2_over_1"]
+    assert (spread["min"], spread["max"]) == pytest.approx((min(ratios), max(ratios)))
+    assert result["summary"]["step_over_floor"]["median"] > 0
+    assert f"engine alone: decode tokens/s, 2 rows / 1 row = {spread['median']:.2f}x" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--n", "0"], ["--tokens", "2"], ["--repeats", "0"]])
+def test_bench_step_refuses_what_it_cannot_measure(model_dir, bad, capsys):
+    """A clear error naming the flag, before any model is loaded."""
+    assert main(["bench", "step", "--model", str(model_dir), *bad]) != 0
+    assert f"inferscale: error: {bad[0]}" in capsys.readouterr().err
+
+
 def test_bench_load_sends_the_extra_body(model_dir, tmp_path, capsys):
     """``--extra-body`` reaches every load stream's request (a temperature the server refuses fails the run, naming
     it), and is written and printed with the results; what is not a JSON object is refused before any server starts."""
