@@ -76,6 +76,14 @@ def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     return torch.ops.inferscale_bf16.rows_argmax
 
 
+def rescore(weight: torch.Tensor, x: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """bf16 [n]: for each (row of x, row of ``weight``) of ``candidates`` [n, 2] (int64, a row's together), that
+    element of ``product(weight, x)``, bit for bit (the same chain for x's row count), read from ``weight`` as it
+    is: no gathered or packed copy (``bf16_linear.cpp``'s ``bf16_rescore``; the LM head's screened candidates)."""
+    one, many = chains(weight.shape[1])
+    return torch.ops.inferscale_bf16.bf16_rescore(weight, x, candidates, one if x.shape[0] == 1 else many)
+
+
 def product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` [rows, out] (bf16, contiguous) for a bf16 ``weight`` [out, in] and ``x`` [rows, in]."""
     one, many = chains(weight.shape[1])

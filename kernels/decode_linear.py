@@ -58,6 +58,13 @@ def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     return bf16_linear.rows_argmax() if load() is bf16_linear.product else None
 
 
+def rescorer() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``rescore(weight, x, candidates)``: chosen elements of ``load()(weight, x)`` bit for bit, computed alone
+    (``bf16_linear.rescore``), where the products run on ``bf16_linear``; None elsewhere (there the candidates' rows
+    are gathered and multiplied by the product kernel)."""
+    return bf16_linear.rescore if load() is bf16_linear.product else None
+
+
 def prepare(weight: torch.Tensor) -> None:
     """Ready ``weight`` for the kernel now rather than at its first product: ``bf16_linear`` and ``avx2_linear``
     pack a copy (kept on the tensor); the AMX kernel reads the weight as it is."""

@@ -6,10 +6,12 @@ a row) and per-row error bounds; the decode kernel's ``greedy_screen`` (``kernel
 ``tdpbssd`` in ``amx_linear.cpp``, AVX512-VNNI ``vpdpbusd`` in ``bf16_linear.cpp``, AVX2 ``vpmaddwd`` with x as one
 int16 row in ``avx2_linear.cpp``) reads the int8 copy once, bounds
 every logit, and returns the few vocabulary rows whose bound reaches the best (median 2, p99 ~100 of 262,144 on
-LoCoMo text); those rows are then computed exactly by the same kernel as the full head and the first maximum is
-taken. The bounds are rigorous (quantization error of the weights and of the activations, float32 summation, and
-a margin of two bf16 steps so that a row left out cannot even tie), so the token is the full head's argmax bit for
-bit; the screen checks that at install time too. Rows that need logits (sampling, the first logits kept for
+LoCoMo text); those rows are then computed exactly, the full head's bits (on the AVX512-BF16 kernel each
+candidate's logit alone straight from the bf16 head, ``decode_linear.rescorer``; elsewhere their rows gathered and
+multiplied by the same kernel as the full head) and the first maximum is taken. The bounds are rigorous
+(quantization error of the weights and of the activations, float32 summation, and a margin of two bf16 steps so
+that a row left out cannot even tie), so the token is the full head's argmax bit for bit; the screen checks that at
+install time too. Rows that need logits (sampling, the first logits kept for
 fidelity, an argmax that is a stop token ``min_tokens`` bans: ``engine/tokenchoice.py``) take the full head
 (``Head.logits``).
 
@@ -67,10 +69,26 @@ class GreedyHead:
         candidates = self._screen(*self.packed, hidden)  # [n, 2]: (row, vocabulary row), sorted
         if candidates.shape[0] > MAX_CANDIDATES * hidden.shape[0]:
             return None
+        rescore = decode_linear.rescorer()
+        if rescore is not None:  # each candidate's logit alone, from the head as it is
+            logits = rescore(self.weight, hidden, candidates).float()
+            if not bool(torch.isnan(logits).any()):  # (a NaN: the product below, whose max takes the first NaN)
+                return _first_max_by_row(candidates, logits, hidden.shape[0])
         exact = decode_linear.load()(self.weight.index_select(0, candidates[:, 1]), hidden)  # [rows, n]
         mine = candidates[:, 0][None, :] == torch.arange(hidden.shape[0])[:, None]
         first = exact.masked_fill(~mine, float("-inf")).max(dim=-1).indices  # the first maximum, as argmax takes
         return candidates[first, 1].tolist()
+
+
+def _first_max_by_row(candidates: torch.Tensor, logits: torch.Tensor, rows: int) -> list[int]:
+    """Each row's vocabulary row of the first maximum of ``logits`` [n] among its own ``candidates`` [n, 2] (by row,
+    then vocabulary order: the first maximum, as argmax takes it)."""
+    row = candidates[:, 0]
+    best = torch.full((rows,), float("-inf")).scatter_reduce(0, row, logits, "amax")
+    hit = logits == best[row]
+    at = torch.arange(len(logits))
+    first = torch.full((rows,), len(logits), dtype=torch.long).scatter_reduce(0, row[hit], at[hit], "amin")
+    return candidates[first, 1].tolist()
 
 
 def install_greedy_head(head: torch.nn.Module, softcap: float | None) -> GreedyHead | None:

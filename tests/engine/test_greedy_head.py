@@ -149,6 +149,30 @@ def test_candidates_rescored_alone_are_the_heads_own_logits(ops):
     assert torch.equal(rows, full[:, candidates[:, 1]])
 
 
+@pytest.mark.parametrize("in_features", [640, 2048])  # 2048: one row's chain differs from several rows'
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_candidates_rescored_from_the_head_as_it_is_are_the_products_own_logits(in_features, rows):
+    """Where the products run on ``bf16_linear``, each candidate's logit is computed alone from the bf16 head
+    (``bf16_rescore``: no gathered, packed copy, no other row's candidates): the product's element there, bit for
+    bit, for every row count and its chain length."""
+    rescore = decode_linear.rescorer()
+    if rescore is None:
+        pytest.skip("the products do not run on bf16_linear here: candidates are gathered and multiplied")
+    gen = torch.Generator().manual_seed(in_features + rows)
+    weight = (torch.randn(3001, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    picks = [(r, int(v)) for r in range(rows)  # 1-40 per row: full vectors of 16 and partial ones
+             for v in torch.randperm(3001, generator=gen)[:int(torch.randint(1, 41, (1,), generator=gen))].sort()[0]]
+    candidates = torch.tensor(picks, dtype=torch.long)
+    full = decode_linear.load()(weight, x)
+    got = rescore(weight, x, candidates)
+    assert torch.equal(got.view(torch.int16), full[candidates[:, 0], candidates[:, 1]].view(torch.int16))
+    with pytest.raises(RuntimeError, match="outside x or the weight"):
+        rescore(weight, x, torch.tensor([[0, 3001]]))
+    with pytest.raises(RuntimeError, match="outside x or the weight"):
+        rescore(weight, x, torch.tensor([[rows, 0]]))
+
+
 def test_where_the_screen_cannot_apply_it_stands_aside(ops):
     gen = torch.Generator().manual_seed(5)
     weight = (torch.randn(2000, 640, generator=gen) * 0.05).to(torch.bfloat16)
