@@ -123,14 +123,34 @@ void block(const Product& p, int64_t v, int64_t r0) {
 }
 
 // Every activation row for the unit of kUnit outputs from vector v: up to 4 rows four vectors at once (independent
-// chains keep the dpbf16 pipeline busy), more rows two vectors at once, 8 rows a block.
+// chains keep the dpbf16 pipeline busy), more rows two vectors at once, 8 rows a block (9-16 rows: all_rows_block).
 template <int R>
 void rows_block(const Product& p, int64_t v, int64_t r0) {
   constexpr int G = R <= 4 ? 4 : 2;
   for (int64_t g = 0; g < kUnit / kLanes; g += G) block<G, R>(p, v + g, r0);
 }
 
+// 9-16 rows (a decode step's): one vector at a time against every row, so each weight vector is read once for all
+// of them. Two blocks of 8 rows read the unit from memory with half the products to hide it, then again from L2:
+// 126 Gemma-3-270M products at 16 rows 6.26 -> 5.51 ms, 9 rows 5.79 -> 5.01 (Zen 4, 2026-12-05, medians of 9
+// interleaved; the same bits, as each output's chain is its own either way).
+template <int R>
+void all_rows_block(const Product& p, int64_t v) {
+  for (int64_t g = 0; g < kUnit / kLanes; ++g) block<1, R>(p, v + g, 0);
+}
+
 void unit_product(const Product& p, int64_t v) {
+  switch (p.rows) {
+    case 9: return all_rows_block<9>(p, v);
+    case 10: return all_rows_block<10>(p, v);
+    case 11: return all_rows_block<11>(p, v);
+    case 12: return all_rows_block<12>(p, v);
+    case 13: return all_rows_block<13>(p, v);
+    case 14: return all_rows_block<14>(p, v);
+    case 15: return all_rows_block<15>(p, v);
+    case 16: return all_rows_block<16>(p, v);
+    default: break;
+  }
   for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows) {
     switch (std::min<int64_t>(kMaxRows, p.rows - r0)) {
       case 1: rows_block<1>(p, v, r0); break;
