@@ -25,12 +25,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
 from pathlib import Path
 
 from inferscale.bench.floor import decode_floor
 from inferscale.bench.loadclients import B_K, KEYS, concurrent, flood
+from inferscale.bench.repeats import print_spread, spread
 from inferscale.contract import DEFAULT_ENGINE, ENGINES
 from inferscale.errors import ConfigError
 
@@ -133,16 +133,6 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
     return out
 
 
-def _spread(summaries: list[dict]) -> dict:
-    """Median, min and max of each ratio over the repeats."""
-    out = {}
-    for key in summaries[0]:
-        values = [s[key] for s in summaries if s.get(key) is not None]
-        if values:
-            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     ns = sorted({int(n) for n in args.n.split(",") if n.strip()})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -176,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
     result = {"model": server.model, "device": args.device or "cpu", "cores": os.cpu_count(),
               "torch_threads": __import__("torch").get_num_threads(), "platform": platform.platform(),
-              "tokens": args.tokens, "k": args.k, "extra_body": extra, "repeats": repeats, "summary": _spread(summaries),
+              "tokens": args.tokens, "k": args.k, "extra_body": extra, "repeats": repeats, "summary": spread(summaries),
               # the first repeat's rows under the names earlier versions wrote
               "rows": repeats[0]["rows"], "flood": repeats[0].get("flood"), "floor": repeats[0]["floor"]}
     for rep in repeats:
@@ -224,9 +214,7 @@ def _print(result: dict, rep: dict) -> None:
 
 
 def _print_summary(summary: dict) -> None:
-    print("summary (median [min, max] over repeats):")
-    for key, v in summary.items():
-        print(f"  {key:<28} {v['median']:10.2f}  [{v['min']:.2f}, {v['max']:.2f}]")
+    print_spread(summary, 28)
     # Issue 22's bar, read off the lines above: the single-stream step against the floor, N streams against one.
     for key, v in summary.items():
         if key.endswith("_step_over_floor"):

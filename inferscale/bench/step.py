@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from inferscale.bench.repeats import print_spread, spread
 from inferscale.errors import ConfigError
 
 QUESTION = "What did the user say about the weekend trip and the dog?"
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = [_summary(r["floor"], r["rows"]) for r in repeats]
     result = {"model": engine.loaded.name, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
               "platform": platform.platform(), "tokens": args.tokens, "k": args.k, "repeats": repeats,
-              "summary": _spread(summaries)}
+              "summary": spread(summaries)}
     for rep in repeats:
         _print(result, rep)
     _print_summary(result["summary"])
@@ -152,12 +153,6 @@ def _summary(floor: dict, rows: list[dict]) -> dict:
     return out
 
 
-def _spread(summaries: list[dict]) -> dict:
-    """Median, min and max of each number over the repeats."""
-    return {key: {"median": statistics.median(s[key] for s in summaries), "min": min(s[key] for s in summaries),
-                  "max": max(s[key] for s in summaries)} for key in summaries[0]}
-
-
 def _print(result: dict, rep: dict) -> None:
     fl = rep["floor"]
     print(f"bench step: {result['model']}, the engine alone (no server, no client), k={result['k']}, "
@@ -173,9 +168,7 @@ def _print(result: dict, rep: dict) -> None:
 
 
 def _print_summary(summary: dict) -> None:
-    print("summary (median [min, max] over repeats):")
-    for key, v in summary.items():
-        print(f"  {key:<24} {v['median']:10.2f}  [{v['min']:.2f}, {v['max']:.2f}]")
+    print_spread(summary, 24)
     for key, v in summary.items():
         if key.startswith("tokens_per_s_"):
             n = key.removeprefix("tokens_per_s_").removesuffix("_over_1")
