@@ -59,6 +59,7 @@ class GreedyHead:
         self.weight = weight  # the bf16 head [vocab, in]: the candidates' rows are read from it
         self.packed: list[torch.Tensor] = pack(weight)  # the int8 head and its bounds, as the kernel reads them
         self.max_rows = decode_linear.screen_rows()  # past them the full head is cheaper
+        self._rescore = decode_linear.rescorer()  # None: the candidates' rows gathered and multiplied instead
 
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """The full head's argmax for each row of ``hidden`` [rows, in] (bf16), or None where the screen does not
@@ -69,9 +70,8 @@ class GreedyHead:
         candidates = self._screen(*self.packed, hidden)  # [n, 2]: (row, vocabulary row), sorted
         if candidates.shape[0] > MAX_CANDIDATES * hidden.shape[0]:
             return None
-        rescore = decode_linear.rescorer()
-        if rescore is not None:  # each candidate's logit alone, from the head as it is
-            logits = rescore(self.weight, hidden, candidates).float()
+        if self._rescore is not None:  # each candidate's logit alone, from the head as it is
+            logits = self._rescore(self.weight, hidden, candidates).float()
             if not bool(torch.isnan(logits).any()):  # (a NaN: the product below, whose max takes the first NaN)
                 return _first_max_by_row(candidates, logits, hidden.shape[0])
         exact = decode_linear.load()(self.weight.index_select(0, candidates[:, 1]), hidden)  # [rows, n]
