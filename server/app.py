@@ -27,6 +27,7 @@ from inferscale.server.services import InternalServices, Services
 from inferscale.server.settings import Settings
 from inferscale.server.logs import inject_trace_ids_into_logs
 from inferscale.server.tracing import setup as setup_telemetry
+from inferscale.server.warmup import warm_up
 from inferscale.store.fleet import Fleet
 
 if TYPE_CHECKING:  # loaded lazily below: the model and store are built only when not injected
@@ -149,6 +150,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         side = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="inferscale-io", initializer=pin_threads,
                                                      initargs=(1,))
         asyncio.get_running_loop().set_default_executor(side)
+        log.info("warmed up in %.2f s", await warm_up(worker, embedder.embed_query))  # before it listens
         with startup_heap_frozen():  # full collections skip what lives as long as the app (gcheap.py)
             yield
         side.shutdown(wait=False)
