@@ -3,8 +3,9 @@
 A fresh process pays first-time costs on its first requests: kernels loaded lazily (the KV rotation at the first
 injection), the slot pool's and a pass's first allocations, the query embedder's first pass, the sampler's first
 logits, the cost model's first measurement. On the 2-core Zen 4 machine a restarted server's first kv request
-reached its first content in 167-303 ms against 40-70 ms once warm; a pod that says it is ready should not hand
-that to the first user behind the load balancer. So before the app starts listening (its lifespan, where the model
+spent 12-20 ms in retrieval and 50-70 ms in its prefill against 5-9 and 24-32 once warm (README, "warm before
+listening"); a pod that says it is ready should not hand that to the first user behind the load balancer. (Its
+first fetch of each user's blocks from disk is that user's data: not warmed here.) So before the app starts listening (its lifespan, where the model
 was loaded too) one memory of no tenant is encoded (never stored), the question is embedded on the engine's thread
 (where an idle server embeds: ``MemoryService._on_idle_cores``), and a kv request with it (greedy: the LM head's
 screen) and a text request (sampled: the full head and the sampler) run through the backend's own ``submit``, as
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from inferscale.engine.backend import DoneEvent, EngineBackend, ErrorEvent, Event, GenRequest
 from inferscale.engine.sampling import Sampling
 from inferscale.engine.template import MemoryItem
+from inferscale.kvformat import KVBlock
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +53,12 @@ async def _run_paths(backend: EngineBackend, embed_query: Callable[[str, str], o
             continue
         greedy = mode == "kv"
         sampling = Sampling(max_new_tokens=2, ignore_eos=True, stop=(), temperature=0.0 if greedy else 0.7, seed=0)
-        await _generate(backend, lambda emit: GenRequest(ids=list(ids), blocks=blocks, mode=mode, sampling=sampling,
-                                                         emit=emit, tenant=WARMUP_TENANT))
+        await _generate(backend, ids, blocks, mode, sampling)
 
 
-async def _generate(backend: EngineBackend, request: Callable[[Callable[[Event], None]], GenRequest]) -> None:
-    """Submit the request made with an emit callback and wait for its last event (emitted on the backend's
-    thread)."""
+async def _generate(backend: EngineBackend, ids: list[int], blocks: list[KVBlock], mode: str,
+                    sampling: Sampling) -> None:
+    """Submit one request of ``WARMUP_TENANT`` and wait for its last event (emitted on the backend's thread)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Event] = loop.create_future()
 
@@ -65,7 +66,8 @@ async def _generate(backend: EngineBackend, request: Callable[[Callable[[Event],
         if isinstance(event, (DoneEvent, ErrorEvent)):
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(event))
 
-    backend.submit(request(emit))
+    backend.submit(GenRequest(ids=list(ids), blocks=blocks, mode=mode, sampling=sampling, emit=emit,
+                              tenant=WARMUP_TENANT))
     last = await done
     if isinstance(last, ErrorEvent):
         raise last.error
