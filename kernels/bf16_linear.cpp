@@ -334,82 +334,73 @@ struct VectorSink {
   void done() { result.merge(best, kept); }
 };
 
-// Vocabulary vectors [v, v + G) against columns col0 .. col0 + C - 1 of x (int8 quads; unsigned head bytes by
-// signed x): exact int32 sums into total, 128 * the column's sum still in them. One accumulator a column and vector
-// (G x C <= 16 independent chains keep vpdpbusd busy), each only ever indexed at compile time so that it stays in a
-// register (indexed at run time, as an earlier version's second accumulator per column was, the compiler kept them on
-// the stack and the screen ran at a third of vpdpbusd's rate: 4 rows 9.3 ms against a 5.4 ms read). `prefetch`: the
-// same line of the next call's vectors into L2 (the hardware prefetcher alone left the screen ~1.2-1.8x its read
-// time, compute and loads taking turns); off for a second pass over vectors still in L1.
-template <int G, int C>
-void screen_sums(const uint32_t* packed, int64_t quads, const uint32_t* xs, int64_t v, int64_t col0, bool prefetch,
-                 int32_t total[G][C][kLanes]) {
-  __m512i acc[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int k = 0; k < C; ++k) acc[g][k] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < quads; ++q) {
-    for (int g = 0; g < G; ++g) {
-      if (prefetch)
-        _mm_prefetch(reinterpret_cast<const char*>(packed + ((v + g + G) * quads + q) * kLanes), _MM_HINT_T1);
-      const __m512i wv = _mm512_loadu_si512(packed + ((v + g) * quads + q) * kLanes);
+// The screen's exact int32 sums for vocabulary vector v against C columns of x (int8 quads; unsigned head bytes by
+// signed x; 128 * the column's sum still in them), read in address order: U accumulators a column take U consecutive
+// quads (integer sums: exact in any order), each indexed only at compile time so that it stays in a register (indexed
+// at run time, the compiler kept them on the stack: a third of vpdpbusd's rate), and each line is prefetched
+// kScreenAhead lines before it is read, so the head streams as one run of lines. Four vectors taken quad by
+// quad (four runs 10 KB apart, each line's successor a block ahead prefetched into L2) read the head at 60-75 % of a
+// plain sum's speed: one row's screen 4.48 -> 3.55 ms against 3.35 for summing the same 168 MB, and 3.22 -> 2.18
+// against 1.85 with memory at its quickest (2-core Zen 4, 2026-12-05, medians of 6 interleaved, the same candidates).
+constexpr int64_t kScreenAhead = 64;
+
+template <int U, int C>
+void screen_sums_in_order(const uint32_t* packed, int64_t quads, const uint32_t* xs, int64_t v,
+                          int32_t total[C][kLanes]) {
+  __m512i acc[U][C];
+  for (int u = 0; u < U; ++u)
+    for (int k = 0; k < C; ++k) acc[u][k] = _mm512_setzero_si512();
+  const uint32_t* vector = packed + v * quads * kLanes;
+  for (int64_t q = 0; q < quads; q += U) {
+    for (int u = 0; u < U; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(vector + (q + u + kScreenAhead) * kLanes), _MM_HINT_T0);
+      const __m512i wv = _mm512_loadu_si512(vector + (q + u) * kLanes);
       for (int k = 0; k < C; ++k)
-        acc[g][k] = _mm512_dpbusd_epi32(acc[g][k], wv, _mm512_set1_epi32(static_cast<int>(xs[(col0 + k) * quads + q])));
+        acc[u][k] = _mm512_dpbusd_epi32(acc[u][k], wv, _mm512_set1_epi32(static_cast<int>(xs[k * quads + q + u])));
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int k = 0; k < C; ++k) _mm512_store_si512(total[g][k], acc[g][k]);
+  for (int k = 0; k < C; ++k) {
+    __m512i sum = acc[0][k];
+    for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, acc[u][k]);
+    _mm512_store_si512(total[k], sum);
+  }
 }
 
-// The two-row screen: vocabulary vectors [v, v + G) against every column (p1 and p2 of each row of x); each
-// vector's sums, less the columns' offsets, go to the sink.
-template <int G, int C>
-void screen_block(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
-                  VectorSink& sink) {
-  alignas(64) int32_t total[G][C][kLanes];
-  screen_sums<G, C>(packed, quads, xs, v, 0, true, total);
-  for (int g = 0; g < G; ++g) {
-    const int64_t o = (v + g) * kLanes;
+// The two-row screen over `count` vectors from v, one at a time; each vector's sums, less the columns' offsets, go
+// to the sink. U x C <= 16 chains keep vpdpbusd busy (quads: a multiple of 16, as pack_vectors packs words).
+template <int C>
+void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
+                    int64_t count, VectorSink& sink) {
+  constexpr int U = C <= 4 ? 4 : 2;
+  for (int64_t g = v; g < v + count; ++g) {
+    alignas(64) int32_t total[C][kLanes];
+    screen_sums_in_order<U, C>(packed, quads, xs, g, total);
+    const int64_t o = g * kLanes;
     const __mmask16 valid = first_lanes(sink.vocab - o);
     for (int k = 0; k + 1 < C; k += 2) {
-      const __m512i s1 = _mm512_sub_epi32(_mm512_load_si512(total[g][k]), _mm512_set1_epi32(bias[k]));
-      const __m512i s2 = _mm512_sub_epi32(_mm512_load_si512(total[g][k + 1]), _mm512_set1_epi32(bias[k + 1]));
+      const __m512i s1 = _mm512_sub_epi32(_mm512_load_si512(total[k]), _mm512_set1_epi32(bias[k]));
+      const __m512i s2 = _mm512_sub_epi32(_mm512_load_si512(total[k + 1]), _mm512_set1_epi32(bias[k + 1]));
       sink.lanes(s1, s2, k / 2, o, valid);
     }
   }
 }
 
-// The wide screen's: vocabulary vectors [v, v + G) against columns col0 .. col0 + C - 1 (one a row of x; `cols` of
-// them real, the rest zero). Up to 8 rows, blocks of 2 vectors x 8 columns (one broadcast of x per two products);
-// 9-16 rows, 1 vector x 16 columns, each vector read once for every row. Two passes of 8 columns over each pair of
-// vectors (the second from L1) took 6.61 ms against 5.91 for 30 real 16-row steps' hidden rows (Zen 4, 2026-12-05,
-// medians of 5 interleaved; the same candidates): the first pass waited on memory with half the products to hide it.
-template <int G, int C>
-void screen_block_wide(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
-                       int64_t col0, int64_t cols, VectorSink& sink) {
-  alignas(64) int32_t total[G][C][kLanes];
-  screen_sums<G, C>(packed, quads, xs, v, col0, col0 == 0, total);
-  for (int g = 0; g < G; ++g) {
-    const int64_t o = (v + g) * kLanes;
-    const __mmask16 valid = first_lanes(sink.vocab - o);
-    for (int k = 0; k < cols; ++k)
-      sink.lane(_mm512_sub_epi32(_mm512_load_si512(total[g][k]), _mm512_set1_epi32(bias[col0 + k])), col0 + k, o,
-                valid);
-  }
-}
-
-// The wide screen over `count` vectors from v: each against all 16 columns of x, or pairs against its 8.
+// The wide screen over `count` vectors from v, one at a time against its 8 (up to 8 rows) or 16 columns (one a row
+// of x, `rows` of them real, the rest zero), each vector read once for every row: where vectors went in pairs
+// against 8 columns, 5-12 rows took 8-13 % longer (2-core Zen 4, 2026-12-05, medians of 6 interleaved, the same
+// candidates), 16 rows, compute-bound, 3 %. Two passes of 8 columns over each pair of vectors (the second from L1)
+// had taken 6.61 ms against 5.91 for 30 real 16-row steps' hidden rows: the first pass waited on memory with half
+// the products to hide it.
+template <int U, int C>
 void screen_vectors_wide(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
                          int64_t count, int64_t rows, VectorSink& sink) {
-  if (rows > 8) {
-    for (int64_t g = 0; g < count; ++g) screen_block_wide<1, 16>(packed, quads, xs, bias, v + g, 0, rows, sink);
-    return;
-  }
-  for (int64_t g = 0; g < count; g += 2) {
-    for (int64_t col0 = 0; col0 < rows; col0 += 8) {
-      const int64_t cols = std::min<int64_t>(8, rows - col0);
-      if (count - g >= 2) screen_block_wide<2, 8>(packed, quads, xs, bias, v + g, col0, cols, sink);
-      else screen_block_wide<1, 8>(packed, quads, xs, bias, v + g, col0, cols, sink);
-    }
+  for (int64_t g = v; g < v + count; ++g) {
+    alignas(64) int32_t total[C][kLanes];
+    screen_sums_in_order<U, C>(packed, quads, xs, g, total);
+    const int64_t o = g * kLanes;
+    const __mmask16 valid = first_lanes(sink.vocab - o);
+    for (int k = 0; k < rows; ++k)
+      sink.lane(_mm512_sub_epi32(_mm512_load_si512(total[k]), _mm512_set1_epi32(bias[k])), k, o, valid);
   }
 }
 
@@ -418,16 +409,6 @@ void screen_vectors_wide(const uint32_t* packed, int64_t quads, const uint32_t* 
 // ``greedy_screen_rows`` (models/greedyhead.py).
 constexpr int64_t kVnniPairRows = 4;
 constexpr int64_t kVnniScreenMaxRows = 16;
-
-template <int C>
-void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
-                    int64_t count, VectorSink& sink) {
-  constexpr int G = C <= 4 ? 4 : 2;
-  for (int64_t g = 0; g < count; g += G) {
-    if (count - g >= G) screen_block<G, C>(packed, quads, xs, bias, v + g, sink);
-    else for (int64_t h = g; h < count; ++h) screen_block<1, C>(packed, quads, xs, bias, v + h, sink);
-  }
-}
 
 at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats, const at::Tensor& x) {
   check_screen(packed, stats, x, kLanes, at::kInt, 4, kVnniScreenMaxRows);
@@ -467,7 +448,8 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
     for (int64_t s = begin; s < end; ++s) {
       const int64_t v = s * kStep, count = std::min(kStep, packed.size(0) - v);
       if (wide) {
-        screen_vectors_wide(pk, quads, xw, sp, v, count, rows, sink);
+        if (rows > 8) screen_vectors_wide<1, 16>(pk, quads, xw, sp, v, count, rows, sink);
+        else screen_vectors_wide<2, 8>(pk, quads, xw, sp, v, count, rows, sink);
         continue;
       }
       switch (columns) {
