@@ -339,9 +339,10 @@ struct VectorSink {
 // quads (integer sums: exact in any order), each indexed only at compile time so that it stays in a register (indexed
 // at run time, the compiler kept them on the stack: a third of vpdpbusd's rate), and each line is prefetched
 // kScreenAhead lines before it is read, so the head streams as one run of lines. Four vectors taken quad by
-// quad (four runs 10 KB apart, each line's successor a block ahead prefetched into L2) read the head at 60-75 % of a
-// plain sum's speed: one row's screen 4.48 -> 3.55 ms against 3.35 for summing the same 168 MB, and 3.22 -> 2.18
-// against 1.85 with memory at its quickest (2-core Zen 4, 2026-12-05, medians of 6 interleaved, the same candidates).
+// quad (four runs 10 KB apart, each line's successor a block ahead prefetched into L2) read the head at 60-80 % of a
+// plain sum's speed. Gemma-3-270M's head, 2-core Zen 4, 2026-12-05, the same candidates, 8 interleaved pairs each:
+// with memory slow (a sum of the 168 MB 2.9-3.5 ms) one row 3.83 -> 3.26 ms, 1-8 rows 0.74-0.87x the time; with it
+// quick (1.7-1.9 ms) 8-16 rows 0.93-0.97x, 4-5 rows 1.09-1.10x (their extra broadcasts, where memory is not the bound).
 constexpr int64_t kScreenAhead = 64;
 
 template <int U, int C>
