@@ -387,11 +387,9 @@ void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xs, c
 }
 
 // The wide screen over `count` vectors from v, one at a time against its 8 (up to 8 rows) or 16 columns (one a row
-// of x, `rows` of them real, the rest zero), each vector read once for every row: where vectors went in pairs
-// against 8 columns, 5-12 rows took 8-13 % longer (2-core Zen 4, 2026-12-05, medians of 6 interleaved, the same
-// candidates), 16 rows, compute-bound, 3 %. Two passes of 8 columns over each pair of vectors (the second from L1)
-// had taken 6.61 ms against 5.91 for 30 real 16-row steps' hidden rows: the first pass waited on memory with half
-// the products to hide it.
+// of x, `rows` of them real, the rest zero), each vector read once for every row and in address order (5-16 rows in
+// the pairs above). Two passes of 8 columns over each pair of vectors (the second from L1) had taken 6.61 ms against
+// 5.91 for 30 real 16-row steps' hidden rows: the first pass waited on memory with half the products to hide it.
 template <int U, int C>
 void screen_vectors_wide(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
                          int64_t count, int64_t rows, VectorSink& sink) {
