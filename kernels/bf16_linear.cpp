@@ -367,39 +367,29 @@ void screen_sums_in_order(const uint32_t* packed, int64_t quads, const uint32_t*
   }
 }
 
-// The two-row screen over `count` vectors from v, one at a time; each vector's sums, less the columns' offsets, go
-// to the sink. U x C <= 16 chains keep vpdpbusd busy (quads: a multiple of 16, as pack_vectors packs words).
-template <int C>
+// The screen over `count` vectors from v, one at a time (U x C <= 16 chains keep vpdpbusd busy; quads: a multiple of
+// 16, as pack_vectors packs words); each vector's sums, less the columns' offsets, go to the sink. The two-row
+// screen's columns are p1 and p2 of each row of x; the wide screen's are its 8 (up to 8 rows) or 16 columns, one a row
+// of x, `rows` of them real and the rest zero, so each vector is read once for every row (5-16 rows in the pairs
+// above). Two passes of 8 columns over each pair of vectors (the second from L1) had taken 6.61 ms against 5.91 for
+// 30 real 16-row steps' hidden rows: the first pass waited on memory with half the products to hide it.
+template <int C, bool Wide>
 void screen_vectors(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
-                    int64_t count, VectorSink& sink) {
-  constexpr int U = C <= 4 ? 4 : 2;
+                    int64_t count, int64_t rows, VectorSink& sink) {
+  constexpr int U = C <= 4 ? 4 : C <= 8 ? 2 : 1;
   for (int64_t g = v; g < v + count; ++g) {
     alignas(64) int32_t total[C][kLanes];
     screen_sums_in_order<U, C>(packed, quads, xs, g, total);
     const int64_t o = g * kLanes;
     const __mmask16 valid = first_lanes(sink.vocab - o);
-    for (int k = 0; k + 1 < C; k += 2) {
-      const __m512i s1 = _mm512_sub_epi32(_mm512_load_si512(total[k]), _mm512_set1_epi32(bias[k]));
-      const __m512i s2 = _mm512_sub_epi32(_mm512_load_si512(total[k + 1]), _mm512_set1_epi32(bias[k + 1]));
-      sink.lanes(s1, s2, k / 2, o, valid);
+    const auto column = [&](int k) {  // column k's sums, less its offset
+      return _mm512_sub_epi32(_mm512_load_si512(total[k]), _mm512_set1_epi32(bias[k]));
+    };
+    if constexpr (Wide) {
+      for (int k = 0; k < rows; ++k) sink.lane(column(k), k, o, valid);
+    } else {
+      for (int k = 0; k + 1 < C; k += 2) sink.lanes(column(k), column(k + 1), k / 2, o, valid);
     }
-  }
-}
-
-// The wide screen over `count` vectors from v, one at a time against its 8 (up to 8 rows) or 16 columns (one a row
-// of x, `rows` of them real, the rest zero), each vector read once for every row and in address order (5-16 rows in
-// the pairs above). Two passes of 8 columns over each pair of vectors (the second from L1) had taken 6.61 ms against
-// 5.91 for 30 real 16-row steps' hidden rows: the first pass waited on memory with half the products to hide it.
-template <int U, int C>
-void screen_vectors_wide(const uint32_t* packed, int64_t quads, const uint32_t* xs, const int32_t* bias, int64_t v,
-                         int64_t count, int64_t rows, VectorSink& sink) {
-  for (int64_t g = v; g < v + count; ++g) {
-    alignas(64) int32_t total[C][kLanes];
-    screen_sums_in_order<U, C>(packed, quads, xs, g, total);
-    const int64_t o = g * kLanes;
-    const __mmask16 valid = first_lanes(sink.vocab - o);
-    for (int k = 0; k < rows; ++k)
-      sink.lane(_mm512_sub_epi32(_mm512_load_si512(total[k]), _mm512_set1_epi32(bias[k])), k, o, valid);
   }
 }
 
@@ -447,15 +437,15 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
     for (int64_t s = begin; s < end; ++s) {
       const int64_t v = s * kStep, count = std::min(kStep, packed.size(0) - v);
       if (wide) {
-        if (rows > 8) screen_vectors_wide<1, 16>(pk, quads, xw, sp, v, count, rows, sink);
-        else screen_vectors_wide<2, 8>(pk, quads, xw, sp, v, count, rows, sink);
+        if (rows > 8) screen_vectors<16, true>(pk, quads, xw, sp, v, count, rows, sink);
+        else screen_vectors<8, true>(pk, quads, xw, sp, v, count, rows, sink);
         continue;
       }
       switch (columns) {
-        case 2: screen_vectors<2>(pk, quads, xw, sp, v, count, sink); break;
-        case 4: screen_vectors<4>(pk, quads, xw, sp, v, count, sink); break;
-        case 6: screen_vectors<6>(pk, quads, xw, sp, v, count, sink); break;
-        case 8: screen_vectors<8>(pk, quads, xw, sp, v, count, sink); break;
+        case 2: screen_vectors<2, false>(pk, quads, xw, sp, v, count, rows, sink); break;
+        case 4: screen_vectors<4, false>(pk, quads, xw, sp, v, count, rows, sink); break;
+        case 6: screen_vectors<6, false>(pk, quads, xw, sp, v, count, rows, sink); break;
+        case 8: screen_vectors<8, false>(pk, quads, xw, sp, v, count, rows, sink); break;
         default: TORCH_CHECK(false, "greedy_screen: no screen for ", rows, " rows");
       }
     }
