@@ -17,9 +17,10 @@ fidelity, an argmax that is a stop token ``min_tokens`` bans: ``engine/tokenchoi
 
 Used only where the head's logits come from the decode kernel (``decode_linear``: so the rescored rows are those
 logits bit for bit) and it has a screen (AMX-INT8, AVX512-VNNI beside AVX512-BF16, or AVX2), there is no final
-soft-capping or bias, and for up to ``decode_linear.screen_rows()`` rows: past them the screen costs more than the
-bf16 rows it saves. On AMX 4 (its tiles, two int8 rows of x each: 1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs
-23). On the VNNI kernel 16: up to 4 rows two int8 rows of x each, from 5 to 16 rows one (the wide screen, with a
+soft-capping or bias. One screen call takes up to ``decode_linear.screen_rows()`` rows; more are screened in calls
+of that many and the rest where that costs less than the full head (``decode_linear.screen_groups``: the VNNI and
+AVX2 kernels; a 32-row decode step 44.4 -> 37.8 ms on Zen 4), else they read the full head. On AMX 4 (its tiles,
+two int8 rows of x each: 1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs 23). On the VNNI kernel 16: up to 4 rows two int8 rows of x each, from 5 to 16 rows one (the wide screen, with a
 Cauchy-Schwarz bound: at 16 rows two int8 rows a row cost as many products as the bf16 head). Zen 4, 2026-12-03,
 screen alone vs the full head on real Gemma hidden rows (medians of 10): 1 row 4.8 vs 8.3 ms, 4 rows 4.4 vs 8.8, 8
 rows 5.3 vs 9.8, 16 rows 9.9 vs 16.2 (+ 0.6 ms rescoring a median of ~320 candidates a row, max ~1,100, at 16 rows).
@@ -58,16 +59,19 @@ class GreedyHead:
         pack, self._screen = ops
         self.weight = weight  # the bf16 head [vocab, in]: the candidates' rows are read from it
         self.packed: list[torch.Tensor] = pack(weight)  # the int8 head and its bounds, as the kernel reads them
-        self.max_rows = decode_linear.screen_rows()  # past them the full head is cheaper
+        self.max_rows = decode_linear.screen_rows()  # the most rows one screen call takes
+        self.grouped = decode_linear.screen_groups()  # more rows: in groups of at most max_rows, or the full head
         self._rescore = decode_linear.rescorer()  # None: the candidates' rows gathered and multiplied instead
 
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """The full head's argmax for each row of ``hidden`` [rows, in] (bf16), or None where the screen does not
-        apply (too many rows, a non-finite value, too many candidates): the caller computes the logits then."""
-        if hidden.shape[0] > self.max_rows or not bool(torch.isfinite(hidden).all()):
+        apply (more rows than one call takes where they are not grouped, a non-finite value, too many candidates): the
+        caller computes the logits then."""
+        rows = hidden.shape[0]
+        if (rows > self.max_rows and not self.grouped) or not bool(torch.isfinite(hidden).all()):
             return None
         hidden = hidden.contiguous()
-        candidates = self._screen(*self.packed, hidden)  # [n, 2]: (row, vocabulary row), sorted
+        candidates = self._candidates(hidden)  # [n, 2]: (row, vocabulary row), sorted
         if candidates.shape[0] > MAX_CANDIDATES * hidden.shape[0]:
             return None
         if self._rescore is not None:  # each candidate's logit alone, from the head as it is
@@ -78,6 +82,20 @@ class GreedyHead:
         mine = candidates[:, 0][None, :] == torch.arange(hidden.shape[0])[:, None]
         first = exact.masked_fill(~mine, float("-inf")).max(dim=-1).indices  # the first maximum, as argmax takes
         return candidates[first, 1].tolist()
+
+    def _candidates(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The screen's candidates for every row of ``hidden``: one call for up to ``max_rows`` rows, else calls of
+        ``max_rows`` and one for the rest (a row's candidates depend on its own row alone), renumbered to its rows."""
+        rows = hidden.shape[0]
+        if rows <= self.max_rows:
+            return self._screen(*self.packed, hidden)
+        parts = []
+        for start in range(0, rows, self.max_rows):
+            end = min(rows, start + self.max_rows)
+            part = self._screen(*self.packed, hidden[start:end])
+            part[:, 0] += start
+            parts.append(part)
+        return torch.cat(parts)
 
 
 def _first_max_by_row(candidates: torch.Tensor, logits: torch.Tensor, rows: int) -> list[int]:

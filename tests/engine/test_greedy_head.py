@@ -66,6 +66,22 @@ def test_the_screened_token_is_the_full_heads_argmax(ops, max_rows):
                 assert greedy.argmax(x) == _full_argmax(weight, x), (scale, rows)
 
 
+def test_more_rows_than_one_call_takes_are_screened_in_groups_where_that_pays(ops, max_rows):
+    """Past one call's rows (a 17-48-row decode step) the VNNI and AVX2 kernels screen in calls of max_rows and the
+    rest, each row's token still the full head's; AMX's screen stands aside there (its head is cheaper)."""
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn(20000, 640, generator=gen) * 0.05).to(torch.bfloat16)
+    greedy = GreedyHead(weight)
+    assert greedy.grouped == (amx_linear.load() is None)
+    greedy.grouped = True
+    with torch.inference_mode():
+        for rows in (max_rows + 1, max_rows + 4, 2 * max_rows, 3 * max_rows + 5):
+            x = torch.randn(rows, 640, generator=gen).to(torch.bfloat16)
+            x[:, 7] *= 50
+            x[rows // 2] = x[0]  # the same row in two calls: the same token
+            assert greedy.argmax(x) == _full_argmax(weight, x), rows
+
+
 def test_every_row_count_the_screen_accepts_keeps_each_rows_argmax(ops, max_rows):
     """The kernel's op either refuses a row count or screens every row it was given: no row comes back without
     candidates (the VNNI screen once accepted 8 rows and screened only the first 4)."""
@@ -177,7 +193,9 @@ def test_where_the_screen_cannot_apply_it_stands_aside(ops):
     gen = torch.Generator().manual_seed(5)
     weight = (torch.randn(2000, 640, generator=gen) * 0.05).to(torch.bfloat16)
     greedy = GreedyHead(weight)
+    greedy.grouped = False  # AMX's rule: past one call's rows the full head is cheaper
     assert greedy.argmax(torch.randn(greedy.max_rows + 1, 640).to(torch.bfloat16)) is None  # too many rows
+    greedy.grouped = True
     bad = torch.randn(1, 640).to(torch.bfloat16)
     bad[0, 3] = float("nan")
     assert greedy.argmax(bad) is None
