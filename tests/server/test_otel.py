@@ -165,7 +165,8 @@ def test_readme_metric_names_are_served(live, memories):
             names.add(name)
     names = {("inferscale_num_requests" + n) if n.startswith("_") else n for n in names}
     assert len(names) >= 12
-    _chat(live.client(), max_tokens=2)
+    # a kv request with memories: the fetch counters count (alone, this test must not rely on an earlier one's)
+    _chat(live.client(), user="caroline", max_tokens=2, extra_body={"inferscale": {"k": 2, "mode": "kv"}})
     # A counter shows up once it has counted: a refusal by a tenant limit is hard to time, so count one here.
     live.app.state.telemetry.metrics.rejected("in_flight")
     families = _scrape(live)
