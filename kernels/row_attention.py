@@ -24,7 +24,8 @@ keys, not per block of 512). ``load()`` hands the operator out only after checki
 Gemma uses, that (1) its error against a float64 reference is no larger than SDPA's own (``ERROR_RATIO``), and (2)
 every row's output is the same alone and in a batch with longer, masked rows. None, and attention stays SDPA, on
 CPUs without AVX2, where the build fails, where a check fails, or with ``INFERSCALE_ROW_ATTENTION=0``. What it does to
-answers is measured end to end (README: answers against the SDPA path over LoCoMo questions).
+answers is measured end to end (docs/bench/HISTORY.md, "attention row by row": answers against the SDPA path
+over LoCoMo questions).
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     HTTP with, as ``uvicorn[standard]`` does), else asyncio's (None). Every streamed token is a socket write and a few
     callbacks on this loop, on the cores the engine decodes on: with 16 streams on the 2-core Zen 4 machine a socket
     write, the loop's bookkeeping and h11 were most of the loop's CPU (py-spy), and with uvloop and httptools the
-    loop thread took a third less CPU for the same tokens and the 16-stream step was ~10 % shorter (README, issue 22)."""
+    loop thread took a third less CPU for the same tokens and the 16-stream step was ~10 % shorter
+    (docs/bench/HISTORY.md, "the serving loop on uvloop")."""
     try:
         import uvloop
     except ImportError:
