@@ -20,8 +20,9 @@ logits bit for bit) and it has a screen (AMX-INT8, AVX512-VNNI beside AVX512-BF1
 soft-capping or bias. One screen call takes up to ``decode_linear.screen_rows()`` rows; more are screened in calls
 of that many and the rest where that costs less than the full head (``decode_linear.screen_groups``: the VNNI and
 AVX2 kernels; a 32-row decode step 44.4 -> 37.8 ms on Zen 4), else they read the full head. On AMX 4 (its tiles,
-two int8 rows of x each: 1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs 23). On the VNNI kernel 16: up to 4 rows two int8 rows of x each, from 5 to 16 rows one (the wide screen, with a
-Cauchy-Schwarz bound: at 16 rows two int8 rows a row cost as many products as the bf16 head). Zen 4, 2026-12-03,
+two int8 rows of x each: 1 row 10 vs 19 ms, 4 rows 13 vs 20, 16 rows 30 vs 23). On the VNNI kernel 16: up to 4 rows
+two int8 rows of x each, from 5 to 16 rows one (the wide screen, with a Cauchy-Schwarz bound: at 16 rows two int8
+rows a row cost as many products as the bf16 head). Zen 4, 2026-12-03,
 screen alone vs the full head on real Gemma hidden rows (medians of 10): 1 row 4.8 vs 8.3 ms, 4 rows 4.4 vs 8.8, 8
 rows 5.3 vs 9.8, 16 rows 9.9 vs 16.2 (+ 0.6 ms rescoring a median of ~320 candidates a row, max ~1,100, at 16 rows).
 Before the screen's accumulators were kept in registers and the head went in unsigned (x signed, broadcast), 4 rows
