@@ -3,6 +3,7 @@ closure, and the Dockerfile's `operator` target), dependencies installed before 
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.metadata as md
 import os
 import re
@@ -191,8 +192,6 @@ def test_dockerfile_operator_target_has_no_torch():
 
 def _docker_ignored(path: str, patterns: list[str]) -> bool:
     """.dockerignore's rule: the last pattern matching the path or a parent directory decides; '!' re-includes."""
-    import fnmatch
-
     ignored = False
     parts = path.strip("/").split("/")
     prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
@@ -217,6 +216,18 @@ def test_nothing_the_dockerfile_copies_is_dockerignored():
     for src in copied:
         assert (ROOT / src).exists(), src
         assert not _docker_ignored(src, patterns), f"{src} is excluded by .dockerignore"
+
+
+def test_installed_package_carries_every_kernel_source_and_header():
+    """A non-editable install (the Dockerfile's ``pip install .``) gets the package data only: a kernel whose
+    ``#include "x.h"`` is left out fails to build there, and serving falls back to aten's slower operations."""
+    patterns = PYPROJECT["tool"]["setuptools"]["package-data"]["inferscale.kernels"]
+    sources = sorted((ROOT / "kernels").glob("*.cpp"))
+    headers = {h for src in sources for h in re.findall(r'^#include "([^"]+)"', src.read_text(), flags=re.MULTILINE)}
+    assert sources and "greedy_screen.h" in headers  # control: what this test reads is there
+    for name in [src.name for src in sources] + sorted(headers):
+        assert (ROOT / "kernels" / name).is_file(), name
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), f"{name} is not in the package data"
 
 
 def test_readme_names_the_build_targets():
