@@ -10,7 +10,8 @@
 // 16 x 16 words at a time, a word being one in-features pair) so that a vector holds one pair of 16 outputs, and
 // x's pair is broadcast. The packed copy costs the weight's bytes again, once; transposing on the fly instead held
 // one core to ~10 GB/s (shuffles and a round trip through L2), under a third of what it reads. The output rows are
-// split over torch's own thread pool (at::parallel_for). The loader uses
+// split over torch's own thread pool (parallel_stealing.h: at::parallel_for's parts, taken over by a thread done
+// with its own). The loader uses
 // it only for a weight shape where its outputs are bit for bit F.linear's (checked at load: oneDNN splits the
 // in-features differently for some shapes and row counts).
 //
@@ -29,8 +30,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
+
+#include "parallel_stealing.h"
 
 namespace {
 
@@ -181,9 +185,9 @@ at::Tensor bf16_linear(const at::Tensor& packed, const at::Tensor& x, int64_t ch
   const Product p{reinterpret_cast<const uint32_t*>(packed.data_ptr()), reinterpret_cast<const uint32_t*>(x.data_ptr()),
                   out.data_ptr<c10::BFloat16>(), x.size(1) / 2, out_features, x.size(0), chain / 2};
   const int64_t units = packed.size(0) / (kUnit / kLanes);
-  // At least ~64 KB of weights per task: a small layer is split once per thread, not into many hand-offs.
+  // At least ~64 KB of weights a grain: a small layer is not cut into many hand-offs (parallel_stealing.h).
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kUnit * p.pairs * 4));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+  parallel_stealing(0, units, grain, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) unit_product(p, u * (kUnit / kLanes));
   });
   return out;
@@ -430,27 +434,34 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   const int64_t steps = (packed.size(0) + kStep - 1) / kStep;
   std::vector<RowBound> bounds;
   for (const Quantized& q : z) bounds.push_back(row_bound(q, gamma));
-  at::parallel_for(0, steps, 64, [&](int64_t begin, int64_t end) {
-    VectorSink sink(st, vocab, rows, result);
-    sink.rows = bounds;
-    sink.wide = zw;
+  // One sink per thread, kept across its grains (a thirty-second of the head each, at least 64 steps; handed over
+  // between threads as parallel_stealing.h does), so that its running best filters the whole of what it screens.
+  std::vector<std::unique_ptr<VectorSink>> sinks(omp_get_max_threads() + omp_get_thread_num() + 1);
+  parallel_stealing(0, steps, std::max<int64_t>(64, steps / 32), [&](int64_t begin, int64_t end) {
+    std::unique_ptr<VectorSink>& sink = sinks[omp_get_thread_num()];
+    if (!sink) {
+      sink = std::make_unique<VectorSink>(st, vocab, rows, result);
+      sink->rows = bounds;
+      sink->wide = zw;
+    }
     for (int64_t s = begin; s < end; ++s) {
       const int64_t v = s * kStep, count = std::min(kStep, packed.size(0) - v);
       if (wide) {
-        if (rows > 8) screen_vectors<16, true>(pk, quads, xw, sp, v, count, rows, sink);
-        else screen_vectors<8, true>(pk, quads, xw, sp, v, count, rows, sink);
+        if (rows > 8) screen_vectors<16, true>(pk, quads, xw, sp, v, count, rows, *sink);
+        else screen_vectors<8, true>(pk, quads, xw, sp, v, count, rows, *sink);
         continue;
       }
       switch (columns) {
-        case 2: screen_vectors<2, false>(pk, quads, xw, sp, v, count, rows, sink); break;
-        case 4: screen_vectors<4, false>(pk, quads, xw, sp, v, count, rows, sink); break;
-        case 6: screen_vectors<6, false>(pk, quads, xw, sp, v, count, rows, sink); break;
-        case 8: screen_vectors<8, false>(pk, quads, xw, sp, v, count, rows, sink); break;
+        case 2: screen_vectors<2, false>(pk, quads, xw, sp, v, count, rows, *sink); break;
+        case 4: screen_vectors<4, false>(pk, quads, xw, sp, v, count, rows, *sink); break;
+        case 6: screen_vectors<6, false>(pk, quads, xw, sp, v, count, rows, *sink); break;
+        case 8: screen_vectors<8, false>(pk, quads, xw, sp, v, count, rows, *sink); break;
         default: TORCH_CHECK(false, "greedy_screen: no screen for ", rows, " rows");
       }
     }
-    sink.done();
   });
+  for (const std::unique_ptr<VectorSink>& sink : sinks)
+    if (sink) sink->done();
   return screen_candidates(result, x.options());  // [candidates, 2]: (row of x, vocabulary row)
 }
 
