@@ -1,6 +1,11 @@
 """Our CPU kernels as torch C++ extensions: each built once per machine (gcc and ninja, on every machine of this
 kind) into InferScale's cache, keyed by its source, flags and the torch version; later processes load the build.
 
+A build already in the cache is loaded as it is, without ninja or a compiler and without writing anything: the
+server image builds its kernels when it is made (the Dockerfile's model step) and its pods run with a read-only
+root filesystem. Where the cache cannot be written (such a pod on a CPU the image was not built on), a kernel is
+built under the temporary directory instead.
+
 A kernel's module (``amx_linear.py``, ``rms_norm.py``) decides whether it can run here and checks its numbers;
 this only builds and loads, and says False (the caller keeps aten's operations) where the build fails.
 """
@@ -11,6 +16,7 @@ import hashlib
 import logging
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -32,13 +38,38 @@ def build_dir(source: Path, flags: list[str]) -> Path:
     return cache_dir() / "torch-extensions" / f"{source.stem}-{torch.__version__}-{digest}"
 
 
+def library(source: Path, target: Path) -> Path:
+    """The shared library torch's build of ``source`` leaves in ``target``."""
+    return target / f"inferscale_{source.stem}.so"
+
+
+def writable_build_dir(source: Path, flags: list[str]) -> Path:
+    """``build_dir``, or the same name under the temporary directory where the cache cannot be written."""
+    target = build_dir(source, flags)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        if os.access(target, os.W_OK):
+            return target
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / "inferscale-torch-extensions" / target.name
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
 def build(source: Path, flags: list[str]) -> bool:
-    """Build (or load the cached build of) ``source``, whose TORCH_LIBRARY registers its operators; False where it
-    cannot be built here (no compiler, no ninja, a build error)."""
+    """Load the cached build of ``source`` (whose TORCH_LIBRARY registers its operators), else build it; False where
+    it cannot be built here (no compiler, no ninja, a build error)."""
     from torch.utils import cpp_extension
 
-    target = build_dir(source, flags)
-    target.mkdir(parents=True, exist_ok=True)
+    prebuilt = library(source, build_dir(source, flags))
+    if prebuilt.is_file():
+        try:
+            torch.ops.load_library(str(prebuilt))
+            return True
+        except OSError as e:  # a build cut short: made again below
+            log.warning("%s's cached build did not load (%s); building it again", source.name, e)
+    target = writable_build_dir(source, flags)
     try:
         # -fopenmp at link time names libgomp.so.1, the soname torch's own runtime is already loaded under: one
         # OpenMP pool, so at::parallel_for shares torch's threads instead of starting its own.

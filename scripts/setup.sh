@@ -11,17 +11,9 @@ PY=${PYTHON:-python3}
 # constraints.txt pins every package to the versions the tests ran with (scripts/freeze-constraints.py writes it).
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[server,operator,bench,test]"
 echo "set up: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
-# The decode kernels (kernels/amx_linear.cpp, or without AMX kernels/bf16_linear.cpp, or with AVX2 only
-# kernels/avx2_linear.cpp; kernels/rms_norm.cpp,
-# kernels/row_attention.cpp, kernels/rotate_place.cpp, kernels/f32_linear.cpp) are built now, once per machine and torch version, not at the first model load;
-# where they cannot be (no AMX or AVX512-BF16, no compiler) the model keeps aten's operations.
-.venv/bin/python -m inferscale.kernels.amx_linear
-.venv/bin/python -m inferscale.kernels.bf16_linear
-.venv/bin/python -m inferscale.kernels.avx2_linear
-.venv/bin/python -m inferscale.kernels.rms_norm
-.venv/bin/python -m inferscale.kernels.row_attention
-.venv/bin/python -m inferscale.kernels.rotate_place
-.venv/bin/python -m inferscale.kernels.f32_linear
+# The CPU kernels (kernels/__main__.py lists them) are built now, once per machine and torch version, not at the
+# first model load; where they cannot be (no AMX or AVX512-BF16, no compiler) the model keeps aten's operations.
+.venv/bin/python -m inferscale.kernels
 # checkov (tests/chart/test_checkov.py) in a venv of its own: its pins clash with the project's.
 [ -x .venv-tools/bin/python ] || "$PY" -m venv .venv-tools
 .venv-tools/bin/python -m pip install -q -r scripts/tools-requirements.txt

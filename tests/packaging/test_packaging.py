@@ -190,6 +190,17 @@ def test_dockerfile_operator_target_has_no_torch():
     assert list(stages)[-1] == "server"
 
 
+def test_dockerfile_server_target_builds_the_kernels_into_the_image():
+    """The serving image compiles the CPU kernels when it is made (its model step loads them, and they build) and
+    keeps the compiler for a CPU it was not built on: pods run with a read-only root filesystem (cppext.py)."""
+    runs = [ins["value"] for ins in _chain(_stages(), "server") if ins["instruction"] == "RUN"]
+    compiler = next(i for i, run in enumerate(runs) if "g++" in run and "ninja-build" in run)
+    model = next(i for i, run in enumerate(runs) if "load_model()" in run)
+    assert compiler < model
+    assert "python -m inferscale.kernels" in runs[model]  # every kernel this CPU runs, not only the model's
+    assert "INFERSCALE_CACHE_DIR" in runs[model]  # the cache the pods read is the one the model step fills
+
+
 def _docker_ignored(path: str, patterns: list[str]) -> bool:
     """.dockerignore's rule: the last pattern matching the path or a parent directory decides; '!' re-includes."""
     ignored = False
