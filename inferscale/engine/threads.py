@@ -7,8 +7,8 @@ token); when anything else is runnable (the HTTP event loop streaming tokens, an
 thread, every small kernel waits for it, and two threads lose badly (a step 1.06 s vs 0.25 s with one, the 126
 layer projections 2.4 s vs 0.1 s, at load average 8).
 
-The default is every usable core, fixed: a serving node is not shared with other work, and through the server on
-the quiet machine all cores won (a single-stream step 98 ms vs 155 ms, 16 streams 48 vs 35 tokens/s, ``bench
+The default is every usable core (``usable_cores``: the affinity mask, capped by a cgroup CPU quota), fixed: a
+serving node is not shared with other work, and through the server on the quiet machine all cores won (a single-stream step 98 ms vs 155 ms, 16 streams 48 vs 35 tokens/s, ``bench
 load``), while the tuner below, measuring passes disturbed by the server's own event loop, settled on one thread.
 ``threads=-1`` (``INFERSCALE_TORCH_THREADS=-1``) starts on every core and lets the serving loop's ``ThreadTuner``
 time its decode passes and now and then run one with the other count (1 or all), keeping the faster at the same
@@ -31,8 +31,10 @@ import concurrent.futures
 import ctypes
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from inferscale.errors import ConfigError
@@ -44,11 +46,72 @@ _tuned: tuple[int, ...] = ()  # the counts the tuner may pick between; () when a
 
 
 def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, which containers' cpusets narrow)."""
+    """CPU cores this process may use: its affinity mask (which containers' cpusets narrow), and no more than its
+    cgroups' CPU quota (``cpu_quota_cores``)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota_cores()
+    return max(1, min(cores, quota)) if quota is not None else cores
+
+
+def cpu_quota_cores(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                    membership: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The CPU quota of this process's cgroup and its ancestors in whole cores, rounded up (cgroup v2 ``cpu.max``,
+    v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``); None where none is set or none can be read.
+
+    A Kubernetes pod with a CPU limit and the kubelet's default CPU manager keeps every core of the node in its
+    affinity mask and gets the limit as a CFS quota: torch with a thread per node core would be throttled every
+    period, each decode kernel waiting for its last thread. Read by hand: no maintained library reads cgroup quotas
+    for Python (Go's automaxprocs and the JVM's container support do the same walk)."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # cgroup v2: "0::/path"
+            limits += _quotas(cgroup_root, path, lambda d: _v2_quota(d / "cpu.max"))
+        elif "cpu" in controllers.split(","):  # cgroup v1: "N:cpu,cpuacct:/path"
+            mount = next((cgroup_root / name for name in (controllers, "cpu", "cpu,cpuacct")
+                          if (cgroup_root / name / "cpu.cfs_quota_us").exists()), None)
+            if mount is not None:
+                limits += _quotas(mount, path, _v1_quota)
+    return math.ceil(min(limits) - 1e-9) if limits else None
+
+
+def _quotas(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
+    """The quotas (in cores) set on ``path``'s cgroup and its ancestors under ``mount``; a container sees its own
+    cgroup at the mount's root, so the path may not exist under it and the root's own is read then."""
+    found = []
+    parts = [p for p in path.strip("/").split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        quota = read(mount.joinpath(*parts[:depth]))
+        if quota is not None:
+            found.append(quota)
+    return found
+
+
+def _v2_quota(cpu_max: Path) -> float | None:
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def default_threads() -> int:

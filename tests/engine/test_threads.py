@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from inferscale.engine.threads import (configure_threads, default_threads, on_own_thread, pin_threads, tuned_choices,
-                                       usable_cores)
+from inferscale.engine import threads
+from inferscale.engine.threads import (configure_threads, cpu_quota_cores, default_threads, on_own_thread, pin_threads,
+                                       tuned_choices, usable_cores)
 from inferscale.engine.threadtuner import MAX_EVERY, PROBE_EVERY, RECENT, ThreadTuner
 from inferscale.errors import ConfigError
 
@@ -22,6 +23,36 @@ def restore_threads():
     before = torch.get_num_threads()
     yield
     configure_threads(before)
+
+
+def _cgroups(tmp_path, membership: str, files: dict[str, str]):
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    (tmp_path / "cgroup").write_text(membership)
+    return tmp_path / "fs", tmp_path / "cgroup"
+
+
+def test_a_cgroup_cpu_quota_caps_the_cores(tmp_path, monkeypatch):
+    # cgroup v2 in the container's own namespace: 1.5 cores -> 2
+    assert cpu_quota_cores(*_cgroups(tmp_path / "a", "0::/\n", {"cpu.max": "150000 100000\n"})) == 2
+    # the host's view: the pod's limit sits on an ancestor of the container's cgroup; the tightest counts
+    assert cpu_quota_cores(*_cgroups(tmp_path / "b", "0::/kubepods/pod1/ctr\n", {
+        "kubepods/pod1/ctr/cpu.max": "max 100000", "kubepods/pod1/cpu.max": "300000 100000",
+        "kubepods/cpu.max": "800000 100000", "cpu.max": "max 100000"})) == 3
+    # cgroup v1, cpu and cpuacct mounted together
+    assert cpu_quota_cores(*_cgroups(tmp_path / "c", "9:name=systemd:/\n4:cpu,cpuacct:/\n", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "200000", "cpu,cpuacct/cpu.cfs_period_us": "100000"})) == 2
+    # no quota (v1's -1, v2's "max"), or nothing readable: none
+    assert cpu_quota_cores(*_cgroups(tmp_path / "d", "1:cpu:/\n", {
+        "cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"})) is None
+    assert cpu_quota_cores(*_cgroups(tmp_path / "e", "0::/\n", {"cpu.max": "max 100000"})) is None
+    assert cpu_quota_cores(tmp_path / "none", tmp_path / "none" / "cgroup") is None
+    # the thread rule takes the smaller of the affinity mask and the quota
+    monkeypatch.setattr(threads, "cpu_quota_cores", lambda: 1)
+    assert usable_cores() == 1 == default_threads()
+    monkeypatch.setattr(threads, "cpu_quota_cores", lambda: 10_000)
+    assert usable_cores() == len(os.sched_getaffinity(0))
 
 
 def test_the_default_is_every_core_untuned(restore_threads):
