@@ -4,7 +4,7 @@ kind) into InferScale's cache, keyed by its source, flags and the torch version;
 A build already in the cache is loaded as it is, without ninja or a compiler and without writing anything: the
 server image builds its kernels when it is made (the Dockerfile's model step) and its pods run with a read-only
 root filesystem. Where the cache cannot be written (such a pod on a CPU the image was not built on), a kernel is
-built under the temporary directory instead.
+built under the temporary directory instead, and loaded from there the same way at the next start.
 
 A kernel's module (``amx_linear.py``, ``rms_norm.py``) decides whether it can run here and checks its numbers;
 this only builds and loads, and says False (the caller keeps aten's operations) where the build fails.
@@ -57,19 +57,29 @@ def writable_build_dir(source: Path, flags: list[str]) -> Path:
     return fallback
 
 
+def _load_built(source: Path, target: Path) -> bool:
+    """Load the build of ``source`` in ``target`` if there is one; False where there is none or it does not load."""
+    built = library(source, target)
+    if not built.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(built))
+    except (OSError, RuntimeError) as e:  # a build cut short: made again
+        log.warning("%s's cached build did not load (%s); building it again", source.name, e)
+        return False
+    return True
+
+
 def build(source: Path, flags: list[str]) -> bool:
     """Load the cached build of ``source`` (whose TORCH_LIBRARY registers its operators), else build it; False where
     it cannot be built here (no compiler, no ninja, a build error)."""
     from torch.utils import cpp_extension
 
-    prebuilt = library(source, build_dir(source, flags))
-    if prebuilt.is_file():
-        try:
-            torch.ops.load_library(str(prebuilt))
-            return True
-        except OSError as e:  # a build cut short: made again below
-            log.warning("%s's cached build did not load (%s); building it again", source.name, e)
+    if _load_built(source, build_dir(source, flags)):  # the cache's build: nothing written
+        return True
     target = writable_build_dir(source, flags)
+    if target != build_dir(source, flags) and _load_built(source, target):  # a pod's own, under /tmp
+        return True
     try:
         # -fopenmp at link time names libgomp.so.1, the soname torch's own runtime is already loaded under: one
         # OpenMP pool, so at::parallel_for shares torch's threads instead of starting its own.

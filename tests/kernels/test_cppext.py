@@ -1,6 +1,6 @@
 """Kernel builds (``kernels/cppext.py``) where a serving pod runs them: a build made when the image was made loads
 without ninja, a compiler or a writable cache; a cache that cannot be written sends a new build to the temporary
-directory."""
+directory, which the next start loads."""
 
 from __future__ import annotations
 
@@ -33,17 +33,33 @@ w = torch.ones(640)
 assert torch.equal(torch.ops.inferscale_norm.rms_norm(x, w, 1e-6), rms_norm.reference(x, w, 1e-6))
 print("loaded", cppext.build_dir(rms_norm.SOURCE, rms_norm.FLAGS))
 """
+BUILD = "from inferscale.kernels import cppext, rms_norm; assert cppext.build(rms_norm.SOURCE, rms_norm.FLAGS)"
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONSAFEPATH": "1", **env}, cwd=ROOT)
 
 
 def test_a_cached_build_loads_without_ninja_or_a_compiler():
     if not cppext.build(rms_norm.SOURCE, rms_norm.FLAGS):
         pytest.skip("rms_norm cannot be built on this machine")
     assert cppext.library(rms_norm.SOURCE, cppext.build_dir(rms_norm.SOURCE, rms_norm.FLAGS)).is_file()
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "PATH": os.path.dirname(sys.executable)}
-    run = subprocess.run([sys.executable, "-c", NO_COMPILER], capture_output=True, text=True, timeout=120, env=env,
-                         cwd=ROOT)
+    run = _python(NO_COMPILER, PATH=os.path.dirname(sys.executable))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "loaded" in run.stdout
+
+
+def test_a_pods_own_build_under_the_temporary_directory_is_loaded_the_next_time(tmp_path):
+    if not cppext.build(rms_norm.SOURCE, rms_norm.FLAGS):
+        pytest.skip("rms_norm cannot be built on this machine")
+    (tmp_path / "a-file").write_text("")
+    env = {"INFERSCALE_CACHE_DIR": str(tmp_path / "a-file" / "cache"), "TMPDIR": str(tmp_path)}  # no cache to write
+    first = _python(BUILD, **env)  # built under $TMPDIR
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert list((tmp_path / "inferscale-torch-extensions").glob("rms_norm-*/inferscale_rms_norm.so"))
+    again = _python(NO_COMPILER, PATH=os.path.dirname(sys.executable), **env)  # a restart: loaded, not compiled
+    assert again.returncode == 0, again.stderr[-2000:]
 
 
 def test_a_cache_that_cannot_be_written_builds_under_the_temporary_directory(monkeypatch, tmp_path):
