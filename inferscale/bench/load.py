@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import tempfile
 from pathlib import Path
@@ -32,6 +31,7 @@ from inferscale.bench.floor import decode_floor
 from inferscale.bench.loadclients import B_K, KEYS, concurrent, flood
 from inferscale.bench.repeats import print_spread, spread
 from inferscale.contract import DEFAULT_ENGINE, ENGINES
+from inferscale.engine.threads import usable_cores
 from inferscale.errors import ConfigError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             server.close()
     summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
-    result = {"model": server.model, "device": args.device or "cpu", "cores": os.cpu_count(),
+    result = {"model": server.model, "device": args.device or "cpu", "cores": usable_cores(),
               "torch_threads": __import__("torch").get_num_threads(), "platform": platform.platform(),
               "tokens": args.tokens, "k": args.k, "extra_body": extra, "repeats": repeats, "summary": spread(summaries),
               # the first repeat's rows under the names earlier versions wrote

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from inferscale.bench.repeats import print_spread, spread
+from inferscale.engine.threads import usable_cores
 from inferscale.errors import ConfigError
 
 QUESTION = "What did the user say about the weekend trip and the dog?"
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         profile = args.profile and rep == args.repeats - 1
         repeats.append({"floor": floor, "rows": [bench.measure(n, profile) for n in ns]})
     summaries = [_summary(r["floor"], r["rows"]) for r in repeats]
-    result = {"model": engine.loaded.name, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    result = {"model": engine.loaded.name, "cores": usable_cores(), "torch_threads": torch.get_num_threads(),
               "platform": platform.platform(), "tokens": args.tokens, "k": args.k, "repeats": repeats,
               "summary": spread(summaries)}
     for rep in repeats:
