@@ -29,11 +29,15 @@ log = logging.getLogger(__name__)
 Op = TypeVar("Op")
 
 
+def local_headers(source: Path) -> list[str]:
+    """The headers of ours ``source`` includes (``#include "x.h"``, beside it): part of its build and its package."""
+    return re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.MULTILINE)
+
+
 def build_dir(source: Path, flags: list[str]) -> Path:
-    """Keyed by the source, the headers of ours it includes (``#include "x.h"``, beside it) and the flags."""
-    text = source.read_bytes()
-    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
-    digest = hashlib.sha256(b"".join([text, *((source.parent / h.decode()).read_bytes() for h in headers)])
+    """Keyed by the source, the headers of ours it includes and the flags."""
+    digest = hashlib.sha256(b"".join([source.read_bytes(), *((source.parent / h).read_bytes()
+                                                              for h in local_headers(source))])
                             + " ".join(flags).encode()).hexdigest()[:16]
     return cache_dir() / "torch-extensions" / f"{source.stem}-{torch.__version__}-{digest}"
 
@@ -43,9 +47,9 @@ def library(source: Path, target: Path) -> Path:
     return target / f"inferscale_{source.stem}.so"
 
 
-def writable_build_dir(source: Path, flags: list[str]) -> Path:
-    """``build_dir``, or the same name under the temporary directory where the cache cannot be written."""
-    target = build_dir(source, flags)
+def writable(target: Path) -> Path:
+    """``target`` (a ``build_dir``), or the same name under the temporary directory where the cache cannot be
+    written."""
     try:
         target.mkdir(parents=True, exist_ok=True)
         if os.access(target, os.W_OK):
@@ -75,10 +79,11 @@ def build(source: Path, flags: list[str]) -> bool:
     it cannot be built here (no compiler, no ninja, a build error)."""
     from torch.utils import cpp_extension
 
-    if _load_built(source, build_dir(source, flags)):  # the cache's build: nothing written
+    cached = build_dir(source, flags)
+    if _load_built(source, cached):  # the cache's build: nothing written
         return True
-    target = writable_build_dir(source, flags)
-    if target != build_dir(source, flags) and _load_built(source, target):  # a pod's own, under /tmp
+    target = writable(cached)
+    if target != cached and _load_built(source, target):  # a pod's own, under /tmp
         return True
     try:
         # -fopenmp at link time names libgomp.so.1, the soname torch's own runtime is already loaded under: one

@@ -3,16 +3,16 @@
 // exception rethrown), but a thread that finishes its own part takes over what is left of another's.
 //
 // at::parallel_for cuts the range once into one part per thread, and the call ends when the slower part does (its
-// thread started later, read slower memory or was preempted: the server's event loop and clients share the two
-// cores a decode step runs on, issue 22). Here each thread still owns an equal contiguous part and runs it front to back, `grain`
-// at a time (its reads stay one stream for the hardware prefetcher: handing out small chunks in turn instead cost
-// Gemma's 16-row products 11-16 % on Zen 4), and one done with its own takes grains from the back of the others'
-// parts. A part's (next, end) pair is one 64-bit word, so the owner's take and a thief's are one compare-and-swap
-// each and never the same grain. Each grain computes the same elements whichever thread runs it: the same bits.
-// Measured (docs/bench/HISTORY.md, "work stealing"): the 16-row decode step 0.15-0.56 ms shorter with the products
-// and the screen on it, one row unchanged; it does not help much when another process preempts a thread, since
-// the preempted thread still holds the grain it is in. Like at::parallel_for it has no num_threads clause
-// (libgomp's pool, pytorch#32008); a part whose thread is not in the team is taken over the same way.
+// thread started later, read slower memory or was preempted: the server's event loop and clients share the two cores
+// a decode step runs on, issue 22). Here each thread still owns an equal contiguous part and runs it front to back,
+// `grain` at a time (its reads stay one stream for the hardware prefetcher: handing out small chunks in turn instead
+// cost Gemma's 16-row products 11-16 % on Zen 4), and one done with its own takes grains from the back of the
+// others' parts. A part's (next, end) pair is one 64-bit word, so the owner's take and a thief's are one
+// compare-and-swap each and never the same grain. Each grain computes the same elements whichever thread runs it:
+// the same bits. Measured (docs/bench/HISTORY.md, "work stealing"): the 16-row decode step 0.15-0.56 ms shorter with
+// the products and the screen on it, one row unchanged; it does not help much when another process preempts a
+// thread, since the preempted thread still holds the grain it is in. Like at::parallel_for it has no num_threads
+// clause (libgomp's pool, pytorch#32008); a part whose thread is not in the team is taken over the same way.
 #pragma once
 
 #include <ATen/Parallel.h>

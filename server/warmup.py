@@ -2,15 +2,16 @@
 
 A fresh process pays first-time costs on its first requests: kernels loaded lazily (the KV rotation at the first
 injection), the slot pool's and a pass's first allocations, the query embedder's first pass, the sampler's first
-logits, the cost model's first measurement. On the 2-core Zen 4 machine a restarted server's first kv request
-spent 12-20 ms in retrieval and 50-70 ms in its prefill against 5-9 and 24-32 once warm (docs/bench/HISTORY.md,
-"warm before listening"); a pod that says it is ready should not hand that to the first user behind the load balancer. (Its
-first fetch of each user's blocks from disk is that user's data: not warmed here.) So before the app starts listening (its lifespan, where the model
-was loaded too) one memory of no tenant is encoded (never stored), the question is embedded on the engine's thread
-(where an idle server embeds: ``MemoryService._on_idle_cores``), and a kv request with it (greedy: the LM head's
-screen) and a text request (sampled: the full head and the sampler) run through the backend's own ``submit``, as
-tenants' requests do. No tenant's data, store, quota or metric is touched: the requests carry ``WARMUP_TENANT``, a
-name no tenant can have (``contract.is_valid_tenant``), and never pass through the HTTP routes.
+logits, the cost model's first measurement. On the 2-core Zen 4 machine a restarted server's first kv request spent
+12-20 ms in retrieval and 50-70 ms in its prefill against 5-9 and 24-32 once warm (docs/bench/HISTORY.md, "warm
+before listening"); a pod that says it is ready should not hand that to the first user behind the load balancer. (Its
+first fetch of each user's blocks from disk is that user's data: not warmed here.) So before the app starts listening
+(its lifespan, where the model was loaded too) one memory of no tenant is encoded (never stored), the question is
+embedded on the engine's thread (where an idle server embeds: ``MemoryService._on_idle_cores``), and a kv request
+with it (greedy: the LM head's screen) and a text request (sampled: the full head and the sampler) run through the
+backend's own ``submit``, as tenants' requests do. No tenant's data, store, quota or metric is touched: the requests
+carry ``WARMUP_TENANT``, a name no tenant can have (``contract.is_valid_tenant``), and never pass through the HTTP
+routes.
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@ thread, every small kernel waits for it, and two threads lose badly (a step 1.06
 layer projections 2.4 s vs 0.1 s, at load average 8).
 
 The default is every usable core (``usable_cores``: the affinity mask, capped by a cgroup CPU quota), fixed: a
-serving node is not shared with other work, and through the server on the quiet machine all cores won (a single-stream step 98 ms vs 155 ms, 16 streams 48 vs 35 tokens/s, ``bench
-load``), while the tuner below, measuring passes disturbed by the server's own event loop, settled on one thread.
-``threads=-1`` (``INFERSCALE_TORCH_THREADS=-1``) starts on every core and lets the serving loop's ``ThreadTuner``
-time its decode passes and now and then run one with the other count (1 or all), keeping the faster at the same
-batch size: for a node that shares its cores. An explicit count N is used as given, never tuned. One inter-op thread (the engine never runs ops in parallel) and no Rust tokenizer
-pool (tokenization runs on its own thread already).
+serving node is not shared with other work, and through the server on the quiet machine all cores won (a
+single-stream step 98 ms vs 155 ms, 16 streams 48 vs 35 tokens/s, ``bench load``), while the tuner below, measuring
+passes disturbed by the server's own event loop, settled on one thread. ``threads=-1``
+(``INFERSCALE_TORCH_THREADS=-1``) starts on every core and lets the serving loop's ``ThreadTuner`` time its decode
+passes and now and then run one with the other count (1 or all), keeping the faster at the same batch size: for a
+node that shares its cores. An explicit count N is used as given, never tuned. One inter-op thread (the engine never
+runs ops in parallel) and no Rust tokenizer pool (tokenization runs on its own thread already).
 
 Only the engine thread computes on every core; any other thread that runs torch runs it on its own core
 (``pin_threads(1)``: the server's event loop and its worker threads, the retrieval embedder among them), and heavy
@@ -76,7 +77,7 @@ def cpu_quota_cores(cgroup_root: Path = Path("/sys/fs/cgroup"),
             continue
         _, controllers, path = fields
         if controllers == "":  # cgroup v2: "0::/path"
-            limits += _quotas(cgroup_root, path, lambda d: _v2_quota(d / "cpu.max"))
+            limits += _quotas(cgroup_root, path, _v2_quota)
         elif "cpu" in controllers.split(","):  # cgroup v1: "N:cpu,cpuacct:/path"
             mount = next((cgroup_root / name for name in (controllers, "cpu", "cpu,cpuacct")
                           if (cgroup_root / name / "cpu.cfs_quota_us").exists()), None)
@@ -97,9 +98,9 @@ def _quotas(mount: Path, path: str, read: Callable[[Path], float | None]) -> lis
     return found
 
 
-def _v2_quota(cpu_max: Path) -> float | None:
+def _v2_quota(directory: Path) -> float | None:
     try:
-        quota, period = cpu_max.read_text().split()[:2]
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         return None

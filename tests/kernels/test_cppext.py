@@ -66,9 +66,9 @@ def test_a_cache_that_cannot_be_written_builds_under_the_temporary_directory(mon
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("INFERSCALE_CACHE_DIR", str(blocker / "cache"))  # under a file: no directory can be made
-    target = cppext.writable_build_dir(rms_norm.SOURCE, rms_norm.FLAGS)
+    target = cppext.writable(cppext.build_dir(rms_norm.SOURCE, rms_norm.FLAGS))
     assert target.is_dir() and os.access(target, os.W_OK)
     assert target.parent == Path(tempfile.gettempdir()) / "inferscale-torch-extensions"
     assert target.name == cppext.build_dir(rms_norm.SOURCE, rms_norm.FLAGS).name  # the same key: source and flags
     monkeypatch.setenv("INFERSCALE_CACHE_DIR", str(tmp_path / "cache"))  # control: a cache that can be written
-    assert cppext.writable_build_dir(rms_norm.SOURCE, rms_norm.FLAGS).is_relative_to(tmp_path / "cache")
+    assert cppext.writable(cppext.build_dir(rms_norm.SOURCE, rms_norm.FLAGS)).is_relative_to(tmp_path / "cache")
