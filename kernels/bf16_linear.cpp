@@ -127,20 +127,35 @@ void block(const Product& p, int64_t v, int64_t r0) {
 }
 
 // Every activation row for the unit of kUnit outputs from vector v: up to 4 rows four vectors at once (independent
-// chains keep the dpbf16 pipeline busy), more rows two vectors at once, 8 rows a block (9-16 rows: all_rows_block).
+// chains keep the dpbf16 pipeline busy), more rows two vectors at once, 8 rows a block (9-16 rows: unit_product).
 template <int R>
 void rows_block(const Product& p, int64_t v, int64_t r0) {
   constexpr int G = R <= 4 ? 4 : 2;
   for (int64_t g = 0; g < kUnit / kLanes; g += G) block<G, R>(p, v + g, r0);
 }
 
-// 9-16 rows (a decode step's): one vector at a time against every row, so each weight vector is read once for all
+// 9-12 rows (a decode step's): one vector at a time against every row, so each weight vector is read once for all
 // of them. Two blocks of 8 rows read the unit from memory with half the products to hide it, then again from L2:
-// 126 Gemma-3-270M products at 16 rows 6.26 -> 5.51 ms, 9 rows 5.79 -> 5.01 (Zen 4, 2026-12-05, medians of 9
-// interleaved; the same bits, as each output's chain is its own either way).
+// 126 Gemma-3-270M products at 9 rows 5.79 -> 5.01 ms, and at 16 rows 6.26 -> 5.51 on that host (Zen 4, 2026-12-05,
+// medians of 9 interleaved; the same bits, as each output's chain is its own either way; 13-16 rows: below).
 template <int R>
 void all_rows_block(const Product& p, int64_t v) {
   for (int64_t g = 0; g < kUnit / kLanes; ++g) block<1, R>(p, v + g, 0);
+}
+
+// 13-16 rows: the first kFirstRows two vectors at a time (the unit from memory, with 20 chains of products to hide
+// it), then the other 3-6 all four vectors at once from L2. One vector against 13-16 rows takes a broadcast of x per
+// product, and its 16 chains with their 16 broadcasts outgrow the 32 registers. On a later 2-core Zen 4 host whose
+// two cores run float32 GEMM 1.6x one, 72 Gemma-3-270M products (18 layers' distinct weights, 2026-12-05, medians
+// of 11 interleaved): 16 rows 10.9-11.9 -> 8.7-9.7 ms, 15 rows 10.6-10.9 -> 9.1, 14 rows 9.6 -> 8.2, 13 rows 8.7 ->
+// 8.1, and a real 16-row decode step 33.8 -> 31.9 and 34.9 -> 32.9 ms (~195 steady steps each, the two alternating
+// step by step). Two blocks of 8 rows took 9.8-11.1 ms at 16 rows; 12 then 4 rows 9.6; 14 then 2 spilled (13.5).
+constexpr int kFirstRows = 10;
+
+template <int R>
+void first_rows_then_rest(const Product& p, int64_t v) {
+  for (int64_t g = 0; g < kUnit / kLanes; g += 2) block<2, kFirstRows>(p, v + g, 0);
+  block<4, R - kFirstRows>(p, v, kFirstRows);
 }
 
 void unit_product(const Product& p, int64_t v) {
@@ -149,10 +164,10 @@ void unit_product(const Product& p, int64_t v) {
     case 10: return all_rows_block<10>(p, v);
     case 11: return all_rows_block<11>(p, v);
     case 12: return all_rows_block<12>(p, v);
-    case 13: return all_rows_block<13>(p, v);
-    case 14: return all_rows_block<14>(p, v);
-    case 15: return all_rows_block<15>(p, v);
-    case 16: return all_rows_block<16>(p, v);
+    case 13: return first_rows_then_rest<13>(p, v);
+    case 14: return first_rows_then_rest<14>(p, v);
+    case 15: return first_rows_then_rest<15>(p, v);
+    case 16: return first_rows_then_rest<16>(p, v);
     default: break;
   }
   for (int64_t r0 = 0; r0 < p.rows; r0 += kMaxRows) {

@@ -18,7 +18,8 @@ LAYERS = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # fused q/k/v, o,
 # per kernel: the model's layer shapes and a slice of the LM head's rows (bf16_linear: with a ragged tail), and the
 # row counts it takes (bf16_linear up to its MAX_ROWS; avx2_linear any: every register block, two row chunks)
 CASES = {
-    "bf16_linear": ([*LAYERS, (8192 + 7, 640)], (1, 2, 5, 8, 9, 16, 17, 32, 64, bf16_linear.MAX_ROWS), (2, 16, 33, 64)),
+    "bf16_linear": ([*LAYERS, (8192 + 7, 640)], (1, 2, 5, 8, 9, 12, 13, 15, 16, 17, 32, 64, bf16_linear.MAX_ROWS),
+                    (2, 14, 16, 33, 64)),
     "avx2_linear": ([*LAYERS, (8192, 640)], (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 48, 49, 100), (2, 6, 7, 16, 48, 100)),
 }
 MODULES: dict[str, ModuleType] = {"bf16_linear": bf16_linear, "avx2_linear": avx2_linear}
