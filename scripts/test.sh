@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 # The e2e's real Kubernetes control plane (kube-apiserver, kube-controller-manager, kube-scheduler, etcd): one binary
 # built from the Go module proxy with Go >= 1.26, cached by version under ~/.cache/inferscale/k8s/ (the first build
-# takes about 25 min on 2 cores; later runs find it at once). Only the tests need it, so the quickstart never builds
+# takes 10-25 min on 2 cores; later runs find it at once). Only the tests need it, so the quickstart never builds
 # it. INFERSCALE_E2E_SKIP_CONTROL_PLANE=1 skips it and those tests (never under CI=true).
 if [ "${INFERSCALE_E2E_SKIP_CONTROL_PLANE:-}" = 1 ] && [ "${CI:-}" != true ]; then
   echo "control plane: not built (INFERSCALE_E2E_SKIP_CONTROL_PLANE=1)"
