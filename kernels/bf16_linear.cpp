@@ -154,8 +154,8 @@ constexpr int kFirstRows = 10;
 
 template <int R>
 void first_rows_then_rest(const Product& p, int64_t v) {
-  for (int64_t g = 0; g < kUnit / kLanes; g += 2) block<2, kFirstRows>(p, v + g, 0);
-  block<4, R - kFirstRows>(p, v, kFirstRows);
+  rows_block<kFirstRows>(p, v, 0);
+  block<4, R - kFirstRows>(p, v, kFirstRows);  // four vectors at once for 5-6 rows too (rows_block takes two there)
 }
 
 void unit_product(const Product& p, int64_t v) {
