@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from inferscale.engine.threads import (configure_threads, cpu_quota_cores, defau
                                        tuned_choices, usable_cores)
 from inferscale.engine.threadtuner import MAX_EVERY, PROBE_EVERY, RECENT, ThreadTuner
 from inferscale.errors import ConfigError
+from os_threads import os_threads
 
 
 @pytest.fixture
@@ -114,16 +114,6 @@ def test_a_probe_waits_for_passes_at_the_same_batch_size():
 
 
 # ---- one OpenMP pool: only the engine thread computes on every core --------------------------------------------
-def _os_threads() -> int:
-    """This process's OS threads, once those of threads just joined have left /proc (they linger a moment)."""
-    counts = [len(os.listdir("/proc/self/task"))]
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline and (len(counts) < 5 or len(set(counts[-5:])) > 1):
-        time.sleep(0.02)
-        counts.append(len(os.listdir("/proc/self/task")))
-    return counts[-1]
-
-
 def _in_thread_alive(work, pin: bool) -> tuple[int, int]:
     """Run ``work`` on a new thread (pinned to one core or not) and, while that thread still lives, count this
     process's OS threads; (threads it added, its torch thread count)."""
@@ -137,11 +127,11 @@ def _in_thread_alive(work, pin: bool) -> tuple[int, int]:
         done.set()
         release.wait(30)
 
-    before = _os_threads()
+    before = os_threads()
     thread = threading.Thread(target=run)
     thread.start()
     done.wait(30)
-    added = _os_threads() - before
+    added = os_threads() - before
     release.set()
     thread.join()
     return added, seen["threads"]
@@ -174,8 +164,8 @@ def test_pinning_a_thread_leaves_the_others_and_the_default_as_they_are():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or usable_cores() < 2, reason="needs /proc and 2 cores")
 def test_work_on_its_own_thread_returns_its_result_and_leaves_no_pool():
-    before = _os_threads()
+    before = os_threads()
     assert on_own_thread(lambda x: (_parallel_kernels(), x * 2)[1], 21) == 42
-    assert _os_threads() == before  # the thread and its OpenMP pool are gone
+    assert os_threads() == before  # the thread and its OpenMP pool are gone
     with pytest.raises(ZeroDivisionError):
         on_own_thread(lambda: 1 / 0)

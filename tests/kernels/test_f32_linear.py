@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,6 +97,7 @@ def test_install_puts_the_kernel_under_a_models_linears_for_short_passes(ops):
     assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight"}  # the packing is not saved
 
 
+TESTS = str(Path(__file__).parents[1])  # os_threads.py
 PINNED_SIDE_THREAD = """
 import os, concurrent.futures, torch
 from inferscale.engine.threads import on_own_thread, pin_threads, configure_threads
@@ -105,10 +107,10 @@ pack, product = on_own_thread(f32_linear.load)  # as the server builds its embed
 packed, x = pack(torch.randn(384, 384)), torch.randn(23, 384)
 side = concurrent.futures.ThreadPoolExecutor(1, initializer=pin_threads, initargs=(1,))
 side.submit(torch.get_num_threads).result()
-threads = lambda: len(os.listdir(f"/proc/{os.getpid()}/task"))
-before = threads()
+from os_threads import os_threads  # the load thread's OpenMP workers leave after it is joined: counted once gone
+before = os_threads()
 side.submit(product, packed, x, None, 384).result()
-print(before, threads())
+print(before, os_threads())
 """
 
 
@@ -117,7 +119,7 @@ def test_a_side_thread_pinned_to_one_core_keeps_no_openmp_pool(ops):
     behind (through at::parallel_for, the extension's first call on such a thread reset its count to torch's and
     left one: a third OpenMP thread on two cores, a decode step 22-26 -> 32-39 ms through the server)."""
     run = subprocess.run([sys.executable, "-c", PINNED_SIDE_THREAD], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+                         env={**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": TESTS})
     assert run.returncode == 0, run.stderr[-2000:]
     before, after = map(int, run.stdout.split()[-2:])
     assert after == before
