@@ -99,7 +99,8 @@ def test_install_puts_the_kernel_under_a_models_linears_for_short_passes(ops):
 
 TESTS = str(Path(__file__).parents[1])  # os_threads.py
 PINNED_SIDE_THREAD = """
-import os, concurrent.futures, torch
+import concurrent.futures, torch
+from os_threads import os_threads  # the load thread's OpenMP workers leave after it is joined: counted once gone
 from inferscale.engine.threads import on_own_thread, pin_threads, configure_threads
 from inferscale.kernels import f32_linear
 configure_threads(None)
@@ -107,7 +108,6 @@ pack, product = on_own_thread(f32_linear.load)  # as the server builds its embed
 packed, x = pack(torch.randn(384, 384)), torch.randn(23, 384)
 side = concurrent.futures.ThreadPoolExecutor(1, initializer=pin_threads, initargs=(1,))
 side.submit(torch.get_num_threads).result()
-from os_threads import os_threads  # the load thread's OpenMP workers leave after it is joined: counted once gone
 before = os_threads()
 side.submit(product, packed, x, None, 384).result()
 print(before, os_threads())
