@@ -42,23 +42,7 @@ class FleetTarget(LocalTarget):
         self.servers: dict[str, dict[str, Any]] = {}
 
     def start(self) -> FleetTarget:
-        from operator_fakes import EmulatorThread
-
-        from node_agent import NodeAgentStandIn
-
-        self._save_model()
-        self.emu = EmulatorThread().start()
-        self.kubeconfig = self.workdir / "kubeconfig"
-        self.kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-            "clusters": [{"name": "kmock", "cluster": {"server": self.emu.url}}],
-            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
-        from e2e_common import tool
-
-        self.kubectl_bin = tool("kubectl")
-        self.http = httpx.Client(base_url=self.emu.url, timeout=10)
-        self._write_kek()
+        self._start_api()
         tenants = self.workdir / "tenants.json"
         from inferscale.server.auth import hash_key
 
@@ -73,8 +57,7 @@ class FleetTarget(LocalTarget):
         self.server_out, self.server_log = self.servers[NODE]["out"], self.servers[NODE]["err"]
         for node, s in self.servers.items():
             self._register(node, s)
-        self.agent = NodeAgentStandIn(self.emu.url, NODE, self.image_dir, self.workdir / "pods").start()
-        self._start_operator()
+        self._start_agent_and_operator()
         return self
 
     def _env(self, **extra: str) -> dict[str, str]:

@@ -77,9 +77,15 @@ class LocalTarget:
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> LocalTarget:
-        from operator_fakes import EmulatorThread
+        self._start_api()
+        self._start_server()
+        self._register_serving_pod()
+        self._start_agent_and_operator()
+        return self
 
-        from node_agent import NodeAgentStandIn
+    def _start_api(self) -> None:
+        """The image dir's model, the emulator with a kubeconfig for it, kubectl and the key-encryption key."""
+        from operator_fakes import EmulatorThread
 
         self._save_model()
         self.emu = EmulatorThread().start()
@@ -92,11 +98,13 @@ class LocalTarget:
         self.kubectl_bin = tool("kubectl")
         self.http = httpx.Client(base_url=self.emu.url, timeout=10)
         self._write_kek()
-        self._start_server()
-        self._register_serving_pod()
+
+    def _start_agent_and_operator(self) -> None:
+        """The kubelet's stand-in on NODE, then the operator: once the serving pods are registered."""
+        from node_agent import NodeAgentStandIn
+
         self.agent = NodeAgentStandIn(self.emu.url, NODE, self.image_dir, self.workdir / "pods").start()
         self._start_operator()
-        return self
 
     def close(self) -> None:
         stop_process(self.operator)
