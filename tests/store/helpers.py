@@ -9,6 +9,7 @@ from inferscale.kvformat import KVBlock
 from fleet_certs import shared_fleet_tls
 
 FP = "f" * 64  # a model fingerprint
+ITEMS = [f"m{i}" for i in range(6)]  # acme/alice's memories on the peer_node fixture (conftest.py)
 OTHER_FP = "e" * 64
 PEER_SECRET = "peer-secret-for-store-tests"  # INFERSCALE_PEER_SECRET of every test node
 PEER_TLS = shared_fleet_tls()  # every test node's peer channel is TLS, as the chart's fleet is

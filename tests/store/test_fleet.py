@@ -11,21 +11,7 @@ from inferscale.store.fleet import Fleet
 from inferscale.store import KVStore
 from inferscale.bench.node import child_process, serve_node
 
-from .helpers import FP, PEER_SECRET, PEER_TLS, make_block
-
-ITEMS = [f"m{i}" for i in range(6)]
-
-
-@pytest.fixture
-def peer_node(tmp_path):
-    """A child process holding tenant acme/alice's six blocks, serving peers on loopback."""
-    root = tmp_path / "peer"
-    with KVStore(root, dram_budget_bytes=8 << 20, nixl=False) as s:
-        for it in ITEMS:
-            s.put("acme", "alice", make_block(it, tokens=5))
-    with child_process(serve_node, str(root), {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "peer_tls": PEER_TLS,
-                                               "preload": [("acme", "alice", FP)]}) as info:
-        yield info["peer"]
+from .helpers import FP, ITEMS, PEER_SECRET, PEER_TLS, make_block
 
 
 def test_pulls_exactly_the_needed_blocks_from_a_peer(open_store, peer_node, tmp_path):

@@ -9,25 +9,8 @@ import pytest
 import torch
 
 from inferscale.errors import BlobCorruptError, NotFoundError, TransferError, UnsafePathError
-from inferscale.store import KVStore
-from inferscale.bench.node import child_process, serve_node
 
-from .helpers import FP, PEER_SECRET, PEER_TLS, make_block
-
-ITEMS = [f"m{i}" for i in range(6)]
-
-
-@pytest.fixture
-def peer_node(tmp_path):
-    """A child process serving tenant acme/alice's blocks (already DRAM-resident) from its own store."""
-    root = tmp_path / "peer"
-    with KVStore(root, dram_budget_bytes=8 << 20, nixl=False) as s:
-        for it in ITEMS:
-            s.put("acme", "alice", make_block(it, tokens=5))
-        s.put("other", "bob", make_block("x"))
-    options = {"dram_budget_bytes": 8 << 20, "timeout_s": 10.0, "peer_secret": PEER_SECRET, "peer_tls": PEER_TLS, "preload": [("acme", "alice", FP)]}
-    with child_process(serve_node, str(root), options) as info:
-        yield info["peer"]
+from .helpers import FP, ITEMS, make_block
 
 
 def test_pull_between_processes(open_store, peer_node):
