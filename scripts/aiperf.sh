@@ -3,11 +3,14 @@
 # aiperf is a reference client, not a dependency: install it into a venv of its own, e.g.
 #   python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf
 # Usage: scripts/aiperf.sh [PORT] [REQUESTS]   (AIPERF=path/to/aiperf; MODES="kv text"; K=20;
+#   CONCURRENCY=1, or a list such as "1 16" run in turn on the same server; OUTPUT_TOKENS=16, each answer's length;
 #   PROMPTS=bench sends `inferscale bench load`'s own questions, as a single_turn input file, instead of aiperf's
 #   24-token synthetic prompts: the same requests through both clients, so their TTFTs can be compared)
 # Starts a server on a fresh data dir with one tenant, stores 20 synthetic memories for user "maya", runs aiperf
 # once per mode (concurrency 1, 24-token synthetic prompts, 16 output tokens forced as aiperf's users force them:
-# ignore_eos and min_tokens), stops it.
+# ignore_eos and min_tokens), stops it. CONCURRENCY="1 16" OUTPUT_TOKENS=64 measures many streams beside one the same
+# way (REQUESTS per concurrency): aiperf's output token throughput then counts the prompt passes of the requests that
+# replace finished ones too, its inter-token latency the steps those passes share.
 # aiperf paces its requests at RATE per second (default 100, above what one stream can ask for, so concurrency 1 is
 # what binds): with concurrency alone its timing_manager polls for a free slot without sleeping, a whole core
 # (95 % of one measured), which on a small machine shared with the server is taken from the server (kv TTFT 214 ms
@@ -16,6 +19,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${1:-8000}
 REQUESTS=${2:-20}
+CONCURRENCY=${CONCURRENCY:-1}
+OUTPUT_TOKENS=${OUTPUT_TOKENS:-16}
+for n in $CONCURRENCY $OUTPUT_TOKENS $REQUESTS; do
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "aiperf.sh: '$n' is not a positive integer (CONCURRENCY, OUTPUT_TOKENS, REQUESTS)" >&2; exit 2; }
+done
 AIPERF=${AIPERF:-aiperf}
 K=${K:-20}
 RATE=${RATE:-100}
@@ -69,18 +77,39 @@ for fam in text_string_to_metric_families(sys.stdin.read()):
 json.dump(out, open(sys.argv[2], 'w'))" "$1" "$2"
 }
 for MODE in ${MODES:-kv text}; do
-  echo "== aiperf, mode $MODE, k=$K"
-  scrape "$MODE" "$DATA/metrics-$MODE-before.json"
-  # aiperf itself runs without HF_HUB_OFFLINE: in offline mode its record processor resolves the tokenizer through the
-  # hub cache (snapshot_download), which refuses a local directory; online, a local directory loads as it is.
-  env -u HF_HUB_OFFLINE "$AIPERF" profile --model gemma-3-270m --url "http://127.0.0.1:$PORT" --endpoint-type chat --streaming \
-    --api-key isk-aiperf --tokenizer "$TOKENIZER" --concurrency 1 "${PACING[@]}" --request-count "$REQUESTS" \
-    --warmup-request-count 2 "${PROMPT_ARGS[@]}" \
-    --prompt-output-tokens-mean 16 --prompt-output-tokens-stddev 0 \
-    --extra-inputs "{\"user\": \"maya\", \"inferscale\": {\"k\": $K, \"mode\": \"$MODE\"}, \"ignore_eos\": true, \"min_tokens\": 16}" \
-    --ui-type simple --no-server-metrics --output-artifact-dir "$DATA/aiperf-$MODE" 2>&1 \
-    | grep -v -E "^[0-9:.]+ +(INFO|WARNING|DEBUG|NOTICE)"
-  scrape "$MODE" "$DATA/metrics-$MODE-after.json"
-  server_view "$MODE" "$DATA/metrics-$MODE-before.json" "$DATA/metrics-$MODE-after.json"
+  for C in $CONCURRENCY; do
+    echo "== aiperf, mode $MODE, k=$K, concurrency $C, $OUTPUT_TOKENS output tokens"
+    RUN="$MODE-c$C"
+    scrape "$MODE" "$DATA/metrics-$RUN-before.json"
+    # aiperf itself runs without HF_HUB_OFFLINE: in offline mode its record processor resolves the tokenizer through
+    # the hub cache (snapshot_download), which refuses a local directory; online, a local directory loads as it is.
+    env -u HF_HUB_OFFLINE "$AIPERF" profile --model gemma-3-270m --url "http://127.0.0.1:$PORT" --endpoint-type chat \
+      --streaming --api-key isk-aiperf --tokenizer "$TOKENIZER" --concurrency "$C" "${PACING[@]}" \
+      --request-count "$REQUESTS" --warmup-request-count 2 "${PROMPT_ARGS[@]}" \
+      --prompt-output-tokens-mean "$OUTPUT_TOKENS" --prompt-output-tokens-stddev 0 \
+      --extra-inputs "{\"user\": \"maya\", \"inferscale\": {\"k\": $K, \"mode\": \"$MODE\"}, \"ignore_eos\": true, \"min_tokens\": $OUTPUT_TOKENS}" \
+      --ui-type simple --no-server-metrics --output-artifact-dir "$DATA/aiperf-$RUN" 2>&1 \
+      | grep -v -E "^[0-9:.]+ +(INFO|WARNING|DEBUG|NOTICE)"
+    scrape "$MODE" "$DATA/metrics-$RUN-after.json"
+    server_view "$MODE" "$DATA/metrics-$RUN-before.json" "$DATA/metrics-$RUN-after.json"
+  done
 done
+# One line a run from aiperf's own export; beside concurrency 1 of the same mode, its output token throughput and its
+# per-stream decode rate (inter-token latency) over concurrency 1's.
+.venv/bin/python - "$DATA" ${MODES:-kv text} <<'PY'
+import json, sys
+from pathlib import Path
+data, modes = Path(sys.argv[1]), sys.argv[2:]
+for mode in modes:
+    runs = {int(p.name.rsplit("-c", 1)[1]): json.loads((p / "profile_export_aiperf.json").read_text())
+            for p in data.glob(f"aiperf-{mode}-c*") if (p / "profile_export_aiperf.json").exists()}
+    one = runs.get(1)
+    for c, r in sorted(runs.items()):
+        ttft, itl, tput = r["time_to_first_token"]["p50"], r["inter_token_latency"]["p50"], r["output_token_throughput"]["avg"]
+        line = f"summary {mode} concurrency {c}: TTFT p50 {ttft:.1f} ms, inter-token p50 {itl:.1f} ms, output {tput:.1f} tokens/s"
+        if one is not None and c > 1:
+            line += (f"; over concurrency 1: output tokens/s {tput / one['output_token_throughput']['avg']:.2f}x, decode "
+                     f"{c * one['inter_token_latency']['p50'] / itl:.2f}x ({c} x its inter-token latency / this one's)")
+        print(line)
+PY
 echo "artifacts and server log: $DATA"
