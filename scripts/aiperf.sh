@@ -94,22 +94,6 @@ for MODE in ${MODES:-kv text}; do
     server_view "$MODE" "$DATA/metrics-$RUN-before.json" "$DATA/metrics-$RUN-after.json"
   done
 done
-# One line a run from aiperf's own export; beside concurrency 1 of the same mode, its output token throughput and its
-# per-stream decode rate (inter-token latency) over concurrency 1's.
-.venv/bin/python - "$DATA" ${MODES:-kv text} <<'PY'
-import json, sys
-from pathlib import Path
-data, modes = Path(sys.argv[1]), sys.argv[2:]
-for mode in modes:
-    runs = {int(p.name.rsplit("-c", 1)[1]): json.loads((p / "profile_export_aiperf.json").read_text())
-            for p in data.glob(f"aiperf-{mode}-c*") if (p / "profile_export_aiperf.json").exists()}
-    one = runs.get(1)
-    for c, r in sorted(runs.items()):
-        ttft, itl, tput = r["time_to_first_token"]["p50"], r["inter_token_latency"]["p50"], r["output_token_throughput"]["avg"]
-        line = f"summary {mode} concurrency {c}: TTFT p50 {ttft:.1f} ms, inter-token p50 {itl:.1f} ms, output {tput:.1f} tokens/s"
-        if one is not None and c > 1:
-            line += (f"; over concurrency 1: output tokens/s {tput / one['output_token_throughput']['avg']:.2f}x, decode "
-                     f"{c * one['inter_token_latency']['p50'] / itl:.2f}x ({c} x its inter-token latency / this one's)")
-        print(line)
-PY
+# One line a run from aiperf's own export, the 16-stream one beside concurrency 1's (inferscale/bench/aiperfsummary.py)
+.venv/bin/python -m inferscale.bench.aiperfsummary "$DATA" ${MODES:-kv text}
 echo "artifacts and server log: $DATA"
