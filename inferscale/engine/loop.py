@@ -446,20 +446,29 @@ class ServingLoop:
                 req.emit(TokenEvent(None, text[req.sent:], time.perf_counter()))
         self._end_span(req)  # before the client hears of it: its trace is complete when the answer is
         req.ended = True
-        req.emit(DoneEvent(reason, req.sched.prompt_tokens, req.memory_tokens, len(req.output), req.first_token))
-        self._free(req)
+        done = DoneEvent(reason, req.sched.prompt_tokens, req.memory_tokens, len(req.output), req.first_token)
+        self._free_then(req, done)
 
     def _fail(self, req: GenRequest, e: BaseException) -> None:
         if req.span is not None:
             req.span.record_exception(e)
         self._end_span(req)
-        if not req.ended:
-            req.ended = True
-            try:
-                req.emit(ErrorEvent(e))
-            except Exception:  # noqa: BLE001 - a client that cannot hear of it must not stop the others
-                log.exception("could not report a failed request to its client")
-        self._free(req)
+        tell = not req.ended
+        req.ended = True
+        self._free_then(req, ErrorEvent(e) if tell else None)
+
+    def _free_then(self, req: GenRequest, last: Event | None) -> None:
+        """Free ``req``, then emit its ``last`` event (if any), even when freeing raised: a client that hears its
+        request ended finds it gone from the engine's counts (``active``) and its slot free for the next one (the
+        other order let a warm-up's end race its count: 'assert 1 == 0' in a CI run)."""
+        try:
+            self._free(req)
+        finally:
+            if last is not None:
+                try:
+                    req.emit(last)
+                except Exception:  # noqa: BLE001 - a client that cannot hear of it must not stop the others
+                    log.exception("could not report the end of a request to its client")
 
     def _end_span(self, req: GenRequest) -> None:
         if req.span is not None:

@@ -75,6 +75,37 @@ def test_events_are_tokens_then_one_done(engine):
     assert done.first_token == events[0].token_id
 
 
+def test_a_request_has_left_the_engine_when_its_client_hears_it_ended(engine, monkeypatch):
+    """Its last event (done or error) comes once its slot is free and the counts no longer hold it: a caller that
+    checks ``active`` on hearing the end (the server's warm-up, before it listens) finds 0."""
+    loop = ServingLoop(engine)
+    seen = []
+
+    def watching(events):
+        def emit(event):
+            events.append(event)
+            if isinstance(event, (DoneEvent, ErrorEvent)):
+                seen.append((type(event).__name__, loop.active, len(loop.rows)))
+        return emit
+
+    ok, failing = req(engine, [], tokens=3), req(engine, [], tokens=30, tenant="other")
+    ok.emit, failing.emit = watching([]), watching([])
+    loop.add(ok)
+    loop.add(failing)
+    loop.step()
+    real = ServingLoop._postprocess
+
+    def postprocess(self, r, *args):
+        if r is failing:
+            raise RuntimeError("this request's sampler broke")
+        real(self, r, *args)
+
+    monkeypatch.setattr(ServingLoop, "_postprocess", postprocess)
+    loop.run_until_done()
+    # the failing one first (its second token), while the other still decodes; then the other, the last one
+    assert seen == [("ErrorEvent", 1, 1), ("DoneEvent", 0, 0)]
+
+
 def test_min_tokens_bans_stop_tokens_until_reached(engine):
     """Without ignore_eos, min_tokens alone still forces the length (stop tokens cannot be chosen before it)."""
     events = []
