@@ -453,14 +453,13 @@ class ServingLoop:
         if req.span is not None:
             req.span.record_exception(e)
         self._end_span(req)
-        tell = not req.ended
-        req.ended = True
-        self._free_then(req, ErrorEvent(e) if tell else None)
+        last, req.ended = (None if req.ended else ErrorEvent(e)), True
+        self._free_then(req, last)
 
     def _free_then(self, req: GenRequest, last: Event | None) -> None:
         """Free ``req``, then emit its ``last`` event (if any), even when freeing raised: a client that hears its
-        request ended finds it gone from the engine's counts (``active``) and its slot free for the next one (the
-        other order let a warm-up's end race its count: 'assert 1 == 0' in a CI run)."""
+        request ended finds it gone from the engine's counts and its slot free (the other order raced the warm-up's
+        check of ``active``: 'assert 1 == 0' in a CI run)."""
         try:
             self._free(req)
         finally:
