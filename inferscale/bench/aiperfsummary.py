@@ -21,7 +21,6 @@ EXPORT = "profile_export_aiperf.json"
 
 @dataclass(frozen=True)
 class AiperfRun:
-    mode: str
     concurrency: int
     ttft_p50_ms: float
     itl_p50_ms: float
@@ -29,10 +28,10 @@ class AiperfRun:
 
     @classmethod
     def read(cls, directory: Path) -> AiperfRun:
-        mode, _, concurrency = directory.name.removeprefix("aiperf-").rpartition("-c")
+        concurrency = directory.name.rpartition("-c")[2]  # aiperf-<mode>-c<concurrency>
         try:
             export = json.loads((directory / EXPORT).read_text())
-            return cls(mode, int(concurrency), float(export["time_to_first_token"]["p50"]),
+            return cls(int(concurrency), float(export["time_to_first_token"]["p50"]),
                        float(export["inter_token_latency"]["p50"]), float(export["output_token_throughput"]["avg"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InvalidInputError(f"{directory / EXPORT}: not an aiperf export with TTFT, inter-token latency and "
