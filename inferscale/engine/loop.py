@@ -34,10 +34,12 @@ from inferscale.contract import MODES
 from inferscale.engine import tokenchoice
 from inferscale.engine.cache import inject_into_slot
 from inferscale.engine.detokenize import AnswerText
+from inferscale.engine.interject import Interjector
 from inferscale.engine.promptbatch import next_piece, padded_groups
 from inferscale.engine.request import DoneEvent, ErrorEvent, Event, GenRequest, TokenEvent
 from inferscale.engine.sampling import find_stop, held_back, sample
-from inferscale.engine.scheduler import NEWCOMER_PASS_TOKENS, Arrival, ScheduledRequest, Scheduler, SchedulerConfig
+from inferscale.engine.scheduler import (NEWCOMER_PASS_TOKENS, NEWCOMER_STEP_SHARE, Arrival, ScheduledRequest,
+                                         Scheduler, SchedulerConfig)
 from inferscale.engine.slots import SlotCache
 from inferscale.engine.spans import request_span
 from inferscale.engine.threads import pin_threads, tuned_choices
@@ -65,6 +67,9 @@ class ServingLoop:
         self.decoding = 0
         self.steps = 0
         self.threads = ThreadTuner(tuned_choices(), pin_threads)  # a no-op after an explicit count
+        self.interject = Interjector(self.scheduler, self._fits_between_layers, self._interjected,
+                                     config.step_time_s * NEWCOMER_STEP_SHARE)
+        self._settling: list[GenRequest] = []  # prompts done inside a paused pass: they join the decoding rows after
 
     # ---- any thread -------------------------------------------------------------------------------------------
     def add(self, req: GenRequest) -> None:
@@ -125,14 +130,16 @@ class ServingLoop:
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
         self._prefill([(s.payload, n) for s, n in out.prefill if s.payload.slot >= 0 and s.payload.pending],
                       out.pass_tokens)
+        self._settle()
         t1 = time.perf_counter()
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self.threads.before_decode(len(decode))
             self._decode(decode)
-            t2 = time.perf_counter()
-            self.threads.after_decode(len(decode), t2 - t1)
-            cost.observe_decode(t2 - t1)
+            took = time.perf_counter() - t1 - self.interject.take_elapsed()
+            self.threads.after_decode(len(decode), took)
+            cost.observe_decode(took)
+            self._settle()
         self.steps += 1
 
     def _refuse(self, shed: list) -> None:
@@ -212,8 +219,8 @@ class ServingLoop:
                     computed = self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
                 else:
                     computed = self._prefill_batch(batch) if batch else 0
-                self.scheduler.cost.observe_prefill(computed, time.perf_counter() - t0, 1,
-                                                    {r.sched.tenant for r, _ in batch})
+                took = time.perf_counter() - t0 - self.interject.take_elapsed()
+                self.scheduler.cost.observe_prefill(computed, took, 1, {r.sched.tenant for r, _ in batch})
             chunks = [(r, n - m) for (r, n), (_, m) in zip(chunks, pieces) if n > m and r.slot >= 0 and r.pending]
 
     def _prefill_batch(self, batch: list[tuple[GenRequest, int]]) -> int:
@@ -270,9 +277,12 @@ class ServingLoop:
         req.span = request_span(req, "decode")
         if req.keep_first_logits:  # _choices computed them (tokenchoice.needs_logits)
             req.first_logits = logits.detach().float().cpu().clone()
-        # It decodes from now on: move it to the end of the decoding rows.
-        self._swap(req, self.decoding)
-        self.decoding += 1
+        # It decodes from now on: move it to the end of the decoding rows (after the pass, inside a paused one).
+        if self.interject.nested:
+            self._settling.append(req)
+        else:
+            self._swap(req, self.decoding)
+            self.decoding += 1
         self._postprocess(req, logits, greedy)
 
     def _decode(self, reqs: list[GenRequest]) -> None:
@@ -311,7 +321,32 @@ class ServingLoop:
         cache = self.slots.view(rows, starts, q)
         pos = torch.tensor(starts)[:, None] + torch.arange(q)[None]
         keep = 1 if last is None else torch.tensor(last, device=dev)[:, None]
-        return self.engine.loaded.last_rows(ids.to(dev), pos.to(dev), self.slots.mask(starts, q), cache, keep)
+        lean = self.engine.loaded.lean
+        with self.interject.around(lean if lean is not None and lean.usable else None,
+                                   {self.rows[r].sched.tenant for r in rows}):
+            return self.engine.loaded.last_rows(ids.to(dev), pos.to(dev), self.slots.mask(starts, q), cache, keep)
+
+    # ---- another tenant's prompt inside a paused pass (interject.py) --------------------------------------------
+    def _fits_between_layers(self, s: ScheduledRequest) -> bool:
+        """A queued request whose whole prompt is one pass and needs neither a new slot tensor nor more capacity (a
+        paused pass's rows must stay where they are), and no kv-recompute scoring pass."""
+        most = self.scheduler.config.max_pass_tokens
+        return (most is not None and s.remaining_prompt <= most and s.prompt_tokens <= self.slots.capacity
+                and len(self.rows) < self.slots.slots and s.payload.mode != "kv-recompute")
+
+    def _interjected(self, s: ScheduledRequest) -> None:
+        req = s.payload
+        self._guarded(req, self._admit)
+        if req.slot >= 0 and req.pending:
+            self._prefill([(req, len(req.pending))], None)
+
+    def _settle(self) -> None:
+        """The prompts finished inside a paused pass join the decoding rows, now that no pass is paused."""
+        for req in self._settling:
+            if req.slot >= self.decoding:
+                self._swap(req, self.decoding)
+                self.decoding += 1
+        self._settling.clear()
 
     def _postprocess(self, req: GenRequest, logits: torch.Tensor | None, greedy: int | None = None) -> None:
         """Sample the next token (``greedy``: the argmax of ``logits``, when already known; ``logits`` may then be

@@ -14,10 +14,13 @@ Time, not only tokens (issue 22): a step's prompt budget is also bounded by ``st
 of a prompt token and a decode pass (stepcost.py), so a request arriving during a flood waits at most one short
 step (half of ``step_time_s`` while it is announced and fetching its memories) before its own prompt runs first;
 and ``add`` refuses a request whose predicted wait for a slot exceeds the
-queue timeout at once (EngineBusyError: 503 + Retry-After), instead of after waiting it out. A tenant's first
+queue timeout at once (EngineBusyError: 503 + Retry-After), instead of after waiting it out. A newcomer whose
+question fits one pass need not wait for the pass in progress either: ``take_newcomer`` hands it to the serving loop
+between two of that pass's layers (interject.py). A tenant's first
 burst is predicted at the request's own prompt size and, before a step was measured, at a cost prior; a queued
 request that the costs measured since would still make outwait the timeout is refused at the next step (``shed``).
-Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish`` from the engine thread.
+Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish``/``take_newcomer`` from
+the engine thread.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +76,8 @@ SHED_AT = 0.8
 # arrives during one of them and waits that one out before its own prompt runs first.
 NEWCOMER_STEP_SHARE = 0.35
 # The most prompt tokens the serving loop lets a timed pass hold where the model's fast kernels take more
-# (``LoadedModel.pass_rows``: 128 on AVX512-BF16): a newcomer waits out the pass in progress. On the 2-core Zen 4
+# (``LoadedModel.pass_rows``: 128 on AVX512-BF16): a newcomer not run between its layers (interject.py) waits out
+# the pass in progress. On the 2-core Zen 4
 # machine, 2026-12-04, ``bench load --flood`` (3 repeats): passes of up to 128 tokens gave tenant B 2.46x [2.32, 2.55]
 # its idle TTFT, of up to 64 1.43x [1.34, 1.98] in the next run (and 1.63x [1.52, 1.71] in the one after).
 NEWCOMER_PASS_TOKENS = 64
@@ -281,6 +286,23 @@ class Scheduler:
             self._prefilling.clear()
             self._waiting.clear()
             return held
+
+    def take_newcomer(self, busy: set[str], fits: Callable[[ScheduledRequest], bool]) -> ScheduledRequest | None:
+        """The next queued request of a tenant not in ``busy`` and with no prompt started, if ``fits`` takes it,
+        admitted now as its tenant's turn (interject.py runs its prompt between two layers of a pass computing for
+        ``busy``); None when there is none or every slot is taken."""
+        with self._lock:
+            if self.num_running >= self.config.max_running:
+                return None
+            for tenant, queue in self._waiting.items():
+                if (tenant in busy or tenant in self._prefilling or not queue or queue[0].cancelled
+                        or not fits(queue[0])):
+                    continue
+                req = queue.popleft()
+                self._prefilling[tenant] = [req]
+                self._served_at[tenant] = self._steps
+                return req
+            return None
 
     def shed_queued(self) -> list[ScheduledRequest]:
         """What ``schedule`` refuses as ``shed``, now: the loop asks between the passes of a long step, so a request

@@ -24,6 +24,7 @@ layer, 16 rows' 30 -> 18 ms (SDPA alone, this 2-core machine).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from transformers.modeling_utils import slice_logits_to_keep
@@ -64,6 +65,9 @@ class LeanGemma3Model:
         self.head = model.lm_head
         self.softcap = config.final_logit_softcapping
         self.key_block: int | None = None  # KEY_BLOCK once install_lean_model checked leaving blocks out
+        # called after every layer but the last while set: the serving loop runs another tenant's short prompt pass
+        # there (engine/interject.py); it must not touch this pass's rows, which then go on where they were
+        self.between_layers: Callable[[], None] | None = None
 
     @property
     def usable(self) -> bool:
@@ -86,8 +90,11 @@ class LeanGemma3Model:
         masks = attention_mask if isinstance(attention_mask, dict) else dict.fromkeys(types, attention_mask)
         starts = {t: first_key(masks[t], self.key_block) for t in types}
         masks = {t: masks[t][..., starts[t]:] if starts[t] else masks[t] for t in types}
-        for layer, t in zip(self.layers, self.layer_types):
+        between, last = self.between_layers, len(self.layers) - 1
+        for i, (layer, t) in enumerate(zip(self.layers, self.layer_types)):
             h = layer.lean_step(h, rotary[t], masks[t], cache, starts[t])
+            if between is not None and i < last:
+                between()
         return slice_logits_to_keep(lean_rms(h, self.norm, self.eps), logits_to_keep)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

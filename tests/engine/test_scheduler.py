@@ -465,3 +465,21 @@ def test_a_timed_pass_stays_within_the_models_fast_path_rows():
         s.cost.observe_prefill(32, fixed + 32 * cost_per_token)
         s.add(ScheduledRequest("a", prompt_tokens=300))
         assert s.schedule().pass_tokens == want, cap
+
+
+def test_take_newcomer_admits_the_first_queued_request_of_another_tenant_that_fits():
+    s = Scheduler(SchedulerConfig(max_running=3, step_tokens=64, chunk_tokens=64))
+    a1, a2 = ScheduledRequest("a", prompt_tokens=500), ScheduledRequest("a", prompt_tokens=40)
+    b1, b2 = ScheduledRequest("b", prompt_tokens=30), ScheduledRequest("b", prompt_tokens=20)
+    c1 = ScheduledRequest("c", prompt_tokens=300)
+    s.add(a1)
+    run_prefill(s, s.schedule())  # a1's prompt has started: a is the paused pass's tenant
+    for r in (a2, b1, b2, c1):
+        s.add(r)
+    short = lambda r: r.remaining_prompt <= 64  # noqa: E731
+    assert s.take_newcomer({"a", "b"}, short) is None  # a's own and b's wait; c's prompt does not fit
+    assert s.take_newcomer({"a"}, short) is b1  # its tenant's first, not its shortest
+    assert s.take_newcomer({"a"}, short) is None  # b has a prompt started now: b2 waits its turn
+    s.computed(b1, 30)  # b1's prompt done inside the pass: it decodes, and b may interject again
+    assert s.take_newcomer({"a"}, lambda r: True) is b2 and s.num_running == 3
+    assert s.take_newcomer(set(), lambda r: True) is None  # every slot taken

@@ -1,0 +1,128 @@
+"""Another tenant's short prompt runs between two layers of a pass in progress (inferscale/engine/interject.py): its
+first token comes before the paused pass ends, and every answer, the paused pass's included, is bit for bit what it
+is without the interjection. A tiny Gemma-3 with lean layers (the hook lives in the lean pass)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as tm
+from inferscale.engine import Engine, Sampling
+from inferscale.engine.loop import DoneEvent, GenRequest, ServingLoop, TokenEvent
+from inferscale.engine.scheduler import SchedulerConfig
+from inferscale.models.loader import from_model
+
+CONFIG = SchedulerConfig(max_pass_tokens=64, chunk_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(from_model(tm.model("gemma3", dtype=torch.bfloat16, sliding_window=8), tm.tokenizer()))
+
+
+def _request(engine, log: list, name: str, tenant: str, ids: list[int], tokens: int) -> GenRequest:
+    return GenRequest(ids=ids, blocks=[], mode="none", tenant=tenant, emit=lambda e: log.append((name, e)),
+                      sampling=Sampling(max_new_tokens=tokens, ignore_eos=True))
+
+
+def _tokens(log: list, name: str) -> list[int]:
+    return [e.token_id for n, e in log if n == name and isinstance(e, TokenEvent) and e.token_id is not None]
+
+
+def _alone(engine, ids: list[int], tokens: int) -> list[int]:
+    log: list = []
+    loop = ServingLoop(engine, CONFIG)
+    loop.add(_request(engine, log, "x", "solo", ids, tokens))
+    loop.run_until_done()
+    return _tokens(log, "x")
+
+
+def _arriving_during_first_pass(loop: ServingLoop, newcomer: GenRequest, after_steps: int = 0) -> list[int]:
+    """Queue ``newcomer`` when the interjector first looks for one (between two layers of a pass) once the loop has
+    run ``after_steps`` steps; returns [the step it was queued in]."""
+    queued: list[int] = []
+    take = loop.scheduler.take_newcomer
+
+    def arriving(busy, fits):
+        if not queued and loop.steps >= after_steps:
+            queued.append(loop.steps)
+            loop.add(newcomer)
+        return take(busy, fits)
+
+    loop.scheduler.take_newcomer = arriving
+    return queued
+
+
+@pytest.mark.parametrize("b_tokens", [1, 5])
+def test_a_newcomer_is_answered_inside_another_tenants_prompt_pass(engine, b_tokens):
+    long_prompt = engine.tokenizer("memory " * 150, add_special_tokens=False).input_ids[:150]
+    question = engine.question_ids("where did caroline go?")
+    log: list = []
+    loop = ServingLoop(engine, CONFIG)
+    loop.add(_request(engine, log, "a", "tenant-a", long_prompt, 4))
+    queued = _arriving_during_first_pass(loop, _request(engine, log, "b", "tenant-b", question, b_tokens))
+    loop.step()  # A's first 64-token prompt pass, paused between two layers for B's whole question
+    assert queued == [0]
+    assert len(_tokens(log, "b")) == 1  # B's first token inside the step that ran A's pass
+    assert loop.scheduler.num_waiting == 0
+    loop.run_until_done()
+    assert _tokens(log, "a") == _alone(engine, long_prompt, 4)
+    assert _tokens(log, "b") == _alone(engine, question, b_tokens)
+    assert all(isinstance(next(e for n, e in reversed(log) if n == who), DoneEvent) for who in "ab")
+    assert loop.rows == [] and loop.decoding == 0 and loop._settling == []
+
+
+def test_a_newcomer_is_answered_inside_another_tenants_decode_pass(engine):
+    questions = [engine.question_ids(q) for q in ("what does maya do?", "who is lena?", "where is biscuit?")]
+    log: list = []
+    loop = ServingLoop(engine, CONFIG)
+    for i, ids in enumerate(questions[:2]):
+        loop.add(_request(engine, log, f"a{i}", "tenant-a", ids, 8))
+    loop.step()  # both prompts
+    assert loop.decoding == 2
+    queued = _arriving_during_first_pass(loop, _request(engine, log, "b", "tenant-b", questions[2], 6), 1)
+    loop.step()  # A's decode pass, paused for B's question
+    assert queued == [1] and len(_tokens(log, "b")) == 1 and loop.decoding == 3
+    loop.run_until_done()
+    for i, ids in enumerate(questions[:2]):
+        assert _tokens(log, f"a{i}") == _alone(engine, ids, 8)
+    assert _tokens(log, "b") == _alone(engine, questions[2], 6)
+    assert loop.rows == [] and loop.decoding == 0
+
+
+def test_the_pass_s_own_tenant_and_long_prompts_wait_for_the_next_step(engine):
+    long_prompt = engine.tokenizer("memory " * 150, add_special_tokens=False).input_ids[:150]
+    question = engine.question_ids("where did caroline go?")
+    for tenant, ids in (("tenant-a", question), ("tenant-b", long_prompt[:100])):
+        log: list = []
+        loop = ServingLoop(engine, CONFIG)
+        loop.add(_request(engine, log, "a", "tenant-a", long_prompt, 2))
+        queued = _arriving_during_first_pass(loop, _request(engine, log, "b", tenant, ids, 2))
+        loop.step()
+        assert queued == [0] and _tokens(log, "b") == [] and loop.scheduler.num_waiting == 1, tenant
+        loop.run_until_done()
+        assert len(_tokens(log, "b")) == 2
+
+
+@pytest.mark.parametrize("budget_s, answered", [(10.0, 2), (1e-9, 1)])
+def test_a_pass_waits_for_newcomers_up_to_its_budget(engine, budget_s, answered):
+    long_prompt = engine.tokenizer("memory " * 150, add_special_tokens=False).input_ids[:150]
+    log: list = []
+    loop = ServingLoop(engine, CONFIG)
+    loop.interject.budget_s = budget_s
+    loop.add(_request(engine, log, "a", "tenant-a", long_prompt, 2))
+    newcomers = [_request(engine, log, name, f"tenant-{name}", engine.question_ids(f"who is {name}?"), 2)
+                 for name in ("b", "c")]
+    take = loop.scheduler.take_newcomer
+
+    def arriving(busy, fits):
+        while newcomers:
+            loop.add(newcomers.pop(0))
+        return take(busy, fits)
+
+    loop.scheduler.take_newcomer = arriving
+    loop.step()
+    assert sum(len(_tokens(log, name)) for name in "bc") == answered  # one token each, inside A's pass
+    loop.run_until_done()
+    assert loop.rows == [] and loop.decoding == 0
