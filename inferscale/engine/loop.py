@@ -337,6 +337,8 @@ class ServingLoop:
     def _interjected(self, s: ScheduledRequest) -> None:
         req = s.payload
         self._guarded(req, self._admit)
+        if req.span is not None:  # its trace shows where its prompt ran
+            req.span.set_attribute("inferscale.interjected", True)
         if req.slot >= 0 and req.pending:
             self._prefill([(req, len(req.pending))], None)
 

@@ -26,6 +26,29 @@ def _request(engine, log: list, name: str, tenant: str, ids: list[int], tokens: 
                       sampling=Sampling(max_new_tokens=tokens, ignore_eos=True))
 
 
+class _Span:
+    def __init__(self, spans: list, name: str, attributes: dict) -> None:
+        self.name, self.attributes = name, dict(attributes)
+        spans.append(self)
+
+    def set_attribute(self, key: str, value: object) -> None:
+        self.attributes[key] = value
+
+    def record_exception(self, *_: object) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class _Tracer:
+    """Records the engine's child spans (prefill, decode) of one request."""
+
+    def __init__(self) -> None:
+        self.spans: list[_Span] = []
+
+    def start_span(self, name: str, context=None, attributes=None) -> _Span:
+        return _Span(self.spans, name, attributes or {})
+
+
 def _tokens(log: list, name: str) -> list[int]:
     return [e.token_id for n, e in log if n == name and isinstance(e, TokenEvent) and e.token_id is not None]
 
@@ -60,8 +83,11 @@ def test_a_newcomer_is_answered_inside_another_tenants_prompt_pass(engine, b_tok
     question = engine.question_ids("where did caroline go?")
     log: list = []
     loop = ServingLoop(engine, CONFIG)
-    loop.add(_request(engine, log, "a", "tenant-a", long_prompt, 4))
-    queued = _arriving_during_first_pass(loop, _request(engine, log, "b", "tenant-b", question, b_tokens))
+    a, b = _request(engine, log, "a", "tenant-a", long_prompt, 4), _request(engine, log, "b", "tenant-b", question,
+                                                                             b_tokens)
+    a.tracer, b.tracer = _Tracer(), _Tracer()
+    loop.add(a)
+    queued = _arriving_during_first_pass(loop, b)
     loop.step()  # A's first 64-token prompt pass, paused between two layers for B's whole question
     assert queued == [0]
     assert len(_tokens(log, "b")) == 1  # B's first token inside the step that ran A's pass
@@ -71,6 +97,8 @@ def test_a_newcomer_is_answered_inside_another_tenants_prompt_pass(engine, b_tok
     assert _tokens(log, "b") == _alone(engine, question, b_tokens)
     assert all(isinstance(next(e for n, e in reversed(log) if n == who), DoneEvent) for who in "ab")
     assert loop.rows == [] and loop.decoding == 0 and loop._settling == []
+    interjected = {r: [s.name for s in r.tracer.spans if s.attributes.get("inferscale.interjected")] for r in (a, b)}
+    assert interjected == {a: [], b: ["prefill"]}  # B's trace shows where its prompt ran
 
 
 def test_a_newcomer_is_answered_inside_another_tenants_decode_pass(engine):
