@@ -328,10 +328,11 @@ class ServingLoop:
 
     # ---- another tenant's prompt inside a paused pass (interject.py) --------------------------------------------
     def _fits_between_layers(self, s: ScheduledRequest) -> bool:
-        """A queued request whose whole prompt is one pass and needs neither a new slot tensor nor more capacity (a
-        paused pass's rows must stay where they are), and no kv-recompute scoring pass."""
-        most = self.scheduler.config.max_pass_tokens
-        return (most is not None and s.remaining_prompt <= most and s.prompt_tokens <= self.slots.capacity
+        """A queued request whose whole prompt is one short pass (at most ``max_pass_tokens``, else 64) and needs
+        neither a new slot tensor nor more capacity (a paused pass's rows must stay where they are), and no
+        kv-recompute scoring pass."""
+        most = self.scheduler.config.max_pass_tokens or NEWCOMER_PASS_TOKENS
+        return (s.remaining_prompt <= most and s.prompt_tokens <= self.slots.capacity
                 and len(self.rows) < self.slots.slots and s.payload.mode != "kv-recompute")
 
     def _interjected(self, s: ScheduledRequest) -> None:

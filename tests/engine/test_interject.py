@@ -13,7 +13,7 @@ from inferscale.engine.loop import DoneEvent, GenRequest, ServingLoop, TokenEven
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.models.loader import from_model
 
-CONFIG = SchedulerConfig(max_pass_tokens=64, chunk_tokens=64)
+CONFIG = SchedulerConfig(chunk_tokens=64)  # newcomers of up to 64 prompt tokens interject (NEWCOMER_PASS_TOKENS)
 
 
 @pytest.fixture(scope="module")
