@@ -32,9 +32,20 @@ METRICS_TOKEN = "metrics-secret"  # INFERSCALE_METRICS_TOKEN of the live server:
 
 
 def free_port() -> int:
+    """A port free now, for a server started in another process (which may lose it to anyone meanwhile); a server in
+    this process gets a socket already bound instead (``bound_socket``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def bound_socket() -> socket.socket:
+    """A loopback socket bound to a port of the OS's choosing, handed to uvicorn as it is: no other process, nor the
+    next call, can take its port between choosing and binding (two ``free_port()`` calls once returned the same port
+    and the second listener failed: 'address already in use', every server test an error)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 @pytest.fixture(scope="session")
@@ -95,11 +106,13 @@ def _serve(data, engine, embedder, engine_name: str = "pytorch"):
     store = KVStore(settings.store_dir, dram_budget_bytes=64 << 20, node="node-a", nixl=False)
     app = create_app(settings, engine=engine, embedder=embedder, store=store, span_exporter=spans,
                      metric_reader=metrics)
-    port, internal_port = free_port(), free_port()
+    sockets = [bound_socket(), bound_socket()]
+    port, internal_port = (sock.getsockname()[1] for sock in sockets)
     servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")),
                uvicorn.Server(uvicorn.Config(app.state.internal_app, host="127.0.0.1", port=internal_port,
                                              log_level="warning", lifespan="off"))]
-    threads = [threading.Thread(target=s.run, daemon=True) for s in servers]
+    threads = [threading.Thread(target=s.run, kwargs={"sockets": [sock]}, daemon=True)
+               for s, sock in zip(servers, sockets)]
     for t in threads:
         t.start()
     deadline = time.time() + 30
@@ -111,6 +124,8 @@ def _serve(data, engine, embedder, engine_name: str = "pytorch"):
         s.should_exit = True
     for t in threads:
         t.join(10)
+    for sock in sockets:
+        sock.close()
     store.close()
 
 
