@@ -47,9 +47,20 @@ def wait_for(fn: Callable[[], T], timeout: float, what: str, diag: Callable[[], 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different ports free now, for servers started in another process (held together while chosen: two
+    calls of one port each may return the same one)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def tail(path: Path, n: int = 40) -> str:

@@ -24,7 +24,7 @@ import httpx
 
 from inferscale.kvformat import SUFFIX
 
-from e2e_common import free_port, tail, wait_for
+from e2e_common import free_port, free_ports, tail, wait_for
 from local_target import NODE, SELECTOR, SERVER_NS, SERVER_POD, LocalTarget
 
 NODE_2 = "e2e-node-1"
@@ -72,7 +72,7 @@ class FleetTarget(LocalTarget):
         host = IPS[node]
         data = self.workdir / f"data-{node}"
         data.mkdir(parents=True)
-        port, internal_port = free_port(), free_port()
+        port, internal_port = free_ports(2)
         out, err = self.workdir / f"server-{node}.out", self.workdir / f"server-{node}.err"
         env = self._env(INFERSCALE_DATA_DIR=str(data), INFERSCALE_TENANTS_FILE=str(tenants),
                         INFERSCALE_MODEL=self.model, INFERSCALE_HOST=host, INFERSCALE_PORT=str(port),

@@ -29,7 +29,7 @@ import httpx
 
 from inferscale.kvformat import SUFFIX
 
-from e2e_common import ROOT, free_port, internal_get, stop_process, tail, tool, wait_for, parse_console_spans
+from e2e_common import ROOT, free_ports, internal_get, stop_process, tail, tool, wait_for, parse_console_spans
 from pki import fleet_tls_files
 
 NODE = "e2e-node-0"
@@ -136,7 +136,7 @@ class LocalTarget:
         tenants = self.data_dir / "tenants.json"
         tenants.write_text(json.dumps({self.tenant: [hash_key(self.api_key)],  # tenant = namespace
                                        self.tenant_b: [hash_key(self.api_key_b)]}))
-        port, internal_port = free_port(), free_port()
+        port, internal_port, nixl_port = free_ports(3)
         self.server_url = f"http://127.0.0.1:{port}"
         self.server_log, self.server_out = self.workdir / "server.err", self.workdir / "server.out"
         env = self._env(INFERSCALE_DATA_DIR=str(self.data_dir), INFERSCALE_TENANTS_FILE=str(tenants),
@@ -144,7 +144,7 @@ class LocalTarget:
                         INFERSCALE_DEVICE="cpu", INFERSCALE_INTERNAL_TOKEN=self.internal_token,
                         INFERSCALE_NODE_NAME=NODE, INFERSCALE_POD_NAME=SERVER_POD,
                         INFERSCALE_INTERNAL_PORT=str(internal_port), INFERSCALE_KEK_FILE=str(self.kek_file),
-                        INFERSCALE_NIXL_PORT=str(free_port()), INFERSCALE_CONSOLE_TRACES="true",
+                        INFERSCALE_NIXL_PORT=str(nixl_port), INFERSCALE_CONSOLE_TRACES="true",
                         INFERSCALE_DRAM_BUDGET_BYTES=str(256 << 20), **self.server_tls_env())
         with open(self.server_out, "wb") as out, open(self.server_log, "wb") as err:
             self.server = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "serve"], cwd=self.image_dir,

@@ -16,6 +16,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for tiny_models
+sys.path.append(str(Path(__file__).resolve().parents[2] / "e2e"))  # e2e_common (free ports) for the server tests
 
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
@@ -29,14 +30,6 @@ BUDGETS = {"small": {"max_memories": 3, "dram_bytes": 32 << 20}, "slow": {"encod
            "nodisk": {"max_disk_bytes": 1}}
 MODEL = "gemma-3-270m"
 METRICS_TOKEN = "metrics-secret"  # INFERSCALE_METRICS_TOKEN of the live server: the only key to /metrics
-
-
-def free_port() -> int:
-    """A port free now, for a server started in another process (which may lose it to anyone meanwhile); a server in
-    this process gets a socket already bound instead (``bound_socket``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bound_socket() -> socket.socket:

@@ -73,7 +73,7 @@ def test_serve_runs_the_tenant_and_internal_listeners_together(tmp_path, monkeyp
     import httpx
     import uvicorn
 
-    from conftest import free_port
+    from e2e_common import free_ports
     from inferscale.server import app as app_mod
     from inferscale.store import KVStore
 
@@ -83,7 +83,7 @@ def test_serve_runs_the_tenant_and_internal_listeners_together(tmp_path, monkeyp
         store=KVStore(settings.store_dir, dram_budget_bytes=16 << 20, nixl=False)))
     real_server = uvicorn.Server
     monkeypatch.setattr(uvicorn, "Server", lambda config: servers.append(real_server(config)) or servers[-1])
-    port, internal = free_port(), free_port()
+    port, internal = free_ports(2)
     monkeypatch.setenv("INFERSCALE_INTERNAL_TOKEN", "tok-internal")
     args = _args(cli, ["--data-dir", str(tmp_path), "--port", str(port), "--internal-port", str(internal)])
     done = threading.Event()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import tiny_models as tm
-from conftest import free_port
+from e2e_common import free_port
 from inferscale.cli import main
 from inferscale.server.auth import hash_key
 

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import KEYS, MODEL, free_port
+from conftest import KEYS, MODEL
+from e2e_common import free_port
 from inferscale.server import cli
 from inferscale.server.auth import hash_key
 
