@@ -130,7 +130,6 @@ class ServingLoop:
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
         self._prefill([(s.payload, n) for s, n in out.prefill if s.payload.slot >= 0 and s.payload.pending],
                       out.pass_tokens)
-        self._settle()
         t1 = time.perf_counter()
         decode = [r for r in decode if r.slot >= 0]
         if decode:
@@ -139,7 +138,7 @@ class ServingLoop:
             took = time.perf_counter() - t1 - self.interject.take_elapsed()
             self.threads.after_decode(len(decode), took)
             cost.observe_decode(took)
-            self._settle()
+        self._settle()  # rows wait until no pass is paused; none decodes before the next step
         self.steps += 1
 
     def _refuse(self, shed: list) -> None:
@@ -321,9 +320,7 @@ class ServingLoop:
         cache = self.slots.view(rows, starts, q)
         pos = torch.tensor(starts)[:, None] + torch.arange(q)[None]
         keep = 1 if last is None else torch.tensor(last, device=dev)[:, None]
-        lean = self.engine.loaded.lean
-        with self.interject.around(lean if lean is not None and lean.usable else None,
-                                   {self.rows[r].sched.tenant for r in rows}):
+        with self.interject.around(self.engine.loaded.lean_pass, {self.rows[r].sched.tenant for r in rows}):
             return self.engine.loaded.last_rows(ids.to(dev), pos.to(dev), self.slots.mask(starts, q), cache, keep)
 
     # ---- another tenant's prompt inside a paused pass (interject.py) --------------------------------------------

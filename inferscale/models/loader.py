@@ -41,8 +41,9 @@ class LoadedModel:
                logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """``model(...).logits`` [B, kept, vocab] for rows ``input_ids`` at ``position_ids`` writing their K/V into
         ``cache``: through the lean pass where one is installed and usable now, else the model's own forward."""
-        if self.lean is not None and self.lean.usable:
-            return self.lean(input_ids, position_ids, attention_mask, cache, logits_to_keep)
+        lean = self.lean_pass
+        if lean is not None:
+            return lean(input_ids, position_ids, attention_mask, cache, logits_to_keep)
         return model_logits(self.model, input_ids, position_ids, attention_mask, cache, logits_to_keep)
 
     def last_rows(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -51,10 +52,16 @@ class LoadedModel:
         """A pass as ``logits`` keeping one position a row (``logits_to_keep``: 1, the last, or [B, 1] indices),
         stopped before the LM head: ``Head.argmax`` screens it (``greedy``) where that is possible, ``Head.logits``
         computes the [B, vocab] logits."""
-        if self.lean is not None and self.lean.usable:
-            hidden = self.lean.hidden(input_ids, position_ids, attention_mask, cache, logits_to_keep)[:, -1]
-            return Head(hidden, self.lean.head_logits, self.greedy)
+        lean = self.lean_pass
+        if lean is not None:
+            hidden = lean.hidden(input_ids, position_ids, attention_mask, cache, logits_to_keep)[:, -1]
+            return Head(hidden, lean.head_logits, self.greedy)
         return Head(None, computed=self.logits(input_ids, position_ids, attention_mask, cache, logits_to_keep)[:, -1])
+
+    @property
+    def lean_pass(self) -> LeanGemma3Model | None:
+        """The lean pass where one is installed and usable now (not while kv-recompute's eager pass is set)."""
+        return self.lean if self.lean is not None and self.lean.usable else None
 
     @property
     def pass_rows(self) -> int | None:
