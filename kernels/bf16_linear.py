@@ -4,9 +4,13 @@ oneDNN's kernel for these shapes there (``W @ x.T``, the weight read in place) r
 LM head of Gemma-3-270M alone took 30-35 ms of a 68 ms decode step on the 2-core Zen 4 machine, which reads 34 GB/s.
 This kernel does oneDNN's arithmetic (``vdpbf16ps`` pair by pair, in chains of in-features added in order) over every
 torch thread. oneDNN's chain length depends on the in-features and on whether there is one row or more (512 for
-640 and 1024 in-features; for 2048, 512 with one row and 1024 with more): ``chains`` finds it per in-features by
-comparing with F.linear on random rows, and ``weightmajor`` uses the kernel for a weight only after checking it
-gives F.linear's outputs bit for bit on that weight.
+640 and 1024 in-features; for 2048, 512 with one row and 1024 with more): ``chain`` finds the one it uses for rows
+in a batch, per in-features, by comparing with F.linear on random rows, and the kernel uses it for a single row too.
+So a row's numbers never depend on what rides along: with oneDNN's one-row chain, a greedy answer decoded alone
+and the same request decoded beside another differed (2026-12-06: "The answer is 2011." alone, "2012." in any
+batch, Gemma-3-270M, the down projection's 2048 in-features, found by a load probe comparing answers under load
+with the same requests alone). ``weightmajor`` uses the kernel for a weight only after checking it gives F.linear's
+outputs bit for bit on that weight, a single row against F.linear's for that row in a batch.
 Built once per machine as a torch C++ extension into InferScale's cache (``cppext``).
 
 The same source screens the LM head in int8 for greedy steps (``screen_ops``: ``vpdpbusd``, exact int32 sums; the
@@ -78,16 +82,14 @@ def rows_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 def rescore(weight: torch.Tensor, x: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """bf16 [n]: for each (row of x, row of ``weight``) of ``candidates`` [n, 2] (int64, a row's together), that
-    element of ``product(weight, x)``, bit for bit (the same chain for x's row count), read from ``weight`` as it
+    element of ``product(weight, x)``, bit for bit (the same chain), read from ``weight`` as it
     is: no gathered or packed copy (``bf16_linear.cpp``'s ``bf16_rescore``; the LM head's screened candidates)."""
-    one, many = chains(weight.shape[1])
-    return torch.ops.inferscale_bf16.bf16_rescore(weight, x, candidates, one if x.shape[0] == 1 else many)
+    return torch.ops.inferscale_bf16.bf16_rescore(weight, x, candidates, chain(weight.shape[1]))
 
 
 def product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` [rows, out] (bf16, contiguous) for a bf16 ``weight`` [out, in] and ``x`` [rows, in]."""
-    one, many = chains(weight.shape[1])
-    return torch.ops.inferscale_bf16.bf16_linear(packed(weight), x, one if x.shape[0] == 1 else many, weight.shape[0])
+    return torch.ops.inferscale_bf16.bf16_linear(packed(weight), x, chain(weight.shape[1]), weight.shape[0])
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
@@ -97,27 +99,20 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def chains(in_features: int) -> tuple[int, int]:
-    """oneDNN's chain lengths for ``in_features`` here: (one row, more rows), each the first of ``CHAINS`` (and the
-    whole row) whose outputs equal F.linear's on a random weight; 512 where none does (weightmajor's check on the
-    real weight then keeps oneDNN)."""
+def chain(in_features: int) -> int:
+    """oneDNN's chain length for ``in_features`` here with more than one row: the first of ``CHAINS`` (and the whole
+    row) whose outputs equal F.linear's on a random weight at ``CHECK_ROWS`` rows; 512 where none does (weightmajor's
+    check on the real weight then keeps oneDNN)."""
     gen = torch.Generator().manual_seed(in_features)
     weight = torch.randn(256, in_features, generator=gen).to(torch.bfloat16)
-    xs = [torch.randn(rows, in_features, generator=gen).to(torch.bfloat16) for rows in (1, *CHECK_ROWS)]
+    xs = [torch.randn(rows, in_features, generator=gen).to(torch.bfloat16) for rows in CHECK_ROWS]
     packed_weight = torch.ops.inferscale_bf16.bf16_pack(weight)
-
-    def op(weight: torch.Tensor, x: torch.Tensor, chain: int) -> torch.Tensor:
-        return torch.ops.inferscale_bf16.bf16_linear(packed_weight, x, chain, weight.shape[0])
-
     candidates = [c for c in (*CHAINS, in_features) if c <= in_features]
-
-    def first(rows_xs: list[torch.Tensor]) -> int:
-        with torch.inference_mode():
-            refs = [torch.nn.functional.linear(x, weight) for x in rows_xs]
-            return next((c for c in candidates if all(torch.equal(op(weight, x, c), ref)
-                                                      for x, ref in zip(rows_xs, refs))), CHAINS[0])
-
-    return first(xs[:1]), first(xs[1:])
+    with torch.inference_mode():
+        refs = [torch.nn.functional.linear(x, weight) for x in xs]
+        return next((c for c in candidates if all(
+            torch.equal(torch.ops.inferscale_bf16.bf16_linear(packed_weight, x, c, weight.shape[0]), ref)
+            for x, ref in zip(xs, refs))), CHAINS[0])
 
 
 if __name__ == "__main__":  # scripts/setup.sh builds it ahead of the first model load

@@ -35,8 +35,9 @@ import torch
 from inferscale.kernels import decode_linear
 
 log = logging.getLogger(__name__)
-# Up to 32 rows F.linear itself gives each row what one row alone gets (above, oneDNN picks another kernel and
-# the numbers change): that is the range checked equal and swapped.
+# Up to 32 rows F.linear itself gives each row of a batch the same numbers (above, oneDNN picks another kernel and
+# the numbers change): that is the range checked equal and swapped. A lone row gets them too on AMX, not always on
+# AVX512-BF16 (``in_a_batch``): there the swapped product gives it a batch row's numbers.
 MAX_ROWS = 32
 CHECK_ROWS = (1, 3, 17, MAX_ROWS)  # row counts the equality is checked at, per weight shape
 # Only a weight this large is read in row blocks, one per thread: the LM head (335 MB) streams from memory, where
@@ -80,7 +81,8 @@ def weight_major_product(weight: torch.Tensor, flat: torch.Tensor, blocks: int =
 
 
 def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
-    """The ``blocks`` for ``weight_major_product`` that gives ``F.linear``'s numbers here on ``CHECK_ROWS`` rows:
+    """The ``blocks`` for ``weight_major_product`` that gives ``F.linear``'s numbers here on ``CHECK_ROWS`` rows (one
+    row: what F.linear gives it in a batch, ``in_a_batch``):
     the AMX kernel (``KERNEL``) where it is built and equal, else one block per torch thread where that is equal
     (it is not for every shape: some block shapes take another oneDNN kernel), else 1 where the plain product is,
     else 0. Fixed at load, so a later thread count changes the speed, never the numbers."""
@@ -93,7 +95,7 @@ def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         xs = [torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype) for rows in CHECK_ROWS]
-        refs = [torch.nn.functional.linear(x, weight, bias) for x in xs]
+        refs = [in_a_batch(x, weight, bias) for x in xs]
         for blocks in candidates:
             outs = [weight_major_product(weight, x, blocks) for x in xs]
             if bias is not None:
@@ -102,6 +104,15 @@ def checked_blocks(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
                     blocks != KERNEL or _rows_alone(weight, xs[-1])):
                 return blocks
     return 0
+
+
+def in_a_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``'s numbers for ``x``'s rows as rows of a batch: a single row is computed beside a copy of itself,
+    since oneDNN sums a lone row in other chains than a batch's row (AVX512-BF16, 2048 in-features: 512 against
+    1024), which would make a request's decode depend on whether another decodes beside it."""
+    if len(x) > 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.nn.functional.linear(torch.cat([x, x]), weight, bias)[:1]
 
 
 def _rows_alone(weight: torch.Tensor, x: torch.Tensor) -> bool:

@@ -12,7 +12,7 @@ import tiny_models as tm
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.kernels import amx_linear, bf16_linear, decode_linear
 from inferscale.models.loader import from_model
-from inferscale.models.weightmajor import KERNEL, WeightMajorLinear
+from inferscale.models.weightmajor import KERNEL, WeightMajorLinear, checked_blocks
 
 F = torch.nn.functional
 
@@ -34,9 +34,9 @@ def test_cancelling_weights_show_the_chains_are_onednns(product):
         weight[torch.arange(in_features - 2), torch.arange(1, in_features - 1)] = 1.0
         weight = weight.to(torch.bfloat16)
         with torch.inference_mode():
-            for rows in (1, 3):
+            for rows in (1, 3):  # a lone row: the chains oneDNN sums a row of a batch in (a lone row of 2048: 512)
                 x = torch.ones(rows, in_features).to(torch.bfloat16)
-                out, ref = product(weight, x), F.linear(x, weight)
+                out, ref = product(weight, x), F.linear(torch.cat([x, x]), weight)[:rows]
                 assert torch.equal(out, ref), (in_features, rows)
                 assert 0 < int((out[0] == 0).sum()) < in_features - 2  # both kinds of c occur
 
@@ -111,3 +111,21 @@ def test_the_heads_argmax_runs_the_kernel_and_gives_aten_indices(product, monkey
     assert greedyhead.first_max(logits) == logits.max(dim=-1).indices.tolist() and calls == [(16, 5000)]
     assert greedyhead.first_max(logits.float()) == logits.float().max(dim=-1).indices.tolist()  # fp32: aten's
     assert calls == [(16, 5000)]
+
+
+def test_a_lone_row_of_the_down_projection_gets_what_it_gets_in_a_batch(product):
+    """oneDNN sums a lone row of 2048 in-features in chains of 512 and a batch's rows in 1024; the swapped linear
+    (on this kernel, checked at install) gives a lone row the batch's numbers, so a request decoded alone and the same
+    request decoded beside another get the same tokens (they did not: a load probe, 2026-12-06)."""
+    if amx_linear.load() is not None:
+        pytest.skip("AMX here: decode_linear picks amx_linear")
+    gen = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(2048, 640, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(640, 2048, generator=gen) * 2048 ** -0.5)
+    swapped = WeightMajorLinear(linear, KERNEL)
+    assert checked_blocks(linear.weight) == KERNEL
+    x = torch.randn(5, 2048, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        batch = swapped(x)
+        assert all(torch.equal(swapped(x[i:i + 1]), batch[i:i + 1]) for i in range(5))

@@ -1,6 +1,7 @@
 """What the two kernels that pack a copy of the weight (``kernels/bf16_linear.cpp`` on AVX512-BF16, issue 22;
 ``kernels/avx2_linear.cpp`` on AVX2) must both give: F.linear's numbers bit for bit at Gemma-3-270M's shapes and at
-the row counts each takes, a row's result independent of the rows beside it, and a new packed copy once the weight
+the row counts each takes (a lone row: F.linear's for it in a batch), a row's result independent of the rows beside
+it, and a new packed copy once the weight
 is written in place (``cppext.kept_packing``). Each kernel is skipped where it cannot run here."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from inferscale.kernels import avx2_linear, bf16_linear
+from inferscale.models.weightmajor import in_a_batch
 from test_avx2_linear import atens_avx2_build
 
 F = torch.nn.functional
@@ -45,14 +47,16 @@ def test_the_kernel_gives_f_linear_numbers_bit_for_bit(kernel):
                 x = (torch.randn(rows, shape[1], generator=gen) * rows).to(torch.bfloat16)
                 out = product(weight, x)
                 assert out.shape == (rows, shape[0]) and out.is_contiguous()
-                assert torch.equal(out, F.linear(x, weight)), (kernel, shape, rows)
+                assert torch.equal(out, in_a_batch(x, weight, None)), (kernel, shape, rows)
 
 
-def test_a_row_gets_the_same_numbers_whatever_rides_along(kernel):
+@pytest.mark.parametrize("in_features", [640, 1024, 2048])  # the model's: oneDNN sums a lone row of 2048 otherwise
+def test_a_row_gets_the_same_numbers_whatever_rides_along(kernel, in_features):
+    """A request decoded alone and the same request decoded beside others get the same numbers: a lone row too."""
     product = MODULES[kernel].product
     gen = torch.Generator().manual_seed(5)
-    weight = torch.randn(1008, 640, generator=gen).to(torch.bfloat16)
-    x = torch.randn(100, 640, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(1008, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(100, in_features, generator=gen).to(torch.bfloat16)
     with torch.inference_mode():
         alone = torch.cat([product(weight, x[i: i + 1]) for i in range(100)])
         for rows in CASES[kernel][2]:
