@@ -5,10 +5,11 @@ set by its own length. Before it, SDPA reduced every row over the batch's longes
 order that depends on that length: here 4 of 6 requests got other logits beside one companion than among all six
 (first tokens included), and six LoCoMo-like questions decoded alone and together agreed in 3 of 6 (issue 22).
 
-What is left: the products follow oneDNN's chain lengths (``kernels/bf16_linear``, bit for bit F.linear), and for
-2048 in-features (Gemma's down projection) oneDNN adds a single row in chains of 512 and several in chains of 1024.
-A step of ONE row therefore rounds differently from the same row among others; this test keeps every pass at two
-rows or more (a companion request), where the promise holds. Skipped where the kernel is not built here (there
+The products follow oneDNN's chain lengths (``kernels/bf16_linear``, bit for bit F.linear for the rows of a
+batch); for 2048 in-features (Gemma's down projection) oneDNN adds a single row in chains of 512 and several in
+chains of 1024, and the kernel once did too, so a step of ONE row rounded differently from the same row among others
+(a greedy answer decoded alone ended "2011." and beside any other request "2012.", 2026-12-06). A lone row now takes
+the batch's chains, so each request here is also decoded alone. Skipped where the kernel is not built here (there
 attention stays SDPA, which gives no such promise)."""
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _logits(engine: Engine, cases: list, indices: list[int]) -> dict[int, list[t
     return seen
 
 
-def test_each_requests_logits_are_the_same_beside_one_request_and_among_all(engine: Engine):
+def test_each_requests_logits_are_the_same_alone_beside_one_request_and_among_all(engine: Engine):
     blocks = engine.encode([MemoryItem(f"m{i}", t) for i, t in enumerate(FACTS)])
     # other memories, so other lengths, per question: the batch pads each row to its longest
     cases = [(engine.question_ids(q), blocks[: 2 + i]) for i, q in enumerate(QUESTIONS)]
@@ -73,5 +74,7 @@ def test_each_requests_logits_are_the_same_beside_one_request_and_among_all(engi
     together = _logits(engine, cases, list(range(companion)))
     for i in range(companion):
         paired = _logits(engine, cases, [i, companion])[i]
-        assert len(paired) == TOKENS
+        alone = _logits(engine, cases, [i])[i]
+        assert len(paired) == len(alone) == TOKENS
         assert all(torch.equal(a, b) for a, b in zip(paired, together[i], strict=True)), i
+        assert all(torch.equal(a, b) for a, b in zip(alone, together[i], strict=True)), i
