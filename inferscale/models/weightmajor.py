@@ -36,8 +36,8 @@ from inferscale.kernels import decode_linear
 
 log = logging.getLogger(__name__)
 # Up to 32 rows F.linear itself gives each row of a batch the same numbers (above, oneDNN picks another kernel and
-# the numbers change): that is the range checked equal and swapped. A lone row gets them too on AMX, not always on
-# AVX512-BF16 (``in_a_batch``): there the swapped product gives it a batch row's numbers.
+# the numbers change): that is the range checked equal and swapped. A lone row got them too on AMX (the LM head,
+# above), not on AVX512-BF16 at 2048 in-features (``in_a_batch``): the swapped product gives it a batch row's numbers.
 MAX_ROWS = 32
 CHECK_ROWS = (1, 3, 17, MAX_ROWS)  # row counts the equality is checked at, per weight shape
 # Only a weight this large is read in row blocks, one per thread: the LM head (335 MB) streams from memory, where
