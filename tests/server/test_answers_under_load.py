@@ -31,14 +31,12 @@ def real_live(tmp_path_factory, embedder):
         pytest.skip("row_attention.cpp not built here: attention stays SDPA, which makes no such promise")
     from inferscale.engine import Engine
 
-    live_gen = _serve(tmp_path_factory.mktemp("real"), Engine.load(), embedder)
-    live = next(live_gen)
-    for tenant, user in (("acme", "caroline"), ("globex", "bob")):
-        r = httpx.put(f"{live.url}/v1/memories/{user}", json={"items": SAMPLE}, headers=live.headers(tenant),
-                      timeout=120)
-        assert r.status_code == 200, r.text
-    yield live
-    next(live_gen, None)
+    for live in _serve(tmp_path_factory.mktemp("real"), Engine.load(), embedder):  # one server, stopped after
+        for tenant, user in (("acme", "caroline"), ("globex", "bob")):
+            r = httpx.put(f"{live.url}/v1/memories/{user}", json={"items": SAMPLE}, headers=live.headers(tenant),
+                          timeout=120)
+            assert r.status_code == 200, r.text
+        yield live
 
 
 def _greedy_requests() -> list[dict]:
