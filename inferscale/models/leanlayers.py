@@ -105,15 +105,17 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         return self.lean_step(hidden_states, rotary_tables(*position_embeddings), attention_mask, cache)
 
     def lean_step(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
-                  cache, key_from: int = 0) -> torch.Tensor:
+                  cache, key_from: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` with the rotary tables already made by ``rotary_tables`` (the whole-model pass,
         leanmodel.py, makes them once per layer type, not once per layer). With ``key_from`` the attention reads
         the cached keys from that index on; ``attention_mask`` then covers only those (no row sees the ones
-        before: a sliding window's past, ``leanmodel.first_key``)."""
+        before: a sliding window's past, ``leanmodel.first_key``). With ``keep`` ([B] token indices, where
+        ``keeps_rows`` allows it) every token's K/V still reach ``cache`` but only token keep[b] of row b goes on
+        through the attention and the MLP: the output is [B, 1, hidden]."""
         lean: _LeanState = self.inferscale_lean
-        residual = hidden_states
+        residual = hidden_states if keep is None else _kept(hidden_states, keep, 1)
         h = lean_rms(hidden_states, lean.input_norm, lean.eps)
-        h = self._attention(h, rotary, attention_mask, cache, key_from)
+        h = self._attention(h, rotary, attention_mask, cache, key_from, keep)
         h = lean_rms(h, lean.post_attention_norm, lean.eps)
         hidden_states = residual + h
         residual = hidden_states
@@ -122,8 +124,21 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         h = lean_rms(h, lean.post_feedforward_norm, lean.eps)
         return residual + h
 
+    def keeps_rows(self, rows: int, q_len: int) -> bool:
+        """Whether ``lean_step`` may carry one token a row of a pass of ``rows`` tokens (``q_len`` a row) past the
+        K/V write with the same bits as the whole pass: where every product of the layer runs on the weight-major
+        kernels for ``rows`` (each row then gets the same numbers at any row count, weightmajor.py) and the
+        attention on ``row_attention`` (each query over its own keys, batch-invariant). F.linear past its row
+        limit and SDPA give a row other numbers in a smaller call."""
+        attn, mlp, lean = self.self_attn, self.mlp, self.inferscale_lean
+        return (q_len > 1 and lean.weight_major and lean.row_attention is not None
+                and row_attention.fits(q_len, lean.group)
+                and all(getattr(m, "blocks", None) == KERNEL and rows <= m.max_rows for m in (attn.o_proj,
+                                                                                            mlp.down_proj))
+                and rows <= lean.fused.max_rows and lean.fused.qkv_blocks == lean.fused.gate_up_blocks == KERNEL)
+
     def _attention(self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
-                   cache, key_from: int = 0) -> torch.Tensor:
+                   cache, key_from: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
         attn, lean = self.self_attn, self.inferscale_lean
         fused = lean.fused
         batch, q_len = h.shape[:2]
@@ -145,6 +160,10 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
             key, v = cache.update(key, v, attn.layer_idx)
         if key_from:
             key, v = key[:, :, key_from:], v[:, :, key_from:]
+        if keep is not None:  # every token's K/V are cached; only the kept tokens' queries go on
+            query, q_len = _kept(query, keep, 2), 1
+            if attention_mask is not None:
+                attention_mask = _kept(attention_mask.expand(batch, -1, -1, -1), keep, 2)
         if lean.row_attention is not None and row_attention.fits(q_len, lean.group):  # [B, q, H, D], row by row
             out = lean.row_attention(query, key, v, attention_mask, attn.scaling)
         else:
@@ -162,6 +181,14 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
         return mlp.down_proj(lean.act(gate) * up)
+
+
+def _kept(x: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
+    """Index keep[b] of ``x``'s dimension ``dim`` for each b of its first: that dimension becomes 1 (contiguous)."""
+    shape = list(x.shape)
+    shape[dim] = 1
+    index = keep.reshape([-1] + [1] * (x.dim() - 1)).expand(shape)
+    return x.gather(dim, index)
 
 
 class _LeanState:
