@@ -14,7 +14,8 @@ a deleted memory would live on in its neighbours' KV.
 
 Segments ([context][item]) are packed into one sequence after a copy of the prefix KV; a block-diagonal mask lets
 each segment see the prefix and itself only, and every segment starts at position P = len(prefix). Only the base
-model runs (no LM head).
+model runs (no LM head), and its last layer only as far as its K/V (``LeanGemma3Model.cache_kv``, where the lean
+pass is installed).
 """
 
 from __future__ import annotations
@@ -104,13 +105,12 @@ def encode_items(
         allowed = (k_seg[None, :] == -1) | ((k_seg[None, :] == seg[:, None]) & (k_pos[None, :] <= q_pos[:, None]))
         mask = attention_mask_arg(layout, allowed, q_pos, k_pos, engine.loaded.dtype, engine.device)
         cache = cache_from_kv(engine.prefix_kv, model.config, windowed=False)
-        model.model(
-            input_ids=ids[None].to(engine.device),
-            position_ids=q_pos[None].to(engine.device),
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-        )
+        args = (ids[None].to(engine.device), q_pos[None].to(engine.device), mask, cache)
+        lean = engine.loaded.lean_pass
+        if lean is not None:  # the same K/V, without the last layer's attention and MLP, whose output nobody reads
+            lean.cache_kv(*args)
+        else:
+            model.model(input_ids=args[0], position_ids=args[1], attention_mask=mask, cache=cache, use_cache=True)
         kv = kv_of_cache(cache, start=p).cpu()
         offset = 0
         for i in group:

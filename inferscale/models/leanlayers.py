@@ -137,8 +137,33 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
                                                                                             mlp.down_proj))
                 and rows <= lean.fused.max_rows and lean.fused.qkv_blocks == lean.fused.gate_up_blocks == KERNEL)
 
+    def cache_kv(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache) -> None:
+        """Only the layer's K/V of ``hidden_states`` into ``cache``, the same numbers ``lean_step`` caches: all a
+        pass whose output nobody reads needs of its last layer (encoding memories, ``leanmodel.cache_kv``)."""
+        lean: _LeanState = self.inferscale_lean
+        self._query_key_value(lean_rms(hidden_states, lean.input_norm, lean.eps), rotary, cache)
+
     def _attention(self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention_mask,
                    cache, key_from: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
+        attn, lean = self.self_attn, self.inferscale_lean
+        batch, q_len = h.shape[:2]
+        query, key, v = self._query_key_value(h, rotary, cache)
+        if key_from:
+            key, v = key[:, :, key_from:], v[:, :, key_from:]
+        if keep is not None:  # every token's K/V are cached; only the kept tokens' queries go on
+            query, q_len = _kept(query, keep, 2), 1
+            if attention_mask is not None:
+                attention_mask = _kept(attention_mask.expand(batch, -1, -1, -1), keep, 2)
+        if lean.row_attention is not None and row_attention.fits(q_len, lean.group):  # [B, q, H, D], row by row
+            out = lean.row_attention(query, key, v, attention_mask, attn.scaling)
+        else:
+            out, _ = sdpa_attention_forward(attn, query, key, v, attention_mask, dropout=0.0, scaling=attn.scaling,
+                                            sliding_window=attn.sliding_window)  # what transformers' layer calls
+        return attn.o_proj(out.reshape(batch, q_len, -1).contiguous())
+
+    def _query_key_value(self, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache):
+        """q, k and v of the normed ``h`` [B, heads, q, D]; k and v are what ``cache`` holds after this layer's
+        update (the whole past) where there is one."""
         attn, lean = self.self_attn, self.inferscale_lean
         fused = lean.fused
         batch, q_len = h.shape[:2]
@@ -158,18 +183,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
                                            attn.config.num_attention_heads)
         if cache is not None:
             key, v = cache.update(key, v, attn.layer_idx)
-        if key_from:
-            key, v = key[:, :, key_from:], v[:, :, key_from:]
-        if keep is not None:  # every token's K/V are cached; only the kept tokens' queries go on
-            query, q_len = _kept(query, keep, 2), 1
-            if attention_mask is not None:
-                attention_mask = _kept(attention_mask.expand(batch, -1, -1, -1), keep, 2)
-        if lean.row_attention is not None and row_attention.fits(q_len, lean.group):  # [B, q, H, D], row by row
-            out = lean.row_attention(query, key, v, attention_mask, attn.scaling)
-        else:
-            out, _ = sdpa_attention_forward(attn, query, key, v, attention_mask, dropout=0.0, scaling=attn.scaling,
-                                            sliding_window=attn.sliding_window)  # what transformers' layer calls
-        return attn.o_proj(out.reshape(batch, q_len, -1).contiguous())
+        return query, key, v
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         mlp, lean = self.mlp, self.inferscale_lean

@@ -90,12 +90,7 @@ class LeanGemma3Model:
                attention_mask: torch.Tensor | dict[str, torch.Tensor], cache,
                logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """The kept rows' final hidden states [B, kept, hidden] (after the final norm): what the LM head reads."""
-        h = torch.nn.functional.embedding(input_ids, self.embed) * self.embed_scale
-        types = set(self.layer_types)
-        rotary = {t: rotary_tables(*self.rotary(h, position_ids, t)) for t in types}
-        masks = attention_mask if isinstance(attention_mask, dict) else dict.fromkeys(types, attention_mask)
-        starts = {t: first_key(masks[t], self.key_block) for t in types}
-        masks = {t: masks[t][..., starts[t]:] if starts[t] else masks[t] for t in types}
+        h, rotary, masks, starts = self._inputs(input_ids, position_ids, attention_mask)
         between, last = self.between_layers, len(self.layers) - 1
         keep = self._kept_tokens(input_ids, logits_to_keep)
         for i, (layer, t) in enumerate(zip(self.layers, self.layer_types)):
@@ -106,6 +101,26 @@ class LeanGemma3Model:
             if between is not None and i < last:
                 between()
         return slice_logits_to_keep(lean_rms(h, self.norm, self.eps), logits_to_keep)
+
+    def cache_kv(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | dict[str, torch.Tensor], cache) -> None:
+        """Only every layer's K/V of ``input_ids`` into ``cache``, as ``hidden`` writes them: its last layer stops
+        there (encoding memories keeps their K/V and reads no output, engine/encoder.py)."""
+        h, rotary, masks, starts = self._inputs(input_ids, position_ids, attention_mask)
+        for layer, t in zip(self.layers[:-1], self.layer_types):
+            h = layer.lean_step(h, rotary[t], masks[t], cache, starts[t])
+        self.layers[-1].cache_kv(h, rotary[self.layer_types[-1]], cache)
+
+    def _inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | dict[str, torch.Tensor]):
+        """The scaled embeddings, and per layer type the rotary tables, the mask and the first key it shows."""
+        h = torch.nn.functional.embedding(input_ids, self.embed) * self.embed_scale
+        types = set(self.layer_types)
+        rotary = {t: rotary_tables(*self.rotary(h, position_ids, t)) for t in types}
+        masks = attention_mask if isinstance(attention_mask, dict) else dict.fromkeys(types, attention_mask)
+        starts = {t: first_key(masks[t], self.key_block) for t in types}
+        masks = {t: masks[t][..., starts[t]:] if starts[t] else masks[t] for t in types}
+        return h, rotary, masks, starts
 
     def _kept_tokens(self, input_ids: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor | None:
         """[B] the one token of each row whose logits the pass keeps (``logits_to_keep`` 1, the last, or [B, 1]

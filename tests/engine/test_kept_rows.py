@@ -1,8 +1,9 @@
-"""A prompt pass's last layer computes only the tokens whose logits it keeps (``leanmodel._kept_tokens``), after
-writing every token's K/V: no other token's output is read after that layer. The kept rows' hidden states and every
-cached K/V are bit for bit the whole layer's (the real default model: its products on the weight-major kernels,
-its attention on ``row_attention``, both row-invariant); where a pass would change kernel on fewer rows, the whole
-layer runs. A 44-token kv question ~5 % faster (docs/bench/HISTORY.md, 2026-12-06)."""
+"""A pass's last layer computes only what is read after it, once every token's K/V are cached. A prompt pass keeps
+one token's logits a row (``leanmodel._kept_tokens``): the kept rows' hidden states and every cached K/V are bit for
+bit the whole layer's (the real default model: its products on the weight-major kernels, its attention on
+``row_attention``, both row-invariant); where a pass would change kernel on fewer rows, the whole layer runs. A 44-token
+kv question ~5 % faster. Encoding memories reads no output at all (``LeanGemma3Model.cache_kv``): the blocks are
+bit for bit what the model's own forward caches, ~5 % sooner (docs/bench/HISTORY.md, 2026-12-06)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from inferscale.engine import Engine
+from inferscale.engine import Engine, MemoryItem
 from inferscale.kernels import row_attention
 from inferscale.models import leanmodel
 from inferscale.models.loader import from_model
@@ -94,3 +95,41 @@ def test_only_one_kept_token_a_row_is_taken_and_the_tiny_model_keeps_its_whole_l
     assert lean._kept_tokens(ids, 2) is None  # the last two
     assert lean._kept_tokens(ids, torch.ones(3, 1, dtype=torch.bool)) is None  # a mask, not indices
     assert lean._kept_tokens(ids, torch.tensor([[0, 1], [1, 2], [2, 3]])) is None
+
+
+FACTS = ["Maya adopted a beagle named Biscuit in March.", "Maya works nights as a nurse at St. Mary's.",
+         "Maya's sister Ana lives in Lisbon and visits every spring.", "Maya is allergic to peanuts.",
+         "Maya ran her first half marathon in October.", "Maya is learning Portuguese for her trip to Porto."]
+
+
+def _encoded_both_ways(engine: Engine, monkeypatch) -> tuple[list, list, list]:
+    """Blocks of FACTS through the lean pass (its last layer as far as the K/V), then through the model's own
+    forward (the lean pass set aside), and the layers whose ``cache_kv`` ran."""
+    items = [MemoryItem(id=f"m{i}", text=t) for i, t in enumerate(FACTS)]
+    lean = engine.loaded.lean
+    last = lean.layers[-1]
+    stopped: list = []
+    cache_kv = type(last).cache_kv
+    monkeypatch.setattr(type(last), "cache_kv", lambda self, *a: stopped.append(self) or cache_kv(self, *a))
+    short = engine.encode(items, batch_tokens=64)  # several passes
+    engine.loaded.lean = None
+    try:
+        whole = engine.encode(items, batch_tokens=64)
+    finally:
+        engine.loaded.lean = lean
+    return short, whole, stopped
+
+
+def test_memories_encode_to_the_models_own_kv_with_the_last_layer_stopped_at_it(monkeypatch):
+    engine = Engine(from_model(tm.model("gemma3", dtype=torch.bfloat16, sliding_window=8), tm.tokenizer()))
+    short, whole, stopped = _encoded_both_ways(engine, monkeypatch)
+    assert stopped and set(stopped) == {engine.loaded.lean.layers[-1]}
+    assert len(short) == len(whole) == len(FACTS)
+    assert all(a.item_id == b.item_id and torch.equal(a.kv, b.kv) for a, b in zip(short, whole))
+
+
+@pytest.mark.slow
+def test_the_real_models_memory_blocks_are_its_own_forwards(engine, monkeypatch):
+    short, whole, stopped = _encoded_both_ways(engine, monkeypatch)
+    assert stopped
+    assert all(torch.equal(a.kv, b.kv) for a, b in zip(short, whole))
