@@ -91,25 +91,28 @@ class LeanGemma3Model:
                logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """The kept rows' final hidden states [B, kept, hidden] (after the final norm): what the LM head reads."""
         h, rotary, masks, starts = self._inputs(input_ids, position_ids, attention_mask)
-        between, last = self.between_layers, len(self.layers) - 1
+        h = self._all_but_last(h, rotary, masks, starts, cache, self.between_layers)
         keep = self._kept_tokens(input_ids, logits_to_keep)
-        for i, (layer, t) in enumerate(zip(self.layers, self.layer_types)):
-            if i < last or keep is None:
-                h = layer.lean_step(h, rotary[t], masks[t], cache, starts[t])
-            else:
-                return lean_rms(layer.lean_step(h, rotary[t], masks[t], cache, starts[t], keep), self.norm, self.eps)
-            if between is not None and i < last:
-                between()
-        return slice_logits_to_keep(lean_rms(h, self.norm, self.eps), logits_to_keep)
+        t = self.layer_types[-1]
+        h = lean_rms(self.layers[-1].lean_step(h, rotary[t], masks[t], cache, starts[t], keep), self.norm, self.eps)
+        return h if keep is not None else slice_logits_to_keep(h, logits_to_keep)
 
     def cache_kv(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | dict[str, torch.Tensor], cache) -> None:
         """Only every layer's K/V of ``input_ids`` into ``cache``, as ``hidden`` writes them: its last layer stops
         there (encoding memories keeps their K/V and reads no output, engine/encoder.py)."""
         h, rotary, masks, starts = self._inputs(input_ids, position_ids, attention_mask)
+        h = self._all_but_last(h, rotary, masks, starts, cache, None)
+        self.layers[-1].cache_kv(h, rotary[self.layer_types[-1]], cache)
+
+    def _all_but_last(self, h: torch.Tensor, rotary: dict, masks: dict, starts: dict, cache,
+                      between: Callable[[], None] | None) -> torch.Tensor:
+        """``h`` through every layer but the last, ``between`` run after each (no hook after the last layer)."""
         for layer, t in zip(self.layers[:-1], self.layer_types):
             h = layer.lean_step(h, rotary[t], masks[t], cache, starts[t])
-        self.layers[-1].cache_kv(h, rotary[self.layer_types[-1]], cache)
+            if between is not None:
+                between()
+        return h
 
     def _inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | dict[str, torch.Tensor]):
