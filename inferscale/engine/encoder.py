@@ -105,12 +105,13 @@ def encode_items(
         allowed = (k_seg[None, :] == -1) | ((k_seg[None, :] == seg[:, None]) & (k_pos[None, :] <= q_pos[:, None]))
         mask = attention_mask_arg(layout, allowed, q_pos, k_pos, engine.loaded.dtype, engine.device)
         cache = cache_from_kv(engine.prefix_kv, model.config, windowed=False)
-        args = (ids[None].to(engine.device), q_pos[None].to(engine.device), mask, cache)
+        input_ids, position_ids = ids[None].to(engine.device), q_pos[None].to(engine.device)
         lean = engine.loaded.lean_pass
         if lean is not None:  # the same K/V, without the last layer's attention and MLP, whose output nobody reads
-            lean.cache_kv(*args)
+            lean.cache_kv(input_ids, position_ids, mask, cache)
         else:
-            model.model(input_ids=args[0], position_ids=args[1], attention_mask=mask, cache=cache, use_cache=True)
+            model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache,
+                        use_cache=True)
         kv = kv_of_cache(cache, start=p).cpu()
         offset = 0
         for i in group:
