@@ -15,6 +15,7 @@ from inferscale.engine import Engine, MemoryItem
 from inferscale.kernels import row_attention
 from inferscale.models import leanmodel
 from inferscale.models.loader import from_model
+from test_leanlayers import _causal_masks, leanmodel_cache
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,6 @@ def engine():
 
 def _pass(engine: Engine, ids, past: int, prior, keep, trimmed: bool, monkeypatch) -> tuple[torch.Tensor, list]:
     """The kept rows' final hidden states and the cache's K/V of one lean pass of ``ids`` over ``past`` tokens."""
-    from transformers import DynamicCache
-
     lean, config = engine.loaded.lean, engine.loaded.config
     last = lean.layers[-1]
     seen: list = []
@@ -42,12 +41,7 @@ def _pass(engine: Engine, ids, past: int, prior, keep, trimmed: bool, monkeypatc
     if not trimmed:
         monkeypatch.setattr(leanmodel.LeanGemma3Model, "_kept_tokens", lambda self, ids, keep: None)
     batch, q_len = ids.shape
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(prior):
-        cache.update(k.clone(), v.clone(), i)
-    from inferscale.engine.slots import SlotCache
-
-    masks = SlotCache(engine.loaded.layout, engine.loaded.dtype, engine.loaded.device).mask([past] * batch, q_len)
+    cache, masks = leanmodel_cache(prior), _causal_masks(engine, batch, q_len, past)  # as the loop hands them
     pos = torch.arange(past, past + q_len)[None].expand(batch, -1)
     with torch.inference_mode():
         hidden = lean.hidden(ids, pos, masks, cache, keep)
