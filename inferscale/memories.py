@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -33,11 +33,13 @@ Charge = Callable[[list[KVBlock]], None]
 # refuse the upload, or returns the Charge its writes are checked against.
 Admit = Callable[[list[ItemInfo]], Awaitable[Charge | None]]
 
+T = TypeVar("T")
+
 
 class EngineWorker(Protocol):
     """The thread that owns the model (inferscale.engine.worker.EngineWorker)."""
 
-    async def call(self, fn: Callable[[Engine], Any]) -> Any: ...
+    async def call(self, fn: Callable[[Engine], T]) -> T: ...
 
     @property
     def active(self) -> int: ...  # requests it is serving
@@ -230,14 +232,14 @@ class MemoryBook:
         ids, matrix = self.store.embeddings(tenant, user, self.fingerprint)
         return self.rank(tenant, query, ids, matrix, k), len(ids)
 
-    def rank(self, tenant: str, query: str, ids: list[str], matrix: Any, k: int) -> list[str]:
+    def rank(self, tenant: str, query: str, ids: list[str], matrix: torch.Tensor, k: int) -> list[str]:
         """The ids of the k candidates (``ids`` with their embedding rows ``matrix``) most relevant to ``query``,
         best first. The candidates come from this pod's store or, on the fleet path, a peer's index. Concurrent
         queries of one tenant are embedded in one batch (``Embedder.embed_query``)."""
         if not ids or k <= 0:
             return []
         q = self.embedder.embed_query(query, tenant)
-        return [i for i, _ in top_k(q, ids, torch.as_tensor(matrix), k)]
+        return [i for i, _ in top_k(q, ids, matrix, k)]
 
     def fetch(self, tenant: str, user: str, chosen: list[str]) -> tuple[list[KVBlock], FetchStats]:
         """The blocks of ``chosen`` (ids best first) in injection order (least relevant first)."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Depends, Path, Request
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from inferscale.contract import USER_MAX_LEN, user_store_id
 from inferscale.engine.template import MemoryItem
@@ -128,7 +129,7 @@ class MemoryService:
         return Removed(removed_blocks=done.blocks, removed_bytes=done.bytes)
 
     async def retrieve(self, tenant: str, user: str, query: str, k: int, tracer: trace.Tracer,
-                       ctx: Any, prompt_token_s: float | None = None) -> tuple[Planned, list[str]]:
+                       ctx: Context | None, prompt_token_s: float | None = None) -> tuple[Planned, list[str]]:
         """Top-k of the user's memories for ``query``, each fetched from the store or planned for recompute
         (spans: retrieval, kv_fetch). ``prompt_token_s``: the engine's measured prefill cost (None: fetch all).
 

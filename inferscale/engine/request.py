@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +13,12 @@ from inferscale.engine.detokenize import AnswerText
 from inferscale.engine.sampling import Sampling
 from inferscale.engine.scheduler import ScheduledRequest
 from inferscale.kvformat import KVBlock
+
+if TYPE_CHECKING:  # the engine imports no OpenTelemetry at run time: the server hands its tracer in
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Tracer
+
+    from inferscale.engine.spans import RequestSpan
 
 
 # ---- events: what a request's client receives ------------------------------------------------------------------
@@ -52,8 +58,8 @@ class GenRequest:
     emit: Callable[[Event], None]
     tenant: str = "default"
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
-    tracer: Any = None  # an OpenTelemetry tracer (duck-typed: the engine imports no OTel)
-    context: Any = None  # the request span's context
+    tracer: Tracer | None = None  # the server's tracer: the prefill and decode spans are children of its span
+    context: Context | None = None  # the request span's context
     keep_first_logits: bool = False  # keep the first token's logits in ``first_logits`` (benchmarks compare them)
     # kv mode: memory tokens computed in the prompt pass, after the injected blocks and before ``ids`` (the memories
     # the fetch planner chose to recompute rather than fetch: their text-mode tokens, inferscale/store/fetcher.py)
@@ -73,7 +79,7 @@ class GenRequest:
     stop_floor: int = 0  # a stop sequence may begin no earlier (text said before min_tokens was reached)
     answer: str | None = None  # the final text when a stop sequence ended it
     generator: torch.Generator | None = None
-    span: Any = None
+    span: RequestSpan | None = None  # the phase in progress (prefill, decode)
     ended: bool = False  # its DoneEvent or ErrorEvent was emitted: nothing more is
 
     cancelled: bool = False  # set by cancel(); a backend without a ScheduledRequest polls it

@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 from inferscale.contract import MODES
 from inferscale.engine.engine import Engine
@@ -30,6 +30,7 @@ from inferscale.engine.scheduler import Arrival, SchedulerConfig
 from inferscale.errors import EngineUnavailableError, PromptTooLongError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # No tokenizer we support spends more than this many characters per token on ordinary text; longer prompts are
 # refused before tokenization (the exact token check follows it).
@@ -38,8 +39,8 @@ CHARS_PER_TOKEN_LIMIT = 16
 
 @dataclass
 class _Call:
-    fn: Callable[[Engine], Any]
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    fn: Callable[[Engine], object]
+    future: concurrent.futures.Future[object] = field(default_factory=concurrent.futures.Future)
 
 
 class PromptSide:
@@ -117,7 +118,7 @@ class EngineWorker:
             self.loop.add(req)
             self._cv.notify()
 
-    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+    async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the worker thread, between two steps."""
         job = _Call(fn)
         with self._cv:
