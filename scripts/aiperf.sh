@@ -4,7 +4,7 @@
 #   python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf
 # Usage: scripts/aiperf.sh [PORT] [REQUESTS]   (AIPERF=path/to/aiperf; MODES="kv text"; K=20;
 #   CONCURRENCY=1, or a list such as "1 16" run in turn on the same server; OUTPUT_TOKENS=16, each answer's length;
-#   PROMPTS=bench sends `inferscale bench load`'s own questions, as a single_turn input file, instead of aiperf's
+#   PROMPTS=bench sends `inferscale bench load`'s own question, as a single_turn input file, instead of aiperf's
 #   24-token synthetic prompts: the same requests through both clients, so their TTFTs can be compared)
 # Starts a server on a fresh data dir with one tenant, stores 20 synthetic memories for user "maya", runs aiperf
 # once per mode (concurrency 1, 24-token synthetic prompts, 16 output tokens forced as aiperf's users force them:
@@ -36,8 +36,8 @@ DATA=$(mktemp -d "${TMPDIR:-/tmp}/inferscale-aiperf.XXXX")
 export INFERSCALE_METRICS_TOKEN=aiperf-metrics-$RANDOM$RANDOM
 if [ "${PROMPTS:-synthetic}" = bench ]; then
   .venv/bin/python -c "
-import json, sys; from inferscale.bench.synthetic import QUESTIONS
-open(sys.argv[1], 'w').writelines(json.dumps({'text': q}) + '\n' for q in QUESTIONS)" "$DATA/questions.jsonl"
+import json, sys; from inferscale.bench.loadclients import QUESTION
+open(sys.argv[1], 'w').write(json.dumps({'text': QUESTION}) + '\n')" "$DATA/questions.jsonl"
   PROMPT_ARGS=(--custom-dataset-type single_turn --input-file "$DATA/questions.jsonl")
 fi
 TOKENIZER=$(.venv/bin/python -c "from inferscale.models.loader import load_model; print(load_model().tokenizer.name_or_path)")
