@@ -5,10 +5,13 @@
 # Usage: scripts/aiperf.sh [PORT] [REQUESTS]   (AIPERF=path/to/aiperf; MODES="kv text"; K=20;
 #   CONCURRENCY=1, or a list such as "1 16" run in turn on the same server; OUTPUT_TOKENS=16, each answer's length;
 #   PROMPTS=bench sends `inferscale bench load`'s own question, as a single_turn input file, instead of aiperf's
-#   24-token synthetic prompts: the same requests through both clients, so their TTFTs can be compared)
-# Starts a server on a fresh data dir with one tenant, stores 20 synthetic memories for user "maya", runs aiperf
-# once per mode (concurrency 1, 24-token synthetic prompts, 16 output tokens forced as aiperf's users force them:
-# ignore_eos and min_tokens), stops it. CONCURRENCY="1 16" OUTPUT_TOKENS=64 measures many streams beside one the same
+#   24-token synthetic prompts: the same requests through both clients, so their TTFTs can be compared;
+#   LOCOMO=path/to/locomo10.json stores the first conversation's observations, dated, for "maya" and sends its
+#   questions, so that retrieval picks K of a few hundred real memories for real questions: the product's workload)
+# Starts a server on a fresh data dir with one tenant, stores K synthetic memories for user "maya" (dated, as
+# `bench ttft` stores them: 586 tokens at K=20; before 2026-12-06 without their dates, 395), runs aiperf once per mode
+# (concurrency 1, 24-token synthetic prompts, 16 output tokens forced as aiperf's users force them: ignore_eos and
+# min_tokens), stops it. CONCURRENCY="1 16" OUTPUT_TOKENS=64 measures many streams beside one the same
 # way (REQUESTS per concurrency): aiperf's output token throughput then counts the prompt passes of the requests that
 # replace finished ones too, its inter-token latency the steps those passes share.
 # aiperf paces its requests at RATE per second (default 100, above what one stream can ask for, so concurrency 1 is
@@ -16,6 +19,7 @@
 # (95 % of one measured), which on a small machine shared with the server is taken from the server (kv TTFT 214 ms
 # vs 136 ms paced, the same server). RATE=0 leaves it unpaced.
 set -euo pipefail
+LOCOMO=${LOCOMO:+$(realpath "$LOCOMO")}  # a path from where the script was started, before it moves to the repo root
 cd "$(dirname "$0")/.."
 PORT=${1:-8000}
 REQUESTS=${2:-20}
@@ -34,13 +38,11 @@ export PYTHONSAFEPATH=1 HF_HUB_OFFLINE=1
 DATA=$(mktemp -d "${TMPDIR:-/tmp}/inferscale-aiperf.XXXX")
 # The server's own view of the same requests (its TTFT and TPOT histograms), read from /metrics around each run.
 export INFERSCALE_METRICS_TOKEN=aiperf-metrics-$RANDOM$RANDOM
-if [ "${PROMPTS:-synthetic}" = bench ]; then
-  .venv/bin/python -c "
-import json, sys; from inferscale.bench.loadclients import QUESTION
-open(sys.argv[1], 'w').write(json.dumps({'text': QUESTION}) + '\n')" "$DATA/questions.jsonl"
-  PROMPT_ARGS=(--custom-dataset-type single_turn --input-file "$DATA/questions.jsonl")
-fi
 TOKENIZER=$(.venv/bin/python -c "from inferscale.models.loader import load_model; print(load_model().tokenizer.name_or_path)")
+# What "maya" remembers (the PUT body) and, unless aiperf makes them up, the questions asked (one JSON line each).
+.venv/bin/python -m inferscale.bench.aiperfinputs --tokenizer "$TOKENIZER" --k "$K" --prompts "${PROMPTS:-synthetic}" \
+  ${LOCOMO:+--locomo "$LOCOMO"} "$DATA"
+[ -s "$DATA/questions.jsonl" ] && PROMPT_ARGS=(--custom-dataset-type single_turn --input-file "$DATA/questions.jsonl")
 .venv/bin/python -c "
 import json, sys; from inferscale.server.auth import hash_key
 json.dump({'aiperf': {'keys': [hash_key('isk-aiperf')]}}, open(sys.argv[1], 'w'))" "$DATA/tenants.json"
@@ -48,12 +50,8 @@ json.dump({'aiperf': {'keys': [hash_key('isk-aiperf')]}}, open(sys.argv[1], 'w')
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$PORT/readyz" >/dev/null && break; sleep 1; done
-.venv/bin/python -c "
-import sys, httpx; from transformers import AutoTokenizer; from inferscale.bench.synthetic import synthetic_memories
-items = synthetic_memories(int(sys.argv[2]), AutoTokenizer.from_pretrained(sys.argv[1]))
-r = httpx.put('http://127.0.0.1:' + sys.argv[3] + '/v1/memories/maya', headers={'Authorization': 'Bearer isk-aiperf'},
-              json={'items': [{'id': it.id, 'text': it.text} for it in items]}, timeout=600)
-r.raise_for_status()" "$TOKENIZER" "$K" "$PORT"
+curl -sSf -X PUT -H "Authorization: Bearer isk-aiperf" -H "Content-Type: application/json" --max-time 1800 \
+  --data-binary "@$DATA/memories.json" "http://127.0.0.1:$PORT/v1/memories/maya" >/dev/null
 server_view() {  # server_view MODE BEFORE.json AFTER.json: the histograms' averages over the requests between
   .venv/bin/python - "$@" <<'PY'
 import json, sys

@@ -120,7 +120,7 @@ def ttft_ms(client, model: str, user: str, question: str, k: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from inferscale.bench.synthetic import QUESTIONS, synthetic_memories
+    from inferscale.bench.synthetic import QUESTIONS, put_body, synthetic_memories
     from inferscale.errors import ConfigError
 
     if args.probes < 2 or args.memories < 1:
@@ -133,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
             mems = {"victim": synthetic_memories(args.memories, tok, seed=args.seed + 1),
                     "prober": synthetic_memories(args.memories, tok, seed=args.seed + 2)}
             for tenant, user in (("victim", "alice"), ("prober", "bob")):
-                body = {"items": [{"id": m.id, "text": m.text, "timestamp": m.timestamp} for m in mems[tenant]]}
-                r = httpx.put(f"{srv.url}/v1/memories/{user}", json=body, timeout=600,
+                r = httpx.put(f"{srv.url}/v1/memories/{user}", json=put_body(mems[tenant]), timeout=600,
                               headers={"Authorization": f"Bearer {KEYS[tenant]}"})
                 r.raise_for_status()
             a, b = srv.client("victim"), srv.client("prober")

@@ -102,11 +102,10 @@ def _floor(server: LiveServer) -> dict:
 def _load_memories(server: LiveServer, k: int) -> None:
     import httpx
 
-    from inferscale.bench.synthetic import synthetic_memories
+    from inferscale.bench.synthetic import put_body, synthetic_memories
 
     engine = server.app.state.engine
-    items = synthetic_memories(max(k, 1), engine.tokenizer)
-    body = {"items": [{"id": it.id, "text": it.text} for it in items]}
+    body = put_body(synthetic_memories(max(k, 1), engine.tokenizer))
     for tenant, key in KEYS.items():
         r = httpx.put(f"{server.url}/v1/memories/maya", json=body, headers={"Authorization": f"Bearer {key}"},
                       timeout=3600)

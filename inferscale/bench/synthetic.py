@@ -41,3 +41,9 @@ def synthetic_memories(n: int, tokenizer, *, seed: int = 0, min_tokens: int = 20
         if min_tokens <= len(tokenizer(f"- ({item.timestamp}) {text}\n", add_special_tokens=False).input_ids) <= max_tokens:
             items.append(item)
     return items
+
+
+def put_body(items: list[MemoryItem]) -> dict:
+    """The ``PUT /v1/memories/{user}`` body that stores ``items`` as they are, dates included: a memory's date is
+    part of what the set's 20-35 tokens measure, and what a question about when something happened needs."""
+    return {"items": [{"id": it.id, "text": it.text, "timestamp": it.timestamp} for it in items]}

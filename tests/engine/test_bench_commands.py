@@ -194,3 +194,45 @@ def test_bench_fleet_json(model_dir, tmp_path):
         assert all(row[f] > 0 for f in ("ttft_peer_ms", "ttft_dram_ms", "ttft_text_ms", "bytes_pulled"))
     assert result["rows"][1]["bytes_pulled"] > result["rows"][0]["bytes_pulled"]  # exactly k blocks moved
     assert {"peer_over_dram", "peer_over_text"} <= set(result["bar"])
+
+
+def test_the_bench_memories_are_stored_with_their_dates():
+    """`bench load`, `bench isolation` and `scripts/aiperf.sh` store the synthetic set through the API as it is: its
+    20-35 tokens a memory count the date (without it, 395 tokens at k=20 instead of 586), and a question about when
+    something happened has no answer without one."""
+    from inferscale.bench.synthetic import put_body, synthetic_memories
+    from inferscale.server.schemas import PutMemories
+
+    items = synthetic_memories(5, tm.tokenizer())
+    stored = PutMemories.model_validate(put_body(items)).items
+    assert [(m.id, m.text, m.timestamp) for m in stored] == [(it.id, it.text, it.timestamp) for it in items]
+    assert all(m.timestamp for m in stored)
+
+
+def test_aiperf_inputs_synthetic_and_bench(model_dir, tmp_path):
+    """`scripts/aiperf.sh`'s inputs: k dated synthetic memories; no questions file content (aiperf's own prompts)
+    unless `--prompts bench`, which sends `bench load`'s question."""
+    from inferscale.bench import aiperfinputs
+    from inferscale.bench.loadclients import QUESTION
+
+    assert aiperfinputs.main(["--tokenizer", str(model_dir), "--k", "3", str(tmp_path)]) == 0
+    items = json.loads((tmp_path / "memories.json").read_text())["items"]
+    assert len(items) == 3 and all(it["timestamp"] for it in items)
+    assert (tmp_path / "questions.jsonl").read_text() == ""
+    assert aiperfinputs.main(["--tokenizer", str(model_dir), "--k", "3", "--prompts", "bench", str(tmp_path)]) == 0
+    assert [json.loads(line) for line in (tmp_path / "questions.jsonl").read_text().splitlines()] == [{"text": QUESTION}]
+
+
+def test_aiperf_inputs_locomo(model_dir, tmp_path):
+    """With a LoCoMo file: every observation of the first conversation, dated by its session, and its questions
+    (the adversarial category left out, as `bench locomo` leaves it)."""
+    from inferscale.bench import aiperfinputs
+
+    data = _locomo(tmp_path / "locomo.json")
+    assert aiperfinputs.main(["--tokenizer", str(model_dir), "--locomo", str(data), str(tmp_path)]) == 0
+    items = json.loads((tmp_path / "memories.json").read_text())["items"]
+    assert [(it["text"], it["timestamp"]) for it in items] == [
+        ("caroline went to paris in may 2023", "8 May 2023"), ("melanie painted the beach", "8 May 2023"),
+        ("they went camping with the kids", "8 May 2023")]
+    questions = [json.loads(line)["text"] for line in (tmp_path / "questions.jsonl").read_text().splitlines()]
+    assert questions == ["where did caroline go?", "what did melanie paint?"]
