@@ -103,7 +103,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     handed_off = False
     try:
         # Refused here (503 + Retry-After) when this tenant's queue would outwait the timeout: before retrieval.
-        arrival = app.worker.expect(tenant.name)
+        arrival = app.worker.expect(tenant.name, len(prompt_ids))
         blocks, recompute_ids, chosen = [], [], []
         if mode != "none" and owner is not None:
             # Only kv mode weighs fetching a block against recomputing it (the others need every block's KV or text).

@@ -51,9 +51,10 @@ class EngineBackend(Protocol):
     async def prompt_ids(self, turns: list[tuple[str, str]]) -> list[int]:
         """The prompt ids of a chat, tokenized off the engine's thread."""
 
-    def expect(self, tenant: str) -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0) -> Arrival:
         """Announce a request of ``tenant`` before retrieval (``EngineBusyError`` now when it would outwait its
-        queue); the caller closes the arrival once the request is submitted or given up."""
+        queue; ``prompt_tokens``, what is known of its prompt: the question's tokens); the caller closes the
+        arrival once the request is submitted or given up."""
 
     def submit(self, req: GenRequest) -> None:
         """Admit ``req``; typed errors (bad mode, foreign block, too long, busy) raise here, before any work."""

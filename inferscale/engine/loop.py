@@ -96,9 +96,9 @@ class ServingLoop:
         req.sched = ScheduledRequest(tenant=req.tenant, prompt_tokens=total, computed_tokens=computed, payload=req)
         self.scheduler.add(req.sched)
 
-    def expect(self, tenant: str) -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0) -> Arrival:
         """Announce a request of ``tenant`` before its blocks are fetched (Scheduler.expect: refused early)."""
-        return self.scheduler.expect(tenant)
+        return self.scheduler.expect(tenant, prompt_tokens)
 
     @property
     def active(self) -> int:
@@ -114,6 +114,7 @@ class ServingLoop:
     # ---- the loop's thread ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         for s in out.cancelled:
             self._free(s.payload)
@@ -128,8 +129,8 @@ class ServingLoop:
         # Prompt chunks first, in the scheduler's turn order (a newcomer's first): a short question that fits in
         # one chunk gets its first token before this step's decode pass, not after it.
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
-        self._prefill([(s.payload, n) for s, n in out.prefill if s.payload.slot >= 0 and s.payload.pending],
-                      out.pass_tokens)
+        prompt_tokens, prompt_passes = self._prefill([(s.payload, n) for s, n in out.prefill
+                                                      if s.payload.slot >= 0 and s.payload.pending], out.pass_tokens)
         t1 = time.perf_counter()
         decode = [r for r in decode if r.slot >= 0]
         if decode:
@@ -139,6 +140,7 @@ class ServingLoop:
             self.threads.after_decode(len(decode), took)
             cost.observe_decode(took)
         self._settle()  # rows wait until no pass is paused; none decodes before the next step
+        cost.observe_step(time.perf_counter() - t0, prompt_tokens, prompt_passes, bool(decode))
         self.steps += 1
 
     def _refuse(self, shed: list) -> None:
@@ -192,13 +194,14 @@ class ServingLoop:
         self.slots.write(req.slot, kv)
         req.length = kv.shape[3]
 
-    def _prefill(self, chunks: list[tuple[GenRequest, int]], pass_tokens: int | None) -> None:
+    def _prefill(self, chunks: list[tuple[GenRequest, int]], pass_tokens: int | None) -> tuple[int, int]:
         """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch)
         of at most ``pass_tokens`` padded tokens, a longer chunk in pieces over successive passes (one 123-token
         chunk was a 145 ms pass a newcomer waited out); once another tenant's request waits, the rest waits for the
-        next step, where it goes first. Each pass's time goes to the cost model with the tenants it computed for."""
+        next step, where it goes first. Each pass's time goes to the cost model with the tenants it computed for.
+        Returns the prompt tokens computed and the passes they took."""
         chunks = [(r, min(n, len(r.pending))) for r, n in chunks]
-        first = True
+        first, done, passes = True, 0, 0
         while chunks:
             sliver = self.scheduler.config.min_chunk_tokens
             pieces = [(r, next_piece(n, pass_tokens, sliver, self.kernel_rows)) for r, n in chunks]
@@ -209,7 +212,7 @@ class ServingLoop:
                     # the tenants the rest of the step computes for: another's request waiting goes first
                     tenants = going_on | {pieces[i][0].sched.tenant for g in groups[k:] for i in g}
                     if self.scheduler.interrupted(tenants):
-                        return
+                        return done, passes
                     self._refuse(self.scheduler.shed_queued())
                 first = False
                 batch = [pieces[i] for i in group if pieces[i][0].slot >= 0]  # not failed by an earlier group
@@ -220,7 +223,9 @@ class ServingLoop:
                     computed = self._prefill_batch(batch) if batch else 0
                 took = time.perf_counter() - t0 - self.interject.take_elapsed()
                 self.scheduler.cost.observe_prefill(computed, took, 1, {r.sched.tenant for r, _ in batch})
+                done, passes = done + computed, passes + 1
             chunks = [(r, n - m) for (r, n), (_, m) in zip(chunks, pieces) if n > m and r.slot >= 0 and r.pending]
+        return done, passes
 
     def _prefill_batch(self, batch: list[tuple[GenRequest, int]]) -> int:
         """One forward pass over several requests' next prompt chunks: each a row, padded to the longest with

@@ -23,6 +23,9 @@ PROMPT_TOKEN_S_PRIOR = 0.002
 # pass's fixed part, whose noise (a decode pass here: 49-75 ms) over 3 tokens said 8.7 ms a token, where one
 # more token costs about 1 ms, and the estimate it pulled up cut a 35-token question into 32 + 3 (two passes).
 FULL_WEIGHT_TOKENS = 32
+# The most a whole step is believed to overrun what its passes are priced at (``StepCost.overrun``): one step the OS
+# held up must not make admission refuse everything.
+OVERRUN_MAX = 4.0
 # Tenants whose own prompt-token cost is remembered (the most recently observed; older ones fall back to the
 # overall estimate).
 TENANTS_KEPT = 1024
@@ -51,6 +54,12 @@ class StepCost:
     # flood: right after tenant B's cheap passes the shared estimate sized tenant A's next pass at 87 tokens, which
     # took 170-230 ms against the 125 ms it was meant to fit, and B's next request waited it out.
     tenant_token_s: dict[str, float] = field(default_factory=dict, repr=False)
+    # How much longer a whole step with prompt work takes than the model prices it at (>= 1): the passes are timed
+    # alone, while a step also holds the scheduler, each token's emission, questions interjected into its passes
+    # and the server's threads on the same cores. Measured under a flood of 32 ~2,000-token prompts: each took
+    # ~2.25 s of wall time to compute where the passes priced it at ~1.57 s, so admission, and the shedding after
+    # it, kept requests that then waited out the queue timeout, two of them refused 18 and 24 s late.
+    overrun: float = 1.0
 
     def observe_prefill(self, tokens: int, seconds: float, passes: int = 1, tenants: Iterable[str] = ()) -> None:
         """``passes`` prompt passes computed ``tokens`` prompt tokens of ``tenants``' requests in ``seconds``."""
@@ -79,6 +88,27 @@ class StepCost:
             self.decode_pass_s = ewma(self.decode_pass_s, seconds)
             self.pass_s = min(self.pass_s or seconds, seconds)
 
+    def observe_step(self, seconds: float, prompt_tokens: int, passes: int, decoded: bool) -> None:
+        """A whole step (scheduling, passes, emission) took ``seconds`` and computed ``prompt_tokens`` prompt
+        tokens in ``passes`` prompt passes, beside a decode pass when ``decoded``: how far it ran past the price
+        ``prompt_seconds`` puts on that work."""
+        if prompt_tokens <= 0 or seconds <= 0 or self.prompt_token_s is None:
+            return
+        priced = self._price(prompt_tokens, passes, decoded)
+        weight = SMOOTHING * min(1.0, prompt_tokens / FULL_WEIGHT_TOKENS)
+        self.overrun = ewma(self.overrun, min(max(seconds / priced, 1.0), OVERRUN_MAX), weight)
+
+    def _price(self, prompt_tokens: int, passes: int, decode_passes: int) -> float:
+        """What the passes cost at the measured rates. Every pass is priced at the fixed part once it is known:
+        the rows that will decode beside a queue's prompts are mostly its own first ones, few, where the latest
+        decode pass (the one moving average) may be a 16-row batch long finished, or a cold start's (74 ms where
+        a pass then took 15); what whole steps take beyond that is ``overrun``'s."""
+        token_s = self.prompt_token_s if self.prompt_token_s is not None else PROMPT_TOKEN_S_PRIOR
+        if self.pass_s is not None:
+            return prompt_tokens * token_s + (passes + decode_passes) * self.pass_s
+        decode_s = self.decode_pass_s if self.decode_pass_s is not None else (self.shortest_pass_s or 0.0)
+        return prompt_tokens * token_s + decode_passes * decode_s
+
     def prompt_tokens_within(self, seconds: float, decoding: bool, tenants: Iterable[str] = ()) -> int | None:
         """How many prompt tokens fit in ``seconds`` in one prompt pass (beside one decode pass when
         ``decoding``) at the dearest of ``tenants``' own token costs (the overall estimate for a tenant not measured
@@ -89,16 +119,17 @@ class StepCost:
         left = seconds - (self.pass_s or 0.0) - ((self.decode_pass_s or 0.0) if decoding else 0.0)
         return int(max(0.0, left) / token_s + 1e-9)  # 0.05 / 0.001 is 49.999...
 
-    def prompt_seconds(self, tokens: int, share: int, per_step: int) -> float:
+    def prompt_seconds(self, tokens: int, share: int, per_step: int, pass_tokens: int | None = None) -> float:
         """Seconds until ``tokens`` prompt tokens are computed when each step computes ``per_step`` of them, split
-        ``share`` ways, in a prompt pass beside a decode pass: at the measured costs, PROMPT_TOKEN_S_PRIOR and the
-        shortest prompt pass standing in for what was not measured yet."""
+        ``share`` ways, in passes of at most ``pass_tokens`` beside a decode pass: at the measured costs,
+        PROMPT_TOKEN_S_PRIOR and the shortest prompt pass standing in for what was not measured yet, stretched by
+        how far whole steps have run past their price (``overrun``)."""
         if tokens <= 0:
             return 0.0
-        token_s = self.prompt_token_s if self.prompt_token_s is not None else PROMPT_TOKEN_S_PRIOR
-        decode_s = self.decode_pass_s if self.decode_pass_s is not None else (self.shortest_pass_s or 0.0)
         total = tokens * share
-        return total * token_s + math.ceil(total / max(per_step, 1)) * (decode_s + (self.pass_s or 0.0))
+        steps = math.ceil(total / max(per_step, 1))
+        passes = max(steps, math.ceil(total / pass_tokens)) if pass_tokens else steps
+        return self._price(total, passes, steps) * self.overrun
 
 
 def ewma(old: float | None, new: float, weight: float = SMOOTHING) -> float:

@@ -107,9 +107,10 @@ class EngineWorker:
         build = (lambda: side.question_ids(turns[0][1])) if len(turns) == 1 else (lambda: side.chat_ids(turns))
         return await asyncio.wrap_future(self._tokenize_pool.submit(build))
 
-    def expect(self, tenant: str) -> Arrival:
-        """Announce a request of ``tenant`` before retrieval: EngineBusyError now when it would outwait its queue."""
-        return self.loop.expect(tenant)
+    def expect(self, tenant: str, prompt_tokens: int = 0) -> Arrival:
+        """Announce a request of ``tenant`` (``prompt_tokens``: its question's) before retrieval: EngineBusyError
+        now when it would outwait its queue."""
+        return self.loop.expect(tenant, prompt_tokens)
 
     def submit(self, req: GenRequest) -> None:
         """Queue a generation; its events go to ``req.emit`` on the worker thread. Typed errors raise here."""

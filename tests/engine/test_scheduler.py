@@ -483,3 +483,99 @@ def test_take_newcomer_admits_the_first_queued_request_of_another_tenant_that_fi
     s.computed(b1, 30)  # b1's prompt done inside the pass: it decodes, and b may interject again
     assert s.take_newcomer({"a"}, lambda r: True) is b2 and s.num_running == 3
     assert s.take_newcomer(set(), lambda r: True) is None  # every slot taken
+
+
+def test_a_first_burst_of_long_prompts_is_refused_on_arrival_at_their_own_size():
+    """A tenant's first burst: nothing typical is known of its prompts, but each request's question was tokenized
+    before it is announced. 32 announced 2,000-token prompts at 1 ms a token and 20 ms a pass: those whose wait
+    would pass 80 % of the timeout are refused before their retrieval, where before all 32 were let through to be
+    refused only when added."""
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30))
+    s.cost.observe_decode(0.02)
+    s.cost.observe_prefill(100, 0.12)  # 1 ms a prompt token beyond a 20 ms pass
+    arrivals, refused = [], 0
+    for _ in range(32):
+        try:
+            arrivals.append(s.expect("a", prompt_tokens=2000))
+        except EngineBusyError:
+            refused += 1
+    assert 2 <= len(arrivals) <= 12 and refused == 32 - len(arrivals)
+    for a in arrivals:
+        a.close()
+    assert s.expect("a", prompt_tokens=2000)  # the announced ones are gone: room again
+    assert s.expect("b", prompt_tokens=40)  # another tenant's queue is its own
+
+
+def test_a_short_announced_question_counts_at_the_tenants_typical_prompt():
+    """What is known of an announced request is a floor: a tenant whose prompts run 1,000 tokens (text mode: the
+    memories come after retrieval) is not predicted shorter for a 20-token question."""
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30))
+    s.cost.observe_prefill(100, 1.0, passes=100)  # 10 ms a prompt token
+    s.add(ScheduledRequest("a", prompt_tokens=1000))
+    arrivals = []
+    with pytest.raises(EngineBusyError):
+        for _ in range(32):
+            arrivals.append(s.expect("a", prompt_tokens=20))
+    assert len(arrivals) == 2  # as for an announced request of unknown size
+
+
+def test_steps_that_run_past_their_price_lengthen_the_predicted_wait():
+    """The passes are timed alone; a whole step also holds the scheduler, the emission of its tokens and questions
+    interjected into its passes. Steps measured at 1.5x what the model prices them at make every predicted wait
+    1.5x longer (so fewer of a flood are kept, none to wait out the timeout); a step without prompt work, or
+    faster than its price, says nothing of it; one held-up step moves it a fifth of the way, at most to 4x."""
+    cost = StepCost()
+    cost.observe_decode(0.02)
+    cost.observe_prefill(100, 0.12)  # 1 ms a token beyond a 20 ms pass
+    before = cost.prompt_seconds(10_000, 1, 500)
+    assert before == pytest.approx(10 + 20 * (0.02 + 0.02))
+    price = 500 * 0.001 + 0.02 + 0.02
+    for _ in range(40):
+        cost.observe_step(1.5 * price, 500, 1, decoded=True)
+    assert cost.overrun == pytest.approx(1.5, rel=1e-3)
+    assert cost.prompt_seconds(10_000, 1, 500) == pytest.approx(1.5 * before, rel=1e-3)
+    cost.observe_step(0.5 * price, 500, 1, decoded=True)  # faster than priced: counts as on price
+    assert cost.overrun == pytest.approx(1.5 - 0.2 * 0.5, rel=1e-3)
+    cost.observe_step(10.0, 0, 0, decoded=True)  # a decode-only step
+    assert cost.overrun == pytest.approx(1.4, rel=1e-3)
+    for _ in range(60):
+        cost.observe_step(100 * price, 500, 1, decoded=True)
+    assert cost.overrun == pytest.approx(4.0, rel=1e-3)
+
+
+def test_a_flood_whose_steps_overrun_their_price_is_refused_early_not_after_the_queue_timeout():
+    """The engine simulated as the one measured under a flood of 32 ~2,000-token prompts: each prompt goes one
+    chunk a step, and each whole step takes 1.45x what its passes are timed at. Priced at one chunk a step
+    (``_drain``) and with the overrun learned (``observe_step``), A's excess is refused on arrival or within the
+    first steps, where it was shed 12 and 26 s after arriving; none of A's kept requests waits out the timeout."""
+    clock = Clock()
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30), clock=clock)
+    s.cost.observe_decode(0.02)
+    s.cost.observe_prefill(100, 0.12)
+    accepted = 0
+    for _ in range(32):
+        try:
+            s.add(ScheduledRequest("a", prompt_tokens=2000))
+            accepted += 1
+        except EngineBusyError:
+            pass
+    shed_after, decoded = [], {}
+    while s.has_work():
+        out = s.schedule()
+        assert out.expired == []
+        shed_after += [clock.now - r.arrived for r in out.shed]
+        tokens = sum(n for _, n in out.prefill)
+        run_prefill(s, out)
+        passes = 0.001 * tokens + 0.02 * (int(tokens > 0) + int(bool(out.decode)))
+        clock.now += 1.45 * passes
+        if tokens:
+            s.cost.observe_prefill(tokens, 0.001 * tokens + 0.02)
+        if out.decode:
+            s.cost.observe_decode(0.02)
+        s.cost.observe_step(1.45 * passes, tokens, int(tokens > 0), bool(out.decode))
+        for r in out.decode:
+            decoded[r.id] = decoded.get(r.id, 0) + 1
+            if decoded[r.id] == 64:
+                s.finish(r)
+    assert max(shed_after, default=0) < 2  # refused on arrival, or within the first steps
+    assert len(decoded) == accepted - len(shed_after) >= 6  # ~7 of these prompts fit in the timeout here
