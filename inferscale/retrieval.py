@@ -37,8 +37,14 @@ class Embedder:
         dim_of = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(dim_of() or DIM)
         self._lock = threading.Lock()  # one encode at a time
-        self._queued: dict[str, list[_Query]] = {}  # per group: queries waiting for the lock
+        self._init_query_turns()
+
+    def _init_query_turns(self) -> None:
+        self._queued: dict[str, list[_Query]] = {}  # per group: queries waiting, oldest turn first
+        self._last_turn: str | None = None  # the group whose batch was taken last
         self._queue_lock = threading.Lock()
+        self._turns = threading.Condition(self._queue_lock)  # a query done, or nobody encoding queries
+        self._encoding = False  # a caller is embedding the queued queries
 
     def embed(self, texts: list[str]) -> torch.Tensor:
         """``[n, dim]`` float32, L2-normalised, on the CPU."""
@@ -49,22 +55,65 @@ class Embedder:
 
     def embed_query(self, text: str, group: str) -> torch.Tensor:
         """One query's embedding [dim]. Queries of one ``group`` (the server passes the tenant) asked for while an
-        encode runs are embedded together, in one batch, by whichever of their callers gets the lock next (group
-        commit): sixteen concurrent requests cost about two encodes, not sixteen one after another, each slowed by
-        the engine's passes beside it (issue 22). Groups never share a batch: a batch pads its texts to the
-        longest, which moves the last bits of an embedding, so one tenant's queries never depend on another's."""
+        encode runs are embedded together, in one batch (group commit): sixteen concurrent requests cost about two
+        encodes, not sixteen one after another, each slowed by the engine's passes beside it (issue 22). Groups
+        never share a batch: a batch pads its texts to the longest, which moves the last bits of an embedding, so
+        one tenant's queries never depend on another's. Whoever holds the encoder embeds the groups' queues in
+        turn, a batch of at most ``BATCH_CHARS`` each, until its own query is done: one tenant's burst of long
+        questions (13 of ~2,000 tokens in one batch held the encoder ~0.7 s) delays another's question by one
+        bounded batch, not the whole burst."""
         query = _Query(text)
-        with self._queue_lock:
+        with self._turns:
             self._queued.setdefault(group, []).append(query)
-        with self._lock:
-            if query.embedding is None:  # nobody took it along: embed this group's queue now
-                with self._queue_lock:
-                    batch = self._queued.pop(group, [])
-                if query not in batch:  # taken along by an encode that raised: this caller tries its own
-                    batch.append(query)
-                for q, row in zip(batch, self._encode_queries([q.text for q in batch])):
-                    q.embedding = row
+            # Waiting on a condition, not on the encoder's lock: a caller whose query another embedded returns at
+            # once (waiting for the lock, one was held ~1 s by a burst's callers taking it in turn).
+            while query.embedding is None and self._encoding:
+                self._turns.wait()
+            if query.embedding is not None:
+                return query.embedding
+            self._encoding = True
+        try:
+            while query.embedding is None:
+                with self._turns:
+                    turn, batch = self._next_batch()
+                try:
+                    with self._lock:
+                        rows = self._encode_queries([q.text for q in batch])
+                except Exception:
+                    self._requeue(turn, [q for q in batch if q is not query])  # their own callers try again
+                    if query in batch:
+                        raise
+                    continue  # another's batch failed: this caller's query is still to do
+                with self._turns:
+                    for q, row in zip(batch, rows):
+                        q.embedding = row
+                    self._turns.notify_all()
+        finally:
+            with self._turns:
+                self._encoding = False  # a waiting caller takes over
+                self._turns.notify_all()
         return query.embedding
+
+    def _next_batch(self) -> tuple[str, list[_Query]]:
+        """The oldest waiting group other than the one served last, and its next queries (``_turns`` held),
+        at most ``BATCH_CHARS`` of text but one query at least; a group with more left goes to the back of the
+        turn."""
+        group = next((g for g in self._queued if g != self._last_turn), None) or next(iter(self._queued))
+        self._last_turn, queue = group, self._queued[group]
+        batch, chars = [], 0
+        while queue and (not batch or chars + _cost(queue[0].text) <= BATCH_CHARS):
+            chars += _cost(queue[0].text)
+            batch.append(queue.pop(0))
+        del self._queued[group]
+        if queue:
+            self._queued[group] = queue  # re-inserted: the last turn
+        return group, batch
+
+    def _requeue(self, group: str, queries: list[_Query]) -> None:
+        """Put ``queries`` back at the head of ``group``'s queue (its turn moves to the back)."""
+        if queries:
+            with self._queue_lock:
+                self._queued[group] = queries + self._queued.pop(group, [])
 
     def _encode_queries(self, texts: list[str]) -> torch.Tensor:
         """A request's few queries in one batch: the model's own preprocess and forward (its pooling and
@@ -85,6 +134,16 @@ class Embedder:
             out = self.model.encode(texts, convert_to_tensor=True, normalize_embeddings=True, show_progress_bar=False,
                                     batch_size=64)
         return out.detach().to(torch.float32).cpu().clone()
+
+
+# The most text one query batch holds (a query of more is a batch alone): the model reads at most 256 word pieces
+# a text (~1,000 characters), so a batch is about one long question's encode or a burst of short ones (16 of ~60
+# characters).
+BATCH_CHARS = 1024
+
+
+def _cost(text: str) -> int:
+    return min(len(text), BATCH_CHARS)
 
 
 @dataclass(eq=False)

@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # loaded lazily below: the model and store are built only whe
     from inferscale.store import KVStore
 
 log = logging.getLogger(__name__)
+# The side executor's threads (retrieval, fetches): created as needed; most of them wait, on the embedder or a disk.
+SIDE_THREADS = 128
 
 
 def open_store(settings: Settings):
@@ -147,8 +149,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         # The event loop and its worker threads (retrieval's embedding, fetches) run torch on one core each: only
         # the engine thread computes on all of them (inferscale/engine/threads.py)
         pin_threads(1)
-        side = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="inferscale-io", initializer=pin_threads,
-                                                     initargs=(1,))
+        # Enough threads that one tenant's burst does not queue another's retrieval behind it here: a retrieval
+        # mostly waits for the embedder, which serves tenants in turn (retrieval.Embedder.embed_query); with the
+        # default six, 13 of one tenant's long questions held another's short one ~0.7 s before it reached it.
+        side = concurrent.futures.ThreadPoolExecutor(SIDE_THREADS, thread_name_prefix="inferscale-io",
+                                                     initializer=pin_threads, initargs=(1,))
         asyncio.get_running_loop().set_default_executor(side)
         log.info("warmed up in %.2f s", await warm_up(worker, embedder.embed_query))  # before it listens
         with startup_heap_frozen():  # full collections skip what lives as long as the app (gcheap.py)

@@ -49,6 +49,7 @@ class MemoryService:
         self.fleet = fleet if fleet is not None else Fleet(store)  # the pod's one fleet (server/app.py)
         self.fetcher = Fetcher(self.fleet)  # fetch or recompute each retrieved block (inferscale/store/fetcher.py)
         self.locks = self.book.locks
+        self._borrowing = False  # a retrieval is running on the engine's thread (``_on_idle_cores``)
 
     @property
     def fingerprint(self) -> str:
@@ -58,10 +59,17 @@ class MemoryService:
         """``fn()`` on the engine's thread while it serves nothing, else on a side thread. The engine's thread computes
         on every core (its OpenMP pool); a side thread on one (engine/threads.py: a second pool would slow every
         decode step). A query's embedding took 15-21 ms on one core and 10-13 on two (issue 22): a request arriving
-        at an idle server gets the faster one; under load it runs beside the engine's steps as before."""
-        if self.worker.active == 0 and self.worker.queued == 0:
+        at an idle server gets the faster one; under load it runs beside the engine's steps as before. One call at
+        a time borrows the engine's thread, whose calls run in order: a burst arriving at an idle server had every
+        retrieval queued there, and another tenant's question arriving 0.3 s later waited behind 30 of them (0.9 s)
+        instead of taking its turn at the embedder (retrieval.Embedder.embed_query)."""
+        if self._borrowing or self.worker.active or self.worker.queued:
+            return await asyncio.to_thread(fn)
+        self._borrowing = True
+        try:
             return await self.worker.call(lambda _engine: fn())
-        return await asyncio.to_thread(fn)
+        finally:
+            self._borrowing = False
 
     @property
     def embedder(self) -> Embedder:  # the book's: tests swap in a slow one to widen race windows

@@ -21,7 +21,8 @@ class CountingEmbedder(Embedder):
 
     def __init__(self, inner: Embedder, callers: int) -> None:  # noqa: D107 - shares the inner model
         self.model, self.dim, self._query_forward = inner.model, inner.dim, inner._query_forward
-        self._lock, self._queue_lock, self._queued = threading.Lock(), threading.Lock(), {}
+        self._lock = threading.Lock()
+        self._init_query_turns()
         self.batches: list[list[str]] = []
         self.all_queued = threading.Event()
         self.callers = callers
@@ -113,3 +114,40 @@ def test_the_lean_query_pass_is_in_use_where_f32_linear_is(embedder):
     from inferscale.kernels import f32_linear
 
     assert (embedder._query_forward is not None) == (f32_linear.load() is not None)
+
+
+def test_another_tenants_question_waits_for_one_bounded_batch_not_a_burst(embedder):
+    """Tenant A's burst of long questions (each near the model's 256 word pieces) is embedded a question a batch,
+    and tenant B's short question, queued behind the whole burst, goes right after the batch in progress: before,
+    A's queued burst was one batch that held the encoder while B waited (~0.7 s for 13 such questions beside the
+    engine's passes)."""
+    from inferscale.retrieval import BATCH_CHARS
+
+    long_ = [f"question {i} of a: " + "what happened at the meeting about the budget and the office move? " * 16
+             for i in range(5)]
+    assert all(BATCH_CHARS // 2 < len(t) for t in long_)
+    args = [(long_[0], "tenant-a")] + [(t, "tenant-a") for t in long_[1:]] + [("where does bob live? b", "tenant-b")]
+    counting = CountingEmbedder(embedder, len(args))
+    returned_after = {}
+
+    def call(text, group):
+        row = counting.embed_query(text, group)
+        returned_after[text] = len(counting.batches)  # batches encoded by the time this caller got its row
+        return row
+
+    got = _concurrently(call, args)
+    assert [len(b) for b in counting.batches] == [1] * 6
+    assert counting.batches[1] == ["where does bob live? b"]  # right after the batch that was running
+    # and B's caller has its row then, not once A's burst is through (it waited for the encoder's lock before)
+    assert returned_after["where does bob live? b"] <= 3
+    assert all(row.shape == (embedder.dim,) for row in got)
+
+
+def test_short_questions_of_a_burst_still_share_a_batch_up_to_its_bound(embedder):
+    from inferscale.retrieval import BATCH_CHARS
+
+    texts = [f"what did maya do in week {i} of the summer?" for i in range(40)]
+    counting = CountingEmbedder(embedder, len(texts))
+    _concurrently(counting.embed_query, [(t, "tenant-a") for t in texts])
+    assert len(counting.batches) < len(texts) // 4
+    assert all(sum(map(len, b)) <= BATCH_CHARS for b in counting.batches)
