@@ -25,6 +25,34 @@ def run_prefill(s: Scheduler, out) -> None:
         s.computed(req, n)
 
 
+def drive(s: Scheduler, clock: Clock, *, token_s: float, pass_s: float, answer_tokens: int,
+          overrun: float = 1.0) -> tuple[list[float], dict[int, int]]:
+    """Stand in for the engine until the queue is empty: a step's passes cost ``token_s`` a prompt token and
+    ``pass_s`` a pass (its prompt pass, its decode pass), the whole step ``overrun`` times that; each request
+    decodes ``answer_tokens``. Checks that none expires; returns how long each shed request had waited and the
+    tokens each served one decoded."""
+    shed_after: list[float] = []
+    decoded: dict[int, int] = {}
+    while s.has_work():
+        out = s.schedule()
+        assert out.expired == []
+        shed_after += [clock.now - r.arrived for r in out.shed]
+        tokens = sum(n for _, n in out.prefill)
+        run_prefill(s, out)
+        passes = token_s * tokens + pass_s * (int(tokens > 0) + int(bool(out.decode)))
+        clock.now += overrun * passes
+        if tokens:
+            s.cost.observe_prefill(tokens, token_s * tokens + pass_s)
+        if out.decode:
+            s.cost.observe_decode(pass_s)
+        s.cost.observe_step(overrun * passes, tokens, int(tokens > 0), bool(out.decode))
+        for r in out.decode:
+            decoded[r.id] = decoded.get(r.id, 0) + 1
+            if decoded[r.id] == answer_tokens:
+                s.finish(r)
+    return shed_after, decoded
+
+
 def test_injected_tokens_count_as_computed_and_decode_spends_one_token_each():
     s = Scheduler(SchedulerConfig(step_tokens=64, chunk_tokens=64))
     kv = ScheduledRequest("a", prompt_tokens=1000, computed_tokens=990)  # prefix + blocks injected, 10 to compute
@@ -352,22 +380,7 @@ def test_a_first_burst_is_refused_early_not_after_the_queue_timeout():
             accepted += 1
         except EngineBusyError:
             pass
-    decoded: dict[int, int] = {}
-    shed_after = []
-    while s.has_work():
-        out = s.schedule()
-        assert out.expired == []
-        shed_after += [clock.now - r.arrived for r in out.shed]
-        tokens = sum(n for _, n in out.prefill)
-        run_prefill(s, out)
-        clock.now += 0.005 * tokens + 0.1 * (int(tokens > 0) + int(bool(out.decode)))
-        s.cost.observe_prefill(tokens, 0.005 * tokens + 0.1 * int(tokens > 0))
-        if out.decode:
-            s.cost.observe_decode(0.1)
-        for r in out.decode:
-            decoded[r.id] = decoded.get(r.id, 0) + 1
-            if decoded[r.id] == 32:
-                s.finish(r)
+    shed_after, decoded = drive(s, clock, token_s=0.005, pass_s=0.1, answer_tokens=32)
     assert shed_after and max(shed_after) < 10  # refused within a third of the timeout
     assert len(decoded) == accepted - len(shed_after) >= 2  # the rest were served
 
@@ -559,23 +572,6 @@ def test_a_flood_whose_steps_overrun_their_price_is_refused_early_not_after_the_
             accepted += 1
         except EngineBusyError:
             pass
-    shed_after, decoded = [], {}
-    while s.has_work():
-        out = s.schedule()
-        assert out.expired == []
-        shed_after += [clock.now - r.arrived for r in out.shed]
-        tokens = sum(n for _, n in out.prefill)
-        run_prefill(s, out)
-        passes = 0.001 * tokens + 0.02 * (int(tokens > 0) + int(bool(out.decode)))
-        clock.now += 1.45 * passes
-        if tokens:
-            s.cost.observe_prefill(tokens, 0.001 * tokens + 0.02)
-        if out.decode:
-            s.cost.observe_decode(0.02)
-        s.cost.observe_step(1.45 * passes, tokens, int(tokens > 0), bool(out.decode))
-        for r in out.decode:
-            decoded[r.id] = decoded.get(r.id, 0) + 1
-            if decoded[r.id] == 64:
-                s.finish(r)
+    shed_after, decoded = drive(s, clock, token_s=0.001, pass_s=0.02, answer_tokens=64, overrun=1.45)
     assert max(shed_after, default=0) < 2  # refused on arrival, or within the first steps
     assert len(decoded) == accepted - len(shed_after) >= 6  # ~7 of these prompts fit in the timeout here
