@@ -389,8 +389,8 @@ class Scheduler:
 
     def _predicted_wait(self, tenant: str) -> float:
         """Seconds until a request of ``tenant`` queued now would get a slot: the prompt tokens of the tenant's
-        requests ahead of it (those still arriving at its typical size or their own, the larger), at its round-robin share of the measured
-        prompt rate."""
+        requests ahead of it (those still arriving at its typical size or their own, the larger), at its
+        round-robin share of the measured prompt rate."""
         ahead = sum(r.remaining_prompt for r in itertools.chain(self._prefilling.get(tenant, ()),
                                                                  self._waiting.get(tenant, ())))
         typical = self._typical_prompt.get(tenant, 0.0)

@@ -220,7 +220,8 @@ def test_aiperf_inputs_synthetic_and_bench(model_dir, tmp_path):
     assert len(items) == 3 and all(it["timestamp"] for it in items)
     assert (tmp_path / "questions.jsonl").read_text() == ""
     assert aiperfinputs.main(["--tokenizer", str(model_dir), "--k", "3", "--prompts", "bench", str(tmp_path)]) == 0
-    assert [json.loads(line) for line in (tmp_path / "questions.jsonl").read_text().splitlines()] == [{"text": QUESTION}]
+    questions = [json.loads(line) for line in (tmp_path / "questions.jsonl").read_text().splitlines()]
+    assert questions == [{"text": QUESTION}]
 
 
 def test_aiperf_inputs_locomo(model_dir, tmp_path):
