@@ -14,7 +14,8 @@ Beside them (issue 22) it measures, in the same process and thread settings, the
 weight bytes over the read bandwidth of a reduction over its largest weight (the embedding, which is the LM head);
 and it prints the single-stream step (TPOT p50 at N=1) against that floor and each N's tokens/s against N=1's.
 ``--flood`` adds issue 12's scenario on a second server with the production queue settings: tenant A sends
-``--flood-requests`` long ``text`` requests (k=``--flood-k``), then tenant B sends kv requests (k=3, one token);
+``--flood-requests`` long ``text`` requests (k=``--flood-k``; ``--flood-words`` pastes a document of that many
+words before each question), then tenant B sends kv requests (k=3, one token);
 B's TTFT against its idle TTFT, and how fast A's excess is refused. ``--repeats`` runs it all again on the same
 servers and reports medians with min and max.
 """
@@ -46,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flood", action="store_true", help="also run the tenant flood scenario (issue 12)")
     p.add_argument("--flood-requests", type=int, default=32, help="tenant A's long text requests in the flood")
     p.add_argument("--flood-k", type=int, default=40, help="memories in each of tenant A's flood requests")
+    p.add_argument("--flood-words", type=int, default=0,
+                   help="words of a pasted document before each of tenant A's questions (a flood of long prompts)")
     p.add_argument("--repeats", type=int, default=1, help="run every measurement this many times (medians)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG of aggregate tokens/s vs N")
@@ -132,6 +135,11 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
     return out
 
 
+# A pasted document's words in a flood prompt, at most: past the server's prompt bound (in tokens) it is refused
+# outright and floods nothing.
+MAX_FLOOD_WORDS = 4000
+
+
 def run(args: argparse.Namespace) -> int:
     ns = sorted({int(n) for n in args.n.split(",") if n.strip()})
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -139,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n {args.n!r}: expected positive integers")
     if args.tokens < 2 or args.k < 0 or args.repeats < 1:
         raise ConfigError("--tokens must be 2 or more, -k 0 or more and --repeats 1 or more")
+    if not 0 <= args.flood_words <= MAX_FLOOD_WORDS:
+        raise ConfigError(f"--flood-words {args.flood_words}: expected 0 to {MAX_FLOOD_WORDS}")
     extra = _extra_body(args.extra_body)
     repeats = []
     server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine,
@@ -159,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             _load_memories(server, max(args.flood_k, B_K))
             for rep in repeats:
                 rep["flood"] = flood(server.url, server.model, args.flood_k, args.tokens, args.flood_requests,
-                                     lambda: _in_engine(server))
+                                     lambda: _in_engine(server), args.flood_words)
         finally:
             server.close()
     summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
@@ -208,7 +218,8 @@ def _print(result: dict, rep: dict) -> None:
     if f:
         shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
                 if f["a_refused"] else "none refused")
-        print(f"flood: {f['flood_requests']} text requests (k={f['flood_k']}) of tenant A, {shed}; tenant B's TTFT "
+        long_ = f", {f['flood_question_chars']}-character prompts" if f.get("flood_question_chars", 0) > 200 else ""
+        print(f"flood: {f['flood_requests']} text requests (k={f['flood_k']}{long_}) of tenant A, {shed}; tenant B's TTFT "
               f"{f['b_flood_ttft_ms']:.1f} ms vs {f['b_idle_ttft_ms']:.1f} ms idle ({f['ratio']:.2f}x)")
 
 

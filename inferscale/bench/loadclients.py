@@ -65,9 +65,11 @@ def concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, ext
     return _spawned(_concurrent, url, model, mode, n, k, tokens, extra or {})
 
 
-def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: Callable[[], int]) -> dict:
+def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: Callable[[], int],
+          words: int = 0) -> dict:
     """Tenant A's flood and tenant B's probes, in a client process; ``in_engine()`` counts A's requests in the
-    engine (read in the bench's process: no endpoint shows load to a tenant)."""
+    engine (read in the bench's process: no endpoint shows load to a tenant); ``words``: A's question comes after
+    that many words of a pasted document (``long_question``)."""
     ctx = multiprocessing.get_context("spawn")
     signals = FloodSignals(refused=ctx.Value("i", 0), go=ctx.Event(), probed=ctx.Event())
     seen: dict[str, int] = {}
@@ -83,7 +85,7 @@ def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: C
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    result = _spawned(_flood, url, model, k, tokens, requests, signals, ctx=ctx)
+    result = _spawned(_flood, url, model, k, tokens, requests, signals, long_question(words), ctx=ctx)
     watcher.join(5)
     result["a_in_engine_after_probes"] = seen.get("after")
     return result
@@ -185,13 +187,24 @@ def _steady_rate(streams: list[Stream]) -> float:
     return intervals / (end - start) if end > start and intervals else float("nan")
 
 
-async def _refusable(client, model: str, k: int, tokens: int, refused: list[float], signals: FloodSignals) -> None:
+def long_question(words: int) -> str:
+    """``QUESTION`` after ``words`` words of a pasted document (none: the question alone): a flood of long prompts
+    is priced, chunked and retrieved for differently from one of short questions."""
+    if words <= 0:
+        return QUESTION
+    filler = ("The committee reviewed the quarterly figures, the hiring plan and the office move, and asked for a "
+              "written summary of every open item by Friday.").split()
+    return " ".join(filler[i % len(filler)] for i in range(words)) + "\n\n" + QUESTION
+
+
+async def _refusable(client, model: str, k: int, tokens: int, question: str, refused: list[float],
+                     signals: FloodSignals) -> None:
     """One of tenant A's flood requests; a refusal (429/503) is recorded as its seconds from sending."""
     from openai import APIStatusError
 
     t0 = time.perf_counter()
     try:
-        await _stream(client, model, "text", k, tokens)
+        await _stream(client, model, "text", k, tokens, question)
     except APIStatusError as e:
         if e.status_code not in (429, 503):
             raise
@@ -200,15 +213,18 @@ async def _refusable(client, model: str, k: int, tokens: int, refused: list[floa
             signals["refused"].value += 1
 
 
-async def _flood(url: str, model: str, k: int, tokens: int, requests: int, signals: FloodSignals) -> dict:
-    """Tenant A sends ``requests`` long text prompts at once; then tenant B sends short kv requests, one token."""
+async def _flood(url: str, model: str, k: int, tokens: int, requests: int, signals: FloodSignals,
+                 question: str = QUESTION) -> dict:
+    """Tenant A sends ``requests`` long text prompts at once (``question`` after k memories); then tenant B sends
+    short kv requests, one token."""
     from openai import AsyncOpenAI
 
     a = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
     b = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-b"], max_retries=0, timeout=3600)
     idle = [(await _stream(b, model, "kv", B_K, 1)).ttft_s for _ in range(PROBES)]
     refused: list[float] = []
-    flood_tasks = [asyncio.create_task(_refusable(a, model, k, tokens, refused, signals)) for _ in range(requests)]
+    flood_tasks = [asyncio.create_task(_refusable(a, model, k, tokens, question, refused, signals))
+                   for _ in range(requests)]
     # Every one of A's requests is in the engine (running or queued) or refused before B asks.
     while not signals["go"].is_set():
         await asyncio.sleep(0.005)
@@ -218,7 +234,8 @@ async def _flood(url: str, model: str, k: int, tokens: int, requests: int, signa
     await a.close()
     await b.close()
     b_idle, b_flood = statistics.median(idle), statistics.median(during)
-    return {"flood_requests": requests, "flood_k": k, "probes": PROBES, "b_idle_ttft_ms": b_idle * 1e3,
+    return {"flood_requests": requests, "flood_k": k, "flood_question_chars": len(question), "probes": PROBES,
+            "b_idle_ttft_ms": b_idle * 1e3,
             "b_flood_ttft_ms": b_flood * 1e3, "b_flood_ttft_max_ms": max(during) * 1e3,
             "ratio": b_flood / b_idle, "a_refused": len(refused),
             "a_refused_p50_ms": pct(refused, 0.5) * 1e3 if refused else None,

@@ -237,3 +237,17 @@ def test_aiperf_inputs_locomo(model_dir, tmp_path):
         ("they went camping with the kids", "8 May 2023")]
     questions = [json.loads(line)["text"] for line in (tmp_path / "questions.jsonl").read_text().splitlines()]
     assert questions == ["where did caroline go?", "what did melanie paint?"]
+
+
+@pytest.mark.parametrize("words", ["-1", "4001"])
+def test_bench_load_refuses_a_flood_document_it_cannot_send(model_dir, words, capsys):
+    assert main(["bench", "load", "--model", str(model_dir), "--flood", "--flood-words", words]) != 0
+    assert "inferscale: error: --flood-words" in capsys.readouterr().err
+
+
+def test_a_flood_of_long_prompts_asks_the_same_question_after_a_document():
+    from inferscale.bench.loadclients import QUESTION, long_question
+
+    assert long_question(0) == QUESTION
+    long_ = long_question(2000)
+    assert long_.endswith("\n\n" + QUESTION) and len(long_.split()) == 2000 + len(QUESTION.split())
