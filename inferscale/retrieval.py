@@ -112,7 +112,7 @@ class Embedder:
     def _requeue(self, group: str, queries: list[_Query]) -> None:
         """Put ``queries`` back at the head of ``group``'s queue (its turn moves to the back)."""
         if queries:
-            with self._queue_lock:
+            with self._turns:
                 self._queued[group] = queries + self._queued.pop(group, [])
 
     def _encode_queries(self, texts: list[str]) -> torch.Tensor:

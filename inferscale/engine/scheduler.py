@@ -215,9 +215,7 @@ class Scheduler:
             lone = self._lone()
             budget = self._prompt_budget(len(decode), self._newcomer_on_its_way(), lone)
             pass_tokens = self._pass_tokens()
-            # a lone tenant's chunks fit its passes (each what an arrival may wait for)
-            chunk_tokens = min(self.config.chunk_tokens, pass_tokens or self.config.chunk_tokens) if lone \
-                else self.config.chunk_tokens
+            chunk_tokens = self._chunk_tokens(lone, pass_tokens)
             admitted: list[ScheduledRequest] = []
             prefill: list[tuple[ScheduledRequest, int]] = []
             # Rounds of turns until the budget is spent: in each round every tenant with prompt work computes one
@@ -370,9 +368,15 @@ class Scheduler:
         nxt = started[0] if started else queue[0] if queue else None
         return nxt.remaining_prompt if nxt is not None else 0
 
-    def _lone(self) -> bool:
-        """One tenant at most has prompt work and none other is on its way."""
-        return len(self._prompt_tenants() | set(self._arriving)) <= 1
+    def _lone(self, tenant: str | None = None) -> bool:
+        """One tenant at most (``tenant``, when named) has prompt work and none other is on its way."""
+        return len(self._prompt_tenants() | set(self._arriving) | ({tenant} if tenant else set())) <= 1
+
+    def _chunk_tokens(self, lone: bool, pass_tokens: int | None) -> int:
+        """The most prompt tokens a request computes in a step: a lone tenant's chunks fit its passes (each what
+        an arrival may wait for)."""
+        return min(self.config.chunk_tokens, pass_tokens or self.config.chunk_tokens) if lone \
+            else self.config.chunk_tokens
 
     def _newcomer_on_its_way(self) -> bool:
         """Another tenant's prompts run while a tenant with none started or queued is announced (``expect``:
@@ -407,11 +411,10 @@ class Scheduler:
         tenant's chunk is one pass), whatever the budget: priced at the budget, 32 ~2,000-token prompts were
         predicted at ~1.5 s each where they took ~2.25 (30 steps, each with a decode pass and a pass's fixed part),
         and two of the kept ones were shed 18 and 24 s after they arrived."""
-        lone = share <= 1 and not any(t != tenant for t in self._arriving)
+        lone = self._lone(tenant)
         per_step = self._prompt_budget(len(self._decoding), lone=lone)
         pass_tokens = self._pass_tokens()
-        chunk = min(self.config.chunk_tokens, pass_tokens or self.config.chunk_tokens) if lone \
-            else self.config.chunk_tokens
+        chunk = self._chunk_tokens(lone, pass_tokens)
         if self._typical_prompt.get(tenant, 0.0) > chunk:
             per_step = min(per_step, share * chunk)
         return per_step, pass_tokens
