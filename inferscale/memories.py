@@ -241,6 +241,12 @@ class MemoryBook:
         q = self.embedder.embed_query(query, tenant)
         return [i for i, _ in top_k(q, ids, matrix, k)]
 
+    def text_tokens(self, tenant: str, user: str, k: int) -> int:
+        """The memory tokens a text request pastes before its question, known before retrieval picks them: k of the
+        user's memories at their mean size (all of them when fewer; none stored here, 0)."""
+        n, tokens = self.store.user_tokens(tenant, user, self.fingerprint)
+        return round(tokens * min(k, n) / n) if n else 0
+
     def fetch(self, tenant: str, user: str, chosen: list[str]) -> tuple[list[KVBlock], FetchStats]:
         """The blocks of ``chosen`` (ids best first) in injection order (least relevant first)."""
         return self.store.get_many(tenant, user, injection_order(chosen), self.fingerprint)

@@ -102,8 +102,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     job = arrival = None
     handed_off = False
     try:
-        # Refused here (503 + Retry-After) when this tenant's queue would outwait the timeout: before retrieval.
-        arrival = app.worker.expect(tenant.name, len(prompt_ids))
+        # Refused here (503 + Retry-After) when this tenant's queue would outwait the timeout: before retrieval. A
+        # text request counts its k memories too: announced at its question's tokens alone, a flood of long text
+        # requests was refused only once retrieved, up to 1.8 s after it was sent (issue 22).
+        announced = len(prompt_ids)
+        if mode == "text" and owner is not None:
+            announced += await app.memories.text_tokens(tenant.name, owner, k)
+        arrival = app.worker.expect(tenant.name, announced)
         blocks, recompute_ids, chosen = [], [], []
         if mode != "none" and owner is not None:
             # Only kv mode weighs fetching a block against recomputing it (the others need every block's KV or text).

@@ -136,6 +136,10 @@ class MemoryService:
         done = await self.book.delete(tenant, user, item_id)
         return Removed(removed_blocks=done.blocks, removed_bytes=done.bytes)
 
+    async def text_tokens(self, tenant: str, user: str, k: int) -> int:
+        """What ``k`` of the user's memories add to a text request's prompt (MemoryBook.text_tokens), off the loop."""
+        return await asyncio.to_thread(self.book.text_tokens, tenant, user, k)
+
     async def retrieve(self, tenant: str, user: str, query: str, k: int, tracer: trace.Tracer,
                        ctx: Context | None, prompt_token_s: float | None = None) -> tuple[Planned, list[str]]:
         """Top-k of the user's memories for ``query``, each fetched from the store or planned for recompute

@@ -227,5 +227,11 @@ class Catalogue:
         n, size = self._query("SELECT count(*), coalesce(sum(size),0) FROM items WHERE tenant=?", (tenant,))[0]
         return int(n), int(size)
 
+    def user_tokens(self, tenant: str, user: str, fingerprint: str) -> tuple[int, int]:
+        """(items, their tokens) of one user's usable memories for one model."""
+        n, tokens = self._query("SELECT count(*), coalesce(sum(tokens),0) FROM items WHERE tenant=? AND user=? AND"
+                                " fingerprint=? AND corrupt=0", (tenant, user, fingerprint))[0]
+        return int(n), int(tokens)
+
     def max_size(self) -> int:
         return self._query("SELECT coalesce(max(size), 0) FROM items")[0][0]

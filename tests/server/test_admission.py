@@ -67,3 +67,31 @@ def test_full_tenant_queue_answers_503_with_retry_after(live):
         if waiting.is_alive() or waiting.ident is not None:
             waiting.join(60)
         scheduler.config = saved
+
+
+def test_a_text_request_is_announced_with_its_memories_before_retrieval(live, memories, monkeypatch):
+    """Announced at its question's tokens alone, a flood of long text requests was refused only after each one's
+    retrieval (issue 22): the k memories it pastes count from the start, at the user's mean memory size."""
+    worker = live.app.state.worker
+    announced: list[int] = []
+    original = worker.expect
+
+    def spy(tenant: str, prompt_tokens: int = 0):
+        announced.append(prompt_tokens)
+        return original(tenant, prompt_tokens)
+
+    monkeypatch.setattr(worker, "expect", spy)
+    client = live.client()
+
+    def ask(mode: str, k: int):
+        return client.chat.completions.create(
+            model=MODEL, max_tokens=1, user="caroline", messages=[{"role": "user", "content": "Where did she move?"}],
+            extra_body={"inferscale": {"k": k, "mode": mode}})
+
+    none, every = ask("none", 5), ask("text", len(memories))
+    # With k = all of them every memory is pasted: the announcement is the whole prompt, known before retrieval.
+    assert announced[1] - announced[0] == every.usage.prompt_tokens - none.usage.prompt_tokens > 0
+    ask("text", 2)
+    assert announced[0] < announced[2] < announced[1]
+    ask("kv", 5)  # injected memories are not prompt tokens to compute
+    assert announced[3] == announced[0]

@@ -43,6 +43,21 @@ def test_list_users_embeddings(open_store):
     assert torch.equal(emb[1], make_block("m1").embedding)
 
 
+def test_user_tokens_count_one_users_usable_memories_of_one_model(open_store):
+    s = open_store()
+    for i, n in enumerate((3, 5, 8)):
+        s.put("acme", "alice", make_block(f"m{i}", tokens=n))
+    s.put("acme", "alice", make_block("other", tokens=6, fp=OTHER_FP))
+    s.put("acme", "bob", make_block("b", tokens=9))
+    s.put("globex", "alice", make_block("g", tokens=7))
+    assert s.user_tokens("acme", "alice", FP) == (3, 16)
+    s.catalogue.set_flag([("acme", "alice", FP, "m2")], "corrupt", 1)
+    assert s.user_tokens("acme", "alice", FP) == (2, 8)
+    assert s.user_tokens("acme", "carol", FP) == (0, 0)
+    with pytest.raises(InvalidInputError):
+        s.user_tokens("acme", "../alice", FP)
+
+
 def test_cross_tenant_access_refused(open_store):
     s = open_store()
     same = make_block("m1")
