@@ -519,6 +519,24 @@ def test_a_first_burst_of_long_prompts_is_refused_on_arrival_at_their_own_size()
     assert s.expect("b", prompt_tokens=40)  # another tenant's queue is its own
 
 
+def test_a_first_burst_kept_on_arrival_is_not_refused_once_added():
+    """Announced sizes decide how a queue is handed out (prompts longer than a chunk go one chunk a step) just as
+    the typical size does once one was added. Priced at the whole step budget instead, a first burst of
+    ~2,900-token text requests had 11 kept on arrival and 7 of them refused when added, after their retrieval."""
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30))
+    s.cost.observe_decode(0.02)
+    s.cost.observe_prefill(100, 0.12)  # 1 ms a prompt token beyond a 20 ms pass
+    arrivals = []
+    with pytest.raises(EngineBusyError):
+        for _ in range(32):
+            arrivals.append(s.expect("a", prompt_tokens=2900))
+    assert len(arrivals) >= 2
+    for arrival in arrivals:  # retrieved in turn: each closes and is added
+        arrival.close()
+        s.add(ScheduledRequest("a", prompt_tokens=2900))
+    assert s.num_waiting == len(arrivals)
+
+
 def test_a_short_announced_question_counts_at_the_tenants_typical_prompt():
     """What is known of an announced request is a floor: a tenant whose prompts run 1,000 tokens (text mode: the
     memories come after retrieval) is not predicted shorter for a 20-token question."""
