@@ -243,8 +243,9 @@ class MemoryBook:
 
     def text_tokens(self, tenant: str, user: str, k: int) -> int:
         """The memory tokens a text request pastes before its question, known before retrieval picks them: k of the
-        user's memories at their mean size (all of them when fewer; none stored here, 0)."""
-        n, tokens = self.store.user_tokens(tenant, user, self.fingerprint)
+        user's memories at their mean size (all of them when fewer; none stored here, 0). One aggregate query of the
+        catalogue (the names come checked: the tenant from its key, the user through ``user_store_id``)."""
+        n, tokens = self.store.catalogue.user_tokens(tenant, user, self.fingerprint)
         return round(tokens * min(k, n) / n) if n else 0
 
     def fetch(self, tenant: str, user: str, chosen: list[str]) -> tuple[list[KVBlock], FetchStats]:

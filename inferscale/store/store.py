@@ -284,12 +284,6 @@ class KVStore:
     def usage(self, tenant: str) -> tuple[int, int]:  # (items, bytes on disk) of the tenant, every user and model
         return self.catalogue.usage(tenant)
 
-    def user_tokens(self, tenant: str, user: str, fingerprint: str) -> tuple[int, int]:
-        """(items, their tokens) of the user's usable memories stored here for ``fingerprint``'s model; (0, 0) for
-        none."""
-        check_name("tenant", tenant), check_name("user", user), check_fingerprint(fingerprint)
-        return self.catalogue.user_tokens(tenant, user, fingerprint)
-
     def set_tenant_quota(self, tenant: str, dram_bytes: int | None) -> None:  # None: tenant_quota_bytes
         self.dram.set_share(tenant, dram_bytes)
 
