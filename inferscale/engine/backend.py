@@ -53,8 +53,9 @@ class EngineBackend(Protocol):
 
     def expect(self, tenant: str, prompt_tokens: int = 0) -> Arrival:
         """Announce a request of ``tenant`` before retrieval (``EngineBusyError`` now when it would outwait its
-        queue; ``prompt_tokens``, what is known of its prompt: the question's tokens); the caller closes the
-        arrival once the request is submitted or given up."""
+        queue; ``prompt_tokens``, what is known of its prompt before retrieval: the question's tokens, and a text
+        request's memories at the user's mean size); the caller closes the arrival once the request is submitted
+        or given up."""
 
     def submit(self, req: GenRequest) -> None:
         """Admit ``req``; typed errors (bad mode, foreign block, too long, busy) raise here, before any work."""

@@ -166,10 +166,10 @@ class Scheduler:
         """A request of ``tenant`` is on its way (retrieval and KV fetch come before ``add``): EngineBusyError now
         when the tenant's queue would outwait the timeout, before any work is spent on it. Until the arrival is
         closed (just before ``add``, or when the request fails) it counts in every prediction at the tenant's
-        typical prompt or at ``prompt_tokens`` (what is known of its own: the question's tokens), whichever is
-        more, so a burst is refused on arrival, not after its retrievals, its first one included: 32 prompts of
-        ~2,000 tokens announced at once were counted at nothing, retrieved, and refused only when added, 0.7-1.1 s
-        later."""
+        typical prompt or at ``prompt_tokens`` (what is known of its own: the question's tokens, and a text
+        request's memories at the user's mean size), whichever is more, so a burst is refused on arrival, not
+        after its retrievals, its first one included: 32 prompts of ~2,000 tokens announced at once were counted
+        at nothing, retrieved, and refused only when added, 0.7-1.1 s later."""
         with self._lock:
             self._refuse_a_long_wait(tenant)
             self._arriving.setdefault(tenant, []).append(prompt_tokens)
@@ -178,14 +178,11 @@ class Scheduler:
     def arrived(self, tenant: str, prompt_tokens: int = 0) -> None:
         """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
         with self._lock:
-            self._forget_arrival(tenant, prompt_tokens)
-
-    def _forget_arrival(self, tenant: str, prompt_tokens: int) -> None:
-        arriving = self._arriving.get(tenant, [])
-        if prompt_tokens in arriving:
-            arriving.remove(prompt_tokens)
-        if not arriving:
-            self._arriving.pop(tenant, None)
+            arriving = self._arriving.get(tenant, [])
+            if prompt_tokens in arriving:
+                arriving.remove(prompt_tokens)
+            if not arriving:
+                self._arriving.pop(tenant, None)
 
     def cancel(self, req: ScheduledRequest) -> None:
         with self._lock:

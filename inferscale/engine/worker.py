@@ -108,8 +108,8 @@ class EngineWorker:
         return await asyncio.wrap_future(self._tokenize_pool.submit(build))
 
     def expect(self, tenant: str, prompt_tokens: int = 0) -> Arrival:
-        """Announce a request of ``tenant`` (``prompt_tokens``: its question's) before retrieval: EngineBusyError
-        now when it would outwait its queue."""
+        """Announce a request of ``tenant`` before retrieval (``prompt_tokens``: what is known of its prompt by
+        then): EngineBusyError now when it would outwait its queue."""
         return self.loop.expect(tenant, prompt_tokens)
 
     def submit(self, req: GenRequest) -> None:
