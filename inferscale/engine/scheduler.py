@@ -72,6 +72,13 @@ class SchedulerOutput:
 SHED_AT = 0.8
 
 
+# How long the passes beside a burst being taken in are believed to cost more than they will (``taking_in``): the
+# arrivals' HTTP, tokenizing and retrieval share the cores (~1.1 s for 32 long text requests on the 2-core CPU,
+# stepcost.learn). Earned back by as long a time with nothing arriving: arrivals that never stop are load, not a
+# transient, and cannot hold the estimates down more than half the time.
+TAKE_IN_S = 1.5
+
+
 # While a tenant with no prompt started is on its way, steps are bounded to this share of ``step_time_s``: it
 # arrives during one of them and waits that one out before its own prompt runs first.
 NEWCOMER_STEP_SHARE = 0.35
@@ -144,6 +151,7 @@ class Scheduler:
         # tenant -> the prompt tokens known of each request announced by ``expect`` and not added yet
         self._arriving: dict[str, list[int]] = {}
         self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
+        self._take_in_left, self._take_in_at = TAKE_IN_S, clock()  # what is left of ``taking_in``'s time, and when
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
@@ -172,17 +180,27 @@ class Scheduler:
         at nothing, retrieved, and refused only when added, 0.7-1.1 s later."""
         with self._lock:
             self._refuse_a_long_wait(tenant)
+            self._spend_take_in()
             self._arriving.setdefault(tenant, []).append(prompt_tokens)
         return Arrival(self, tenant, prompt_tokens)
 
     def arrived(self, tenant: str, prompt_tokens: int = 0) -> None:
         """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
         with self._lock:
+            self._spend_take_in()
             arriving = self._arriving.get(tenant, [])
             if prompt_tokens in arriving:
                 arriving.remove(prompt_tokens)
             if not arriving:
                 self._arriving.pop(tenant, None)
+
+    def taking_in(self) -> bool:
+        """Announced requests are being taken in (``expect``, not yet added), for at most TAKE_IN_S in a row: the
+        passes run now share the cores with their work, so what they cost may lower the cost estimates, not raise
+        them (``StepCost.observe_prefill``)."""
+        with self._lock:
+            self._spend_take_in()
+            return bool(self._arriving) and self._take_in_left > 0
 
     def cancel(self, req: ScheduledRequest) -> None:
         with self._lock:
@@ -381,6 +399,14 @@ class Scheduler:
         return bool(self._prefilling) and any(t not in self._prefilling and not self._waiting.get(t)
                                               for t in self._arriving)
 
+    def _spend_take_in(self) -> None:
+        """Charge the time since the last call to ``taking_in``'s allowance while requests were arriving, or earn
+        it back while none were (call before ``_arriving`` changes)."""
+        now = self.clock()
+        spent, self._take_in_at = now - self._take_in_at, now
+        left = self._take_in_left - spent if self._arriving else self._take_in_left + spent
+        self._take_in_left = min(max(left, 0.0), TAKE_IN_S)
+
     def _refuse_a_long_wait(self, tenant: str) -> None:
         wait, limit = self._predicted_wait(tenant), self.config.queue_timeout_s
         if wait > SHED_AT * limit:
@@ -398,11 +424,26 @@ class Scheduler:
         ahead += round(sum(max(known, typical) for known in self._arriving.get(tenant, ())))
         if not ahead:
             return 0.0
-        share = len(self._prompt_tenants() | {tenant})
+        share = self._share(tenant, ahead, self._prompt_work())
         return self.cost.prompt_seconds(ahead, share, *self._drain(tenant, share))
 
-    def _drain(self, tenant: str, share: int) -> tuple[int, int | None]:
-        """How a step computes ``tenant``'s queue while ``share`` tenants have prompt work: (prompt tokens a step,
+    @staticmethod
+    def _share(tenant: str, ahead: int, work: dict[str, int]) -> float:
+        """Prompt tokens computed for all tenants per one of ``tenant``'s until its ``ahead`` tokens are done
+        (``work``: each tenant's prompt tokens started or queued): the round robin gives every tenant with prompt
+        work an equal part, one with less than ``ahead`` only until it is done. Counted as a whole tenant for the
+        whole wait, one of tenant B's ~30-token questions beside tenant A's queue of ~2,300-token prompts halved A's
+        predicted rate: two of A's requests kept on arrival were shed ~1.1 s later, when B's question came."""
+        return 1.0 + sum(min(n, ahead) for t, n in work.items() if t != tenant) / max(ahead, 1)
+
+    def _prompt_work(self) -> dict[str, int]:
+        """Each tenant's prompt tokens started or queued, for the tenants that have any."""
+        work = {t: sum(r.remaining_prompt for r in itertools.chain(self._prefilling.get(t, ()), self._waiting.get(t, ())))
+                for t in self._prompt_tenants()}
+        return {t: n for t, n in work.items() if n > 0}
+
+    def _drain(self, tenant: str, share: float) -> tuple[int, int | None]:
+        """How a step computes ``tenant``'s queue at ``share`` (``_share``): (prompt tokens a step,
         each tenant's included; the most a pass holds). A request gets one chunk a step and a tenant finishes its
         started prompt before it starts another, so prompts longer than a chunk go one chunk a step (a lone
         tenant's chunk is one pass), whatever the budget: priced at the budget, 32 ~2,000-token prompts were
@@ -416,7 +457,7 @@ class Scheduler:
         pass_tokens = self._pass_tokens()
         chunk = self._chunk_tokens(lone, pass_tokens)
         if max([self._typical_prompt.get(tenant, 0.0), *self._arriving.get(tenant, ())]) > chunk:
-            per_step = min(per_step, share * chunk)
+            per_step = min(per_step, math.ceil(share * chunk))
         return per_step, pass_tokens
 
     def _prompt_tenants(self) -> set[str]:
@@ -427,13 +468,13 @@ class Scheduler:
         """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on
         a guess (its first, before its prompts were measured) is refused within steps, not after the timeout."""
         now, limit = self.clock(), self.config.queue_timeout_s
-        share = len(self._prompt_tenants())
+        work = self._prompt_work()
         shed = []
         for tenant, queue in self._waiting.items():
             ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
-            drain = self._drain(tenant, share)
             for req in list(queue):
-                if now - req.arrived + self.cost.prompt_seconds(ahead, share, *drain) > limit:
+                share = self._share(tenant, ahead, work)
+                if now - req.arrived + self.cost.prompt_seconds(ahead, share, *self._drain(tenant, share)) > limit:
                     queue.remove(req)
                     shed.append(req)
                 else:
