@@ -71,17 +71,11 @@ class SchedulerOutput:
 # rows that the requests ahead add once their prompts are done, so it runs short under a flood.
 SHED_AT = 0.8
 # The same for a tenant whose own prompts were not measured yet (``StepCost.tenant_token_s``): its wait is predicted
-# at what other tenants' prompts cost. Measured in a first flood of ~2,300-token text prompts on the 2-core CPU, a
-# token of them cost 1.4-2.8x the rate learnt from another tenant's short questions; refused at 0.8, one burst in
-# three kept a request it shed 1.6-2.7 s later, when its own passes were measured.
+# at what other tenants' prompts cost. Measured in a first flood of ~2,300-token text prompts on the 2-core CPU
+# (``bench load --flood --flood-words 1500``), a token of them cost 1.4-2.8x the rate learnt from another tenant's
+# short questions: at 0.8 more were kept on arrival than the timeout holds, and shed 1-3 s in, once retrieved or once
+# the tenant's own passes were measured.
 SHED_AT_UNMEASURED = 0.5
-
-
-# How long the passes beside a burst being taken in are believed to cost more than they will (``taking_in``): the
-# arrivals' HTTP, tokenizing and retrieval share the cores (~1.1 s for 32 long text requests on the 2-core CPU,
-# stepcost.learn). Earned back by as long a time with nothing arriving: arrivals that never stop are load, not a
-# transient, and cannot hold the estimates down more than half the time.
-TAKE_IN_S = 1.5
 
 
 # While a tenant with no prompt started is on its way, steps are bounded to this share of ``step_time_s``: it
@@ -156,7 +150,6 @@ class Scheduler:
         # tenant -> the prompt tokens known of each request announced by ``expect`` and not added yet
         self._arriving: dict[str, list[int]] = {}
         self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
-        self._take_in_left, self._take_in_at = TAKE_IN_S, clock()  # what is left of ``taking_in``'s time, and when
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
@@ -185,27 +178,17 @@ class Scheduler:
         at nothing, retrieved, and refused only when added, 0.7-1.1 s later."""
         with self._lock:
             self._refuse_a_long_wait(tenant)
-            self._spend_take_in()
             self._arriving.setdefault(tenant, []).append(prompt_tokens)
         return Arrival(self, tenant, prompt_tokens)
 
     def arrived(self, tenant: str, prompt_tokens: int = 0) -> None:
         """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
         with self._lock:
-            self._spend_take_in()
             arriving = self._arriving.get(tenant, [])
             if prompt_tokens in arriving:
                 arriving.remove(prompt_tokens)
             if not arriving:
                 self._arriving.pop(tenant, None)
-
-    def taking_in(self) -> bool:
-        """Announced requests are being taken in (``expect``, not yet added), for at most TAKE_IN_S in a row: the
-        passes run now share the cores with their work, so what they cost may lower the cost estimates, not raise
-        them (``StepCost.observe_prefill``)."""
-        with self._lock:
-            self._spend_take_in()
-            return bool(self._arriving) and self._take_in_left > 0
 
     def cancel(self, req: ScheduledRequest) -> None:
         with self._lock:
@@ -403,14 +386,6 @@ class Scheduler:
         fetching its memories). One already queued needs no shorter step: its chunk runs first in this one."""
         return bool(self._prefilling) and any(t not in self._prefilling and not self._waiting.get(t)
                                               for t in self._arriving)
-
-    def _spend_take_in(self) -> None:
-        """Charge the time since the last call to ``taking_in``'s allowance while requests were arriving, or earn
-        it back while none were (call before ``_arriving`` changes)."""
-        now = self.clock()
-        spent, self._take_in_at = now - self._take_in_at, now
-        left = self._take_in_left - spent if self._arriving else self._take_in_left + spent
-        self._take_in_left = min(max(left, 0.0), TAKE_IN_S)
 
     def _refuse_a_long_wait(self, tenant: str) -> None:
         wait, limit = self._predicted_wait(tenant), self.config.queue_timeout_s
