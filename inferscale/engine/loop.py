@@ -114,7 +114,7 @@ class ServingLoop:
     # ---- the loop's thread ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
-        t0 = time.perf_counter()
+        t0, taking_in = time.perf_counter(), self.scheduler.taking_in()
         out = self.scheduler.schedule()
         for s in out.cancelled:
             self._free(s.payload)
@@ -140,7 +140,8 @@ class ServingLoop:
             self.threads.after_decode(len(decode), took)
             cost.observe_decode(took)
         self._settle()  # rows wait until no pass is paused; none decodes before the next step
-        cost.observe_step(time.perf_counter() - t0, prompt_tokens, prompt_passes, bool(decode))
+        cost.observe_step(time.perf_counter() - t0, prompt_tokens, prompt_passes, bool(decode),
+                          taking_in or self.scheduler.taking_in())
         self.steps += 1
 
     def _refuse(self, shed: list) -> None:
@@ -216,13 +217,14 @@ class ServingLoop:
                     self._refuse(self.scheduler.shed_queued())
                 first = False
                 batch = [pieces[i] for i in group if pieces[i][0].slot >= 0]  # not failed by an earlier group
-                t0 = time.perf_counter()
+                t0, taking_in = time.perf_counter(), self.scheduler.taking_in()
                 if len(batch) == 1:
                     computed = self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
                 else:
                     computed = self._prefill_batch(batch) if batch else 0
                 took = time.perf_counter() - t0 - self.interject.take_elapsed()
-                self.scheduler.cost.observe_prefill(computed, took, 1, {r.sched.tenant for r, _ in batch})
+                self.scheduler.cost.observe_prefill(computed, took, 1, {r.sched.tenant for r, _ in batch},
+                                                    taking_in or self.scheduler.taking_in())
                 done, passes = done + computed, passes + 1
             chunks = [(r, n - m) for (r, n), (_, m) in zip(chunks, pieces) if n > m and r.slot >= 0 and r.pending]
         return done, passes

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferscale.engine.stepcost import StepCost, ewma
+from inferscale.engine.takein import TakeIn
 from inferscale.errors import ConfigError, EngineBusyError
 
 
@@ -68,13 +69,13 @@ class SchedulerOutput:
 
 
 # Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
-# rows that the requests ahead add once their prompts are done, so it runs short under a flood.
-SHED_AT = 0.8
-# The same for a tenant whose own prompts were not measured yet (``StepCost.tenant_token_s``): its wait is predicted
-# at what other tenants' prompts cost. Measured in a first flood of ~2,300-token text prompts on the 2-core CPU
-# (``bench load --flood --flood-words 1500``), a token of them cost 1.4-2.8x the rate learnt from another tenant's
-# short questions: at 0.8 more were kept on arrival than the timeout holds, and shed 1-3 s in, once retrieved or once
-# the tenant's own passes were measured.
+# rows the requests ahead add once their prompts are done, and their tokens' streaming. ``bench load --flood``, 2-core
+# CPU, once passes beside arrivals stopped raising the estimates (takein.py): at 0.8, up to 17 of 32 kept and one
+# shed 6-7 s in (2 repeats of 6); at 0.7, 12-15 kept and none refused later than 0.44 s (9 repeats).
+SHED_AT = 0.7
+# The same while the tenant's own prompts were not measured (``StepCost.tenant_token_s``): its wait is priced at other
+# tenants' costs. A first flood's ~2,300-token text prompts (``--flood-words 1500``) cost 1.4-2.8x a token of another
+# tenant's short questions: at 0.8, one burst in three kept requests it shed 1.6-2.7 s in, once A's passes were timed.
 SHED_AT_UNMEASURED = 0.5
 
 
@@ -150,6 +151,7 @@ class Scheduler:
         # tenant -> the prompt tokens known of each request announced by ``expect`` and not added yet
         self._arriving: dict[str, list[int]] = {}
         self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
+        self._take_in = TakeIn(clock)
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
@@ -178,17 +180,25 @@ class Scheduler:
         at nothing, retrieved, and refused only when added, 0.7-1.1 s later."""
         with self._lock:
             self._refuse_a_long_wait(tenant)
+            self._take_in.spend(bool(self._arriving))
             self._arriving.setdefault(tenant, []).append(prompt_tokens)
         return Arrival(self, tenant, prompt_tokens)
 
     def arrived(self, tenant: str, prompt_tokens: int = 0) -> None:
         """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
         with self._lock:
+            self._take_in.spend(bool(self._arriving))
             arriving = self._arriving.get(tenant, [])
             if prompt_tokens in arriving:
                 arriving.remove(prompt_tokens)
             if not arriving:
                 self._arriving.pop(tenant, None)
+
+    def taking_in(self) -> bool:
+        """Announced requests are being taken in (``expect``, not added yet), at most TAKE_IN_S in a row (takein.py):
+        passes run now share the cores with their work, and may lower the cost estimates, not raise them."""
+        with self._lock:
+            return self._take_in.spend(bool(self._arriving))
 
     def cancel(self, req: ScheduledRequest) -> None:
         with self._lock:
@@ -411,17 +421,16 @@ class Scheduler:
     @staticmethod
     def _share(tenant: str, ahead: int, work: dict[str, int]) -> float:
         """Prompt tokens computed for all tenants per one of ``tenant``'s until its ``ahead`` tokens are done
-        (``work``: each tenant's prompt tokens started or queued): the round robin gives every tenant with prompt
-        work an equal part, one with less than ``ahead`` only until it is done. Counted as a whole tenant for the
-        whole wait, one of tenant B's ~30-token questions beside tenant A's queue of ~2,300-token prompts halved A's
-        predicted rate: two of A's requests kept on arrival were shed ~1.1 s later, when B's question came."""
+        (``work``: ``_prompt_work``): the round robin gives every tenant with prompt work an equal part, one with
+        less than ``ahead`` only until it is done. As a whole tenant, one ~30-token question of B's beside A's queue of
+        ~2,300-token prompts halved A's predicted rate: two of A's kept requests were shed ~1.1 s in, as it came."""
         return 1.0 + sum(min(n, ahead) for t, n in work.items() if t != tenant) / max(ahead, 1)
 
     def _prompt_work(self) -> dict[str, int]:
         """Each tenant's prompt tokens started or queued, for the tenants that have any."""
-        work = {t: sum(r.remaining_prompt for r in itertools.chain(self._prefilling.get(t, ()), self._waiting.get(t, ())))
+        started, queued = self._prefilling, self._waiting
+        return {t: sum(r.remaining_prompt for r in itertools.chain(started.get(t, ()), queued.get(t, ())))
                 for t in self._prompt_tenants()}
-        return {t: n for t, n in work.items() if n > 0}
 
     def _drain(self, tenant: str, share: float) -> tuple[int, int | None]:
         """How a step computes ``tenant``'s queue at ``share`` (``_share``): (prompt tokens a step,
