@@ -54,6 +54,15 @@ def drive(s: Scheduler, clock: Clock, *, token_s: float, pass_s: float, answer_t
     return shed_after, decoded
 
 
+def announce_until_refused(s: Scheduler, tenant: str, prompt_tokens: int) -> list:
+    """Announce up to 32 requests of ``tenant`` (``expect``) until one is refused, as one must be: those kept."""
+    kept = []
+    with pytest.raises(EngineBusyError):
+        for _ in range(32):
+            kept.append(s.expect(tenant, prompt_tokens=prompt_tokens))
+    return kept
+
+
 def test_injected_tokens_count_as_computed_and_decode_spends_one_token_each():
     s = Scheduler(SchedulerConfig(step_tokens=64, chunk_tokens=64))
     kv = ScheduledRequest("a", prompt_tokens=1000, computed_tokens=990)  # prefix + blocks injected, 10 to compute
@@ -605,10 +614,7 @@ def test_another_tenants_short_question_does_not_halve_a_queues_predicted_rate()
     s = Scheduler(SchedulerConfig(queue_timeout_s=30), clock=clock)
     s.cost.observe_decode(0.015)
     s.cost.observe_prefill(64, 0.015 + 64 * 0.0006, tenants={"a"})  # 0.6 ms a token beyond a 15 ms pass
-    kept = []
-    with pytest.raises(EngineBusyError):
-        for _ in range(32):
-            kept.append(s.expect("a", prompt_tokens=2300))
+    kept = announce_until_refused(s, "a", 2300)
     for arrival in kept:
         arrival.close()
         s.add(ScheduledRequest("a", prompt_tokens=2300))
@@ -673,13 +679,7 @@ def test_a_tenant_not_measured_yet_is_refused_at_half_the_timeout():
     more were kept than it holds, to be shed 1.6-2.7 s in. At half the timeout fewer are kept until the tenant's
     own passes are measured; then SHED_AT holds again."""
     def kept(s: Scheduler) -> int:
-        arrivals = []
-        with pytest.raises(EngineBusyError):
-            for _ in range(32):
-                arrivals.append(s.expect("a", prompt_tokens=2300))
-        for arrival in arrivals:
-            arrival.close()
-        return len(arrivals)
+        return len(announce_until_refused(s, "a", 2300))
 
     def measured(tenants: set[str]) -> Scheduler:
         s = Scheduler(SchedulerConfig(queue_timeout_s=30))
