@@ -71,7 +71,7 @@ class SchedulerOutput:
 # Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
 # rows the requests ahead add once their prompts are done, and their tokens' streaming. ``bench load --flood``, 2-core
 # CPU, once passes beside arrivals stopped raising the estimates (takein.py): at 0.8, up to 17 of 32 kept and one
-# shed 6-7 s in (2 repeats of 6); at 0.7, 12-15 kept and none refused later than 0.44 s (9 repeats).
+# shed 6-7 s in (2 repeats of 6); at 0.7, 10-15 served and none refused later than 0.44 s (12 repeats).
 SHED_AT = 0.7
 # The same while the tenant's own prompts were not measured (``StepCost.tenant_token_s``): its wait is priced at other
 # tenants' costs. A first flood's ~2,300-token text prompts (``--flood-words 1500``) cost 1.4-2.8x a token of another

@@ -142,12 +142,9 @@ def ewma(old: float | None, new: float, weight: float = SMOOTHING) -> float:
 
 
 def learn(old: float | None, new: float, weight: float, taking_in: bool) -> float:
-    """The estimate after observing ``new``: its moving average, which does not rise while a burst is taken in (a
-    first observation, of a tenant not measured yet, is taken as it is: it is all there is, and no cheaper).
-    Measured on the 2-core CPU in a burst of 32 ~1,700-token text requests (``bench load --flood --flood-words
-    1500``): while the server took them in (HTTP, tokenizing, retrieving the kept ones, on the same cores), the
-    engine thread ran 0.43-0.70 of its passes' wall time and a prompt token cost 1.3-1.9 ms, against 0.5-0.65 once
-    they were in (~1.1 s later); learnt, that transient shed kept requests ~1 s after they arrived that the steady
-    cost would have served in ~15 s of a 30 s timeout."""
+    """The estimate after observing ``new``: its moving average, which does not rise while a burst is taken in
+    (``taking_in``: the passes shared the cores with the arrivals' work, takein.py has what that cost; learnt, the
+    transient shed kept requests ~1 s in that the steady cost would have served). A first observation, of a tenant
+    not measured yet, is taken as it is: it is all there is of it."""
     value = ewma(old, new, weight)
     return value if old is None or not taking_in else min(old, value)

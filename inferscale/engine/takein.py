@@ -1,9 +1,10 @@
 """How long a burst's arrivals are believed to slow the passes beside them (``Scheduler.taking_in``, issue 22).
 
 While requests are taken in (announced by ``expect``, not yet added) their HTTP, tokenizing and retrieval run on the
-same cores as the engine's passes. Measured on the 2-core CPU in a burst of 32 ~1,700-token text requests
+same cores as the engine's passes. Measured on the 2-core CPU in a burst of 32 ~2,300-token text requests
 (``bench load --flood --flood-words 1500``): the engine thread ran 0.43-0.70 of its first passes' wall time and a
-prompt token cost 1.3-1.9 ms, against 0.5-0.65 once they were in, ~1.1 s later. The cost estimates learn nothing
+prompt token cost 1.3-1.9 ms, against 0.5-0.65 once they were in, ~1.1 s later; learnt, that transient shed kept
+requests ~1 s after they arrived, which the steady cost would have served. The cost estimates learn nothing
 upward meanwhile (``stepcost.learn``), for at most TAKE_IN_S in a row, earned back by as long a time with nothing
 arriving: arrivals that never stop are load, not a transient, and cannot hold the estimates down more than half
 the time. No lock of its own: the scheduler calls it under its lock.
