@@ -409,14 +409,18 @@ class Scheduler:
         """Seconds until a request of ``tenant`` queued now would get a slot: the prompt tokens of the tenant's
         requests ahead of it (those still arriving at its typical size or their own, the larger), at its
         round-robin share of the measured prompt rate."""
-        ahead = sum(r.remaining_prompt for r in itertools.chain(self._prefilling.get(tenant, ()),
-                                                                 self._waiting.get(tenant, ())))
-        typical = self._typical_prompt.get(tenant, 0.0)
-        ahead += round(sum(max(known, typical) for known in self._arriving.get(tenant, ())))
-        if not ahead:
-            return 0.0
-        share = self._share(tenant, ahead, self._prompt_work())
-        return self.cost.prompt_seconds(ahead, share, *self._drain(tenant, share))
+        work, typical = self._prompt_work(), self._typical_prompt.get(tenant, 0.0)
+        ahead = work.get(tenant, 0) + round(sum(max(known, typical) for known in self._arriving.get(tenant, ())))
+        return self._queue_seconds(tenant, ahead, work, self._drain(tenant)) if ahead else 0.0
+
+    def _queue_seconds(self, tenant: str, ahead: int, work: dict[str, int],
+                       drain: tuple[int, int | None, int | None]) -> float:
+        """Seconds until ``tenant``'s ``ahead`` prompt tokens are computed, at its ``_share`` of ``drain``'s steps."""
+        share = self._share(tenant, ahead, work)
+        per_step, chunk, pass_tokens = drain
+        if chunk is not None:  # one chunk a step of each tenant's
+            per_step = min(per_step, math.ceil(share * chunk))
+        return self.cost.prompt_seconds(ahead, share, per_step, pass_tokens)
 
     @staticmethod
     def _share(tenant: str, ahead: int, work: dict[str, int]) -> float:
@@ -432,23 +436,20 @@ class Scheduler:
         return {t: sum(r.remaining_prompt for r in itertools.chain(started.get(t, ()), queued.get(t, ())))
                 for t in self._prompt_tenants()}
 
-    def _drain(self, tenant: str, share: float) -> tuple[int, int | None]:
-        """How a step computes ``tenant``'s queue at ``share`` (``_share``): (prompt tokens a step,
-        each tenant's included; the most a pass holds). A request gets one chunk a step and a tenant finishes its
-        started prompt before it starts another, so prompts longer than a chunk go one chunk a step (a lone
-        tenant's chunk is one pass), whatever the budget: priced at the budget, 32 ~2,000-token prompts were
-        predicted at ~1.5 s each where they took ~2.25 (30 steps, each with a decode pass and a pass's fixed part),
-        and two of the kept ones were shed 18 and 24 s after they arrived. The sizes its announced requests carry
-        count too: in a first burst of ~2,900-token text requests (no typical size yet) the ones admitted on
-        arrival were priced at the whole budget a step, and 7 of 11 were refused once retrieved, up to 0.85 s
-        later, when the first one added set the typical size."""
+    def _drain(self, tenant: str) -> tuple[int, int | None, int | None]:
+        """How a step computes ``tenant``'s queue: (prompt tokens a step, every tenant's included; the chunk a step
+        of each tenant's when its prompts are longer, else None; the most a pass holds). A request gets one chunk a
+        step and a tenant finishes its started prompt before it starts another, so prompts longer than a chunk go
+        one chunk a step (a lone tenant's chunk is one pass), whatever the budget: priced at the budget, 32 ~2,000-
+        token prompts were predicted at ~1.5 s each where they took ~2.25, and two of the kept ones were shed 18 and
+        24 s after they arrived. Announced sizes count too: priced at the whole budget, 7 of 11 first-burst ~2,900-
+        token text requests kept on arrival were refused once retrieved, when the first one set the typical size."""
         lone = self._lone(tenant)
         per_step = self._prompt_budget(len(self._decoding), lone=lone)
         pass_tokens = self._pass_tokens()
         chunk = self._chunk_tokens(lone, pass_tokens)
-        if max([self._typical_prompt.get(tenant, 0.0), *self._arriving.get(tenant, ())]) > chunk:
-            per_step = min(per_step, math.ceil(share * chunk))
-        return per_step, pass_tokens
+        longer = max([self._typical_prompt.get(tenant, 0.0), *self._arriving.get(tenant, ())]) > chunk
+        return per_step, chunk if longer else None, pass_tokens
 
     def _prompt_tenants(self) -> set[str]:
         """Tenants with prompt work started or queued: the round-robin's share of the prompt rate."""
@@ -462,9 +463,9 @@ class Scheduler:
         shed = []
         for tenant, queue in self._waiting.items():
             ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
+            drain = self._drain(tenant)
             for req in list(queue):
-                share = self._share(tenant, ahead, work)
-                if now - req.arrived + self.cost.prompt_seconds(ahead, share, *self._drain(tenant, share)) > limit:
+                if now - req.arrived + self._queue_seconds(tenant, ahead, work, drain) > limit:
                     queue.remove(req)
                     shed.append(req)
                 else:
