@@ -310,11 +310,15 @@ struct VectorSink {
   }
 
   // A bound's terms for vocabulary rows [o, o + 16): weight error x one norm of x, |s q| x the same norm of x's
-  // quantization error, and the float32 summation's max|w| |x|_1 gamma (g).
+  // quantization error, and the float32 summation's max|w| |x|_1 gamma (g); from the rows' stats as vectors.
+  static __m512 bound_terms(__m512 err, float x_norm, __m512 size, float rest, __m512 wmax, float g) {
+    return _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(err, _mm512_set1_ps(x_norm)),
+                                       _mm512_mul_ps(size, _mm512_set1_ps(rest))),
+                         _mm512_mul_ps(wmax, _mm512_set1_ps(g)));
+  }
+
   __m512 terms(Stat err, float x_norm, Stat size, float rest, float g, int64_t o, __mmask16 valid) const {
-    return _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(stat(err, o, valid), _mm512_set1_ps(x_norm)),
-                                       _mm512_mul_ps(stat(size, o, valid), _mm512_set1_ps(rest))),
-                         _mm512_mul_ps(stat(kWmax, o, valid), _mm512_set1_ps(g)));
+    return bound_terms(stat(err, o, valid), x_norm, stat(size, o, valid), rest, stat(kWmax, o, valid), g);
   }
 
   // x row r's exact sums q.p1 (s1) and q.p2 (s2) for vocabulary rows [o, o + 16), of which `valid` exist.
@@ -335,14 +339,12 @@ struct VectorSink {
     return {stat(kScale, o, valid), stat(kErr2, o, valid), stat(kL2, o, valid), stat(kWmax, o, valid)};
   }
 
-  // The wide screen's: x row r's exact sums q.p1 (s1); the bound's terms as terms() adds them.
+  // The wide screen's: x row r's exact sums q.p1 (s1).
   void lane(__m512i s1, int64_t r, const WideStats& w, int64_t o, __mmask16 valid) {
     const FineBound& x = wide[r];
     const __m512 t1 = _mm512_mul_ps(_mm512_set1_ps(x.a), _mm512_cvtepi32_ps(s1));
-    const __m512 bound_terms = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(w.err2, _mm512_set1_ps(x.xn)),
-                                                           _mm512_mul_ps(w.l2, _mm512_set1_ps(x.en))),
-                                             _mm512_mul_ps(w.wmax, _mm512_set1_ps(x.g)));
-    keep(_mm512_mul_ps(w.scale, t1), bound_terms, _mm512_mul_ps(w.scale, _mm512_abs_ps(t1)), r, o, valid);
+    keep(_mm512_mul_ps(w.scale, t1), bound_terms(w.err2, x.xn, w.l2, x.en, w.wmax, x.g),
+         _mm512_mul_ps(w.scale, _mm512_abs_ps(t1)), r, o, valid);
   }
 
   // Estimates est +- the bound (terms, with slack for float32's rounding of est, of magnitude `size`): the row's best
@@ -364,7 +366,8 @@ struct VectorSink {
 
   // Each row's best lower bound from its lanes: a horizontal max a row once per step of vectors, not per vector.
   // With the wide screen's stats read once a vector (WideStats): 16 real Gemma hidden rows 9.93-10.00 -> 9.41-9.49
-  // ms a screen (Zen 4, 2026-12-06, alternating builds, medians of 55 calls; the same candidates); 1-8 rows no slower.
+  // ms a screen (Zen 4, 2026-12-06, alternating builds, medians of 55 calls; the same candidates), in a noisier hour
+  // 9.72-11.43 -> 9.48-9.87 (minima 9.43-10.22 -> 9.21-9.31; 150 calls): 2-5 %. 1-8 rows no slower.
   void refresh() {
     for (size_t r = 0; r < best.size(); ++r) best[r] = std::max(best[r], _mm512_reduce_max_ps(best_lanes[r]));
   }
