@@ -7,8 +7,9 @@ the N streams), the aggregate decode rate over the whole span (from the first st
 one's last: the later prompts' prefills interleave with it) and while all N decode (``steady``), TTFT p50/p95,
 time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode against the same
 request's on the idle server (the median of three, after one request that pays the client's first-use costs: a
-new client's first TTFT read 160-240 ms against ~100). TTFT ends at the first chunk with visible content, as aiperf and
-the SDK's users count it.
+new client's first TTFT read 160-240 ms against ~100), and the cores the client process used while the N streams ran
+(``client``: on a machine the server shares, CPU the engine's threads did not get, as they would with the clients
+elsewhere). TTFT ends at the first chunk with visible content, as aiperf and the SDK's users count it.
 
 Beside them (issue 22) it measures, in the same process and thread settings, the decode step's floor: the model's
 weight bytes over the read bandwidth of a reduction over its largest weight (the embedding, which is the LM head);
@@ -208,12 +209,13 @@ def _print(result: dict, rep: dict) -> None:
           f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
           f"{fl['floor_threads']} threads; the engine decodes on {fl['torch_threads']} now)")
     print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'steady':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "
-          f"{'p95':>8} {'arrival TTFT':>13} {'idle TTFT':>10}  (ms)")
+          f"{'p95':>8} {'arrival TTFT':>13} {'idle TTFT':>10}  (ms) {'client':>7} (cores)")
     for r in rep["rows"]:
         arrival = f"{r['arrival_ttft_ms']:.1f}" if r["arrival_ttft_ms"] is not None else "-"
         print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['decode_tokens_per_s']:>8.1f} "
               f"{r['steady_tokens_per_s']:>8.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} "
-              f"{r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}")
+              f"{r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}       "
+              f"{r['client_cores']:>7.2f}")
     f = rep.get("flood")
     if f:
         shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"

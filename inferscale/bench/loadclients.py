@@ -143,9 +143,12 @@ async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: i
     await _stream(client, model, mode, k, 1)  # the client's first request pays its connection and first-use costs
     idle = statistics.median([(await _stream(client, model, mode, k, tokens, extra=extra)).ttft_s
                               for _ in range(PROBES)])
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*(_stream(client, model, mode, k, tokens, extra=extra) for _ in range(n)))
     wall = time.perf_counter() - t0
+    # The cores this client process used meanwhile (the SDK parsing every chunk): on a machine the server shares,
+    # taken from the server's engine threads, which a client elsewhere would not take.
+    client_cores = (time.process_time() - cpu0) / wall
     # One more request arriving while n-1 streams decode (longer ones, so they are still decoding when it lands).
     arrival = None
     if n > 1:
@@ -162,7 +165,8 @@ async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: i
             "decode_tokens_per_s": _decode_rate(results), "steady_tokens_per_s": _steady_rate(results),
             "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p95_ms": pct(ttfts, 0.95) * 1e3,
             "tpot_p50_ms": pct(tpots, 0.5) * 1e3, "tpot_p95_ms": pct(tpots, 0.95) * 1e3,
-            "idle_ttft_ms": idle * 1e3, "arrival_ttft_ms": arrival * 1e3 if arrival is not None else None}
+            "idle_ttft_ms": idle * 1e3, "arrival_ttft_ms": arrival * 1e3 if arrival is not None else None,
+            "client_cores": client_cores}
 
 
 def _decode_rate(streams: list[Stream]) -> float:

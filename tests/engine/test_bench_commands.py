@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 
@@ -104,6 +105,7 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
         assert (row["arrival_ttft_ms"] is None) == (row["n"] == 1)
+        assert 0 < row["client_cores"] <= os.cpu_count()  # the SDK parsing chunks: a share of the cores
     assert result["flood"]["b_flood_ttft_ms"] > 0 and result["flood"]["b_idle_ttft_ms"] > 0
     # Issue 22's bar, printed and written: the floor beside the step, N/1 ratios, the flood's ratio.
     assert result["floor"]["floor_ms"] > 0 and result["floor"]["weight_bytes"] > 0
