@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <memory>
 #include <mutex>
 #include <cmath>
 #include <cstdint>

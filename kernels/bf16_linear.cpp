@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -368,8 +369,13 @@ struct VectorSink {
   // With the wide screen's stats read once a vector (WideStats): 16 real Gemma hidden rows 9.93-10.00 -> 9.41-9.49
   // ms a screen (Zen 4, 2026-12-06, alternating builds, medians of 55 calls; the same candidates), in a noisier hour
   // 9.72-11.43 -> 9.48-9.87 (minima 9.43-10.22 -> 9.21-9.31; 150 calls): 2-5 %. 1-8 rows no slower.
+  // Then shared with the other tasks (ScreenResult::share): the thread that starts in the head's second half kept
+  // ~83,000 rows of 16 hidden rows' ~15,000 candidates, and keeping them was ~2.7 of the screen's ~9.3 ms (the sums
+  // alone 6.2-6.5). Shared, with the interleaved x below, 16 rows 9.55-10.68 -> 8.58-8.82 ms, 8 rows 7.26-7.97 ->
+  // 6.68-6.87, 1-4 rows within their noise (memory's speed; Zen 4, 2026-12-06, builds alternated, medians of 60).
   void refresh() {
-    for (size_t r = 0; r < best.size(); ++r) best[r] = std::max(best[r], _mm512_reduce_max_ps(best_lanes[r]));
+    for (size_t r = 0; r < best.size(); ++r)
+      best[r] = result.share(r, std::max(best[r], _mm512_reduce_max_ps(best_lanes[r])));
   }
 
   void done() {
@@ -387,6 +393,10 @@ struct VectorSink {
 // plain sum's speed. Gemma-3-270M's head, 2-core Zen 4, 2026-12-05, the same candidates, 8 interleaved pairs each:
 // with memory slow (a sum of the 168 MB 2.9-3.5 ms) one row 3.83 -> 3.26 ms, 1-8 rows 0.74-0.87x the time; with it
 // quick (1.7-1.9 ms) 8-16 rows 0.93-0.97x, 4-5 rows 1.09-1.10x (their extra broadcasts, where memory is not the bound).
+// x's columns are interleaved quad by quad, so that one register addresses a quad's C of them: with C = 16 columns
+// of C separate rows GCC ran out of registers and reloaded their addresses from the stack every quad. With that and
+// vpdpbusd's own broadcast, 16 rows' sums alone take 90-94 % of one vpdpbusd a cycle a core at 3.6 GHz (6.2-6.5 ms; the
+// whole screen 9.2-9.3 ms against 9.5-9.8 before; the sink's share of it: refresh()).
 constexpr int64_t kScreenAhead = 64;
 
 template <int U, int C>
@@ -400,8 +410,13 @@ void screen_sums_in_order(const uint32_t* packed, int64_t quads, const uint32_t*
     for (int u = 0; u < U; ++u) {
       _mm_prefetch(reinterpret_cast<const char*>(vector + (q + u + kScreenAhead) * kLanes), _MM_HINT_T0);
       const __m512i wv = _mm512_loadu_si512(vector + (q + u) * kLanes);
-      for (int k = 0; k < C; ++k)
-        acc[u][k] = _mm512_dpbusd_epi32(acc[u][k], wv, _mm512_set1_epi32(static_cast<int>(xs[k * quads + q + u])));
+      const uint32_t* x = xs + (q + u) * C;  // the quad's C columns, adjacent (greedy_screen_vnni's `interleaved`)
+      for (int k = 0; k < C; ++k) {
+        if constexpr (C == 16)  // the broadcast inside vpdpbusd: GCC emits a vpbroadcastd of its own before each
+          __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc[u][k]) : [w] "v"(wv), [x] "m"(x[k]));
+        else  // the intrinsic: with the asm GCC kept U = 2's accumulators on the stack
+          acc[u][k] = _mm512_dpbusd_epi32(acc[u][k], wv, _mm512_set1_epi32(static_cast<int>(x[k])));
+      }
     }
   }
   for (int k = 0; k < C; ++k) {
@@ -452,7 +467,7 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
   const bool wide = rows > kVnniPairRows;
   const int64_t columns = wide ? (rows <= 8 ? 8 : 16) : 2 * rows;
   ScreenResult result;
-  result.best.assign(rows, -INFINITY);
+  result.start(rows);
   const float gamma = screen_gamma(in);
   at::Tensor xq = at::zeros({columns, in}, x.options().dtype(at::kChar));  // pad columns: zero, unread by the sink
   std::vector<Quantized> z;
@@ -470,7 +485,11 @@ at::Tensor greedy_screen_vnni(const at::Tensor& packed, const at::Tensor& stats,
     for (int64_t i = 0; i < in; ++i) bias[k] += 128 * xqp[k * in + i];
   const float* st = stats.data_ptr<float>();
   const auto* pk = reinterpret_cast<const uint32_t*>(packed.data_ptr());
-  const auto* xw = reinterpret_cast<const uint32_t*>(xqp);
+  std::vector<uint32_t> interleaved(columns * quads);  // [quads][columns]: a quad's columns adjacent
+  const auto* xc = reinterpret_cast<const uint32_t*>(xqp);
+  for (int64_t k = 0; k < columns; ++k)
+    for (int64_t q = 0; q < quads; ++q) interleaved[q * columns + k] = xc[k * quads + q];
+  const uint32_t* xw = interleaved.data();
   const int32_t* sp = bias.data();
   constexpr int64_t kStep = 4;  // vectors a step
   const int64_t steps = (packed.size(0) + kStep - 1) / kStep;
