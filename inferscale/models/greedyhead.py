@@ -25,7 +25,8 @@ two int8 rows of x each, from 5 to 16 rows one (the wide screen, with a Cauchy-S
 rows a row cost as many products as the bf16 head). Zen 4, 2026-12-03,
 screen alone vs the full head on real Gemma hidden rows (medians of 10): 1 row 4.8 vs 8.3 ms, 4 rows 4.4 vs 8.8, 8
 rows 5.3 vs 9.8, 16 rows 9.9 vs 16.2 (+ 0.6 ms rescoring a median of ~320 candidates a row, max ~1,100, at 16 rows;
-the screen 9.4 ms once its sink read a vector's stats once, 2026-12-06).
+the screen 9.4 ms once its sink read a vector's stats once, 8.6-8.8 once its threads shared their best lower
+bounds, 2026-12-06).
 Before the screen's accumulators were kept in registers and the head went in unsigned (x signed, broadcast), 4 rows
 took 9.3 ms and 16 rows 20-22 ms. At one row the screen reads the 168 MB int8 head about as fast as a float32 sum
 reads it (4.8 vs 3.6 ms at ~45 GB/s, 5.8 vs 5.4 at ~31). On the AVX2 kernel 16, x one int16 row each and the smaller
