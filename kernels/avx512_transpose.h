@@ -1,6 +1,5 @@
-// A 16 x 16 transpose of 32-bit words in AVX512 registers, shared by bf16_linear.cpp (packing weights into vectors of
-// 16 outputs) and row_attention.cpp (16 keys' bf16 pairs into one vector per pair). Included inside each kernel's
-// anonymous namespace.
+// A 16 x 16 transpose of 32-bit words in AVX512 registers (bf16_linear.cpp packs weights into vectors of 16 outputs
+// with it). Included inside the kernel's anonymous namespace.
 #pragma once
 
 // Rows r[0..15] of 16 words -> out[p] holding word p of every row (lane j = row j).

@@ -16,16 +16,17 @@
 // first visible key, each chunk's (max, sum, p.V) computed on its own and the chunks combined in order. The work for a
 // query, and every rounding in it, depends on its own q, keys and mask values alone: a request gets the same bits
 // alone or in any batch (torch's kernel reduces a block's tail in an order that depends on the padded length, so
-// there a row's output depended on the batch's longest row). Chunks are torch's thread pool's tasks, so one long row
-// uses both cores too.
+// there a row's output depended on the batch's longest row). Chunks are tasks on torch's threads (one done with its
+// own takes the others'), so one long row uses both cores too.
 //
 // A mask value at or below kHidden (the dtype's lowest, which the model's masks use, or -inf) hides its key; other
 // values are added to the score. Bool masks: true shows the key. A query with no visible key gets zeros.
 //
-// Two builds of this source (row_attention.py picks the flags): with AVX512-BF16 each chunk's keys and values are
-// rearranged once and scores and p.V are vdpbf16ps products; with AVX2 and FMA only (AMD Zen 3) they are read in
-// place and converted to float32 as they are used, a block of queries sharing each load (its own summation order,
-// checked the same way). Everything else (masks, chunks, the combination in key order) is the same code.
+// Two builds of this source (row_attention.py picks the flags): with AVX512-BF16 scores and p.V are vdpbf16ps
+// products, the keys read in place and the values paired key by key (in registers for a decode step, once per chunk
+// for a question's many queries); with AVX2 and FMA only (AMD Zen 3) both are read in place and converted to float32
+// as they are used, a block of queries sharing each load (its own summation order, checked the same way). Everything
+// else (masks, chunks, the combination in key order) is the same code.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,6 +40,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "parallel_stealing.h"
 
 namespace {
 
@@ -120,9 +123,7 @@ void query_blocks(const Shape& s, const uint16_t* q, const Unit& u, const float*
   }
 }
 
-#if defined(__AVX512BF16__)  // ---- AVX512-BF16: vdpbf16ps over rearranged chunks ----
-
-#include "avx512_transpose.h"
+#if defined(__AVX512BF16__)  // ---- AVX512-BF16: vdpbf16ps products, keys read in place ----
 
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
@@ -141,10 +142,9 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-// A task's scratch: the chunk's keys as one vector of 16 keys per bf16 pair of dims (kt), its values as pairs of
-// keys per dim (vt), and the mask's addends of each new token.
+// A task's scratch: the chunk's values as pairs of keys per dim (vt, a question's), and the mask's addends of each new
+// token.
 struct Scratch {
-  alignas(64) uint32_t kt[kMaxDim / 2 * kChunk];
   alignas(64) uint32_t vt[kChunk / 2 * kMaxDim];
   alignas(64) float add[kMaxTokens * kChunk];
 };
@@ -153,9 +153,9 @@ struct Scratch {
 // (each layer's own, 16 rows x ~600 keys ~ 9 MB). With the hardware prefetcher alone a 16-row step's attention read
 // them at ~10 GB/s (18 layers 14-16 ms); prefetching the next task's lines all at once while this task rearranged
 // its own, at ~23 GB/s (10-12 ms): memory worked while the rearranging ran and sat idle through the products.
-// `step` issues a few lines every kPrefetchEvery iterations of the products instead, so the next chunk streams in
-// while this one computes (row_attention.py has the numbers).
-constexpr int64_t kPrefetchEvery = 8;  // product iterations one burst of the next task's lines (2 KB) covers
+// `step` issues a few lines every 4 keys of the scores and every kPrefetchEvery key pairs of p.V instead, so the
+// next chunk streams in while this one computes (row_attention.py has the numbers).
+constexpr int64_t kPrefetchEvery = 8;  // key pairs of p.V one burst of the next task's lines covers
 
 class LinePrefetcher {
  public:
@@ -189,34 +189,21 @@ class LinePrefetcher {
   int64_t stride_ = 0, v_t_ = 0, keys_ = 0, per_key_ = 1, per_step_ = 0, key_ = 0, part_ = 0;
 };
 
-// Keys j = 0..n-1 (rows of `dim` bf16 at stride k_t) -> kt[p * kChunk + j]: dims 2p, 2p+1 of key j (zero past n).
-// `next`, where set, is the next task's first key: the same lines of its keys go to L2 while these are rearranged
-// (a question's tasks, whose K/V were just written and sit in the cache: there this beats spreading, above).
-void keys_by_pair(const uint16_t* k, int64_t k_t, int64_t n, int64_t dim, uint32_t* kt, const uint16_t* next) {
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    for (int64_t w0 = 0; w0 < dim / 2; w0 += 16) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        r[i] = j0 + i < n ? _mm512_loadu_si512(k + (j0 + i) * k_t + 2 * w0) : zero;
-        if (next) _mm_prefetch(reinterpret_cast<const char*>(next + (j0 + i) * k_t + 2 * w0), _MM_HINT_T1);
-      }
-      transpose16(r);
-      for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + (w0 + p) * kChunk + j0, r[p]);
-    }
-  }
-}
-
 // Values of keys j = 0..n-1 -> vt[(j / 2) * dim + ...]: for each 32 dims, 16 words (v_2i[d], v_2i+1[d]) of the dims
 // unpacklo_epi16 takes (d = 8L + e, e < 4, per 128-bit lane L) then 16 of those unpackhi takes (e >= 4); zero past n.
-// `next`: the next task's first value, prefetched as keys_by_pair does.
-void values_by_pair(const uint16_t* v, int64_t v_t, int64_t n, int64_t dim, uint32_t* vt, const uint16_t* next) {
+// `next_k` and `next_v`, where set, are the next task's first key and value: the same lines of its keys and values
+// go to L2 while these are rearranged (a question's tasks, whose K/V were just written and sit in the cache: there
+// this beats spreading them over the products, as a decode step does).
+void values_by_pair(const uint16_t* v, int64_t v_t, int64_t n, int64_t dim, uint32_t* vt, const uint16_t* next_k,
+                    int64_t k_t, const uint16_t* next_v) {
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t j = 0; j < n; j += 2) {
     for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-      if (next) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + j * v_t + d0), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(next + (j + 1) * v_t + d0), _MM_HINT_T1);
+      if (next_v) {
+        for (int64_t x = j; x < j + 2; ++x) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_k + x * k_t + d0), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next_v + x * v_t + d0), _MM_HINT_T1);
+        }
       }
       const __m512i a = _mm512_loadu_si512(v + j * v_t + d0);
       const __m512i b = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * v_t + d0) : zero;
@@ -226,33 +213,17 @@ void values_by_pair(const uint16_t* v, int64_t v_t, int64_t n, int64_t dim, uint
   }
 }
 
-// One block of kBlock queries (q rows of `dim` bf16; null: a pad query) against the chunk's n keys: each query's max
-// score m, sum of e^(s - m) l and sum over keys of bf16(e^(s - m)) v, written to m_out, l_out, acc [kBlock, dim].
-// (A template on it: without, the branch in the loops cost a question's pass ~5 %.)
-template <bool kSpread>
-void block(const Shape& s, const uint32_t* const q[kBlock], const float* const add[kBlock], const Scratch& w,
-           int64_t n, float* m_out, float* l_out, float* acc, LinePrefetcher* next) {
-  const int64_t words = s.dim / 2, blocks16 = (n + 15) / 16;
-  __m512 score[kBlock][kChunk / 16];
-  for (int i = 0; i < kBlock; ++i)
-    for (int64_t c = 0; c < kChunk / 16; ++c) score[i][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < words; ++p) {
-    if constexpr (kSpread) if (p % kPrefetchEvery == 0) next->step();
-    __m512i qp[kBlock];
-    for (int i = 0; i < kBlock; ++i) qp[i] = _mm512_set1_epi32(static_cast<int>(q[i][p]));
-    for (int64_t c = 0; c < blocks16; ++c) {
-      const __m512i kv = _mm512_load_si512(w.kt + p * kChunk + 16 * c);
-      for (int i = 0; i < kBlock; ++i)
-        score[i][c] = _mm512_dpbf16_ps(score[i][c], (__m512bh)qp[i], (__m512bh)kv);
-    }
-  }
-  alignas(64) uint32_t pairs[kBlock][kChunk / 2];  // bf16(e^(s - m)) of keys 2i, 2i + 1
+// Scores of a block of kBlock queries against n keys (16 to a vector, [query][key / 16]) -> each query's max score m,
+// sum of e^(s - m) l and bf16(e^(s - m)) of key pairs 2i, 2i + 1; scaled first, keys past n and keys the mask hides
+// scoring -inf.
+void softmax_pairs(const Shape& s, __m512 score[kBlock][kChunk / 16], const float* const add[kBlock], int64_t n,
+                   float* m_out, float* l_out, uint32_t pairs[kBlock][kChunk / 2]) {
+  const int64_t blocks16 = (n + 15) / 16;
   for (int i = 0; i < kBlock; ++i) {
     __m512 top = _mm512_set1_ps(kNegInf);
     for (int64_t c = 0; c < blocks16; ++c) {
       const __m512 a = _mm512_maskz_loadu_ps(first_lanes(n - 16 * c), add[i] + 16 * c);
       const __m512 hidden = _mm512_set1_ps(kNegInf);
-      // keys past n, and keys the mask hides, score -inf
       score[i][c] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, hidden, _CMP_EQ_OQ) | ~first_lanes(n - 16 * c),
                                          _mm512_fmadd_ps(score[i][c], _mm512_set1_ps(s.scale), a), hidden);
       top = _mm512_max_ps(top, score[i][c]);
@@ -274,6 +245,14 @@ void block(const Shape& s, const uint32_t* const q[kBlock], const float* const a
     }
     l_out[i] = _mm512_reduce_add_ps(sum);
   }
+}
+
+// acc [kBlock, dim] = sum over key pairs jp of pairs[i][jp] . (values of keys 2jp, 2jp + 1), vdpbf16ps products;
+// values(jp, d0, vv) puts key pair jp's dims d0..d0 + 63 in vv[4] in values_by_pair's order. kSpread: next->step()
+// every kPrefetchEvery pairs.
+template <bool kSpread, typename Values>
+void weighted_values(const Shape& s, const uint32_t pairs[kBlock][kChunk / 2], int64_t n, float* acc, Values&& values,
+                     LinePrefetcher* next) {
   // the permutation back from values_by_pair's order: dims 0-15 and 16-31 of a 32-dim block
   const __m512i back0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i back1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -285,7 +264,7 @@ void block(const Shape& s, const uint32_t* const q[kBlock], const float* const a
     for (int64_t jp = 0; jp < key_pairs; ++jp) {
       if constexpr (kSpread) if (jp % kPrefetchEvery == 0) next->step();
       __m512i vv[4];
-      for (int x = 0; x < 4; ++x) vv[x] = _mm512_load_si512(w.vt + jp * s.dim + d0 + 16 * x);
+      values(jp, d0, vv);
       for (int i = 0; i < kBlock; ++i) {
         const __m512i pp = _mm512_set1_epi32(static_cast<int>(pairs[i][jp]));
         for (int x = 0; x < 4; ++x) a[i][x] = _mm512_dpbf16_ps(a[i][x], (__m512bh)pp, (__m512bh)vv[x]);
@@ -301,31 +280,117 @@ void block(const Shape& s, const uint32_t* const q[kBlock], const float* const a
   }
 }
 
-// One task: the chunk's keys and values rearranged once, then every query of the row and key head against them.
+// out lane j = the sum of v[j]'s 16 lanes: halves, then quarters, of 128-bit lanes added pairwise (lane L, element e
+// of the last sum is key L + 4e, permuted back at the end).
+inline __m512 lane_sums16(const float v[16][16]) {
+  __m512 w[8], z[4], r[2];
+  for (int m = 0; m < 8; ++m) {
+    const __m512 a = _mm512_load_ps(v[2 * m]), b = _mm512_load_ps(v[2 * m + 1]);
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int m = 0; m < 4; ++m)  // 128-bit lane L: key 4m + L
+    z[m] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)  // lane L: elements 0-1 key 8m + L, 2-3 key 8m + 4 + L
+    r[m] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0x88),
+                         _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], 0xDD));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+
+// The scores (q . k, not yet scaled) of a block of kBlock queries (q rows of `dim` bf16 as pairs; a pad query: zeros)
+// against the chunk's n keys, read in place: 4 keys x kBlock queries in registers, each a vector of lane partial
+// sums over the key's row, added across lanes 16 keys at a time. Every pass computes a score this one way, so a
+// token gets the same bits in a decode step, a question's pass or a prompt chunk. (Decode steps used to rearrange
+// each chunk's keys into one vector per pair of dims first: that cost about as much as 4 queries' products with
+// them.) next->step() every 4 keys.
+void scores(const Shape& s, const uint32_t* const q[kBlock], const uint16_t* k, int64_t n,
+            __m512 score[kBlock][kChunk / 16], LinePrefetcher* next) {
+  const int64_t vectors = s.dim / 32;  // a key's row in 512-bit vectors
+  alignas(64) float part[kBlock][16][16];  // a query's 16 keys' vectors of lane partial sums
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    for (int64_t j1 = j0; j1 < j0 + 16; j1 += 4) {
+      if (j1 >= n) {  // past the chunk's last key: lanes the softmax hides
+        for (int i = 0; i < kBlock; ++i) std::memset(part[i][j1 - j0], 0, 4 * sizeof part[i][0]);
+        continue;
+      }
+      next->step();
+      const uint16_t* key[4];
+      for (int x = 0; x < 4; ++x) key[x] = k + std::min(j1 + x, n - 1) * s.k_t;
+      __m512 a[4][kBlock];
+      for (int x = 0; x < 4; ++x)
+        for (int i = 0; i < kBlock; ++i) a[x][i] = _mm512_setzero_ps();
+      for (int64_t w = 0; w < vectors; ++w) {
+        __m512i qv[kBlock];
+        for (int i = 0; i < kBlock; ++i) qv[i] = _mm512_loadu_si512(q[i] + 16 * w);
+        for (int x = 0; x < 4; ++x) {
+          const __m512i kv = _mm512_loadu_si512(key[x] + 32 * w);
+          for (int i = 0; i < kBlock; ++i) a[x][i] = _mm512_dpbf16_ps(a[x][i], (__m512bh)qv[i], (__m512bh)kv);
+        }
+      }
+      for (int x = 0; x < 4; ++x)
+        for (int i = 0; i < kBlock; ++i) _mm512_store_ps(part[i][j1 - j0 + x], a[x][i]);
+    }
+    for (int i = 0; i < kBlock; ++i) score[i][j0 / 16] = lane_sums16(part[i]);
+  }
+}
+
+// One block of kBlock queries against the chunk's n keys: each query's max score m, sum of e^(s - m) l and sum over
+// keys of bf16(e^(s - m)) v, written to m_out, l_out, acc [kBlock, dim]. Values: a question's, as values_by_pair
+// rearranged them (w.vt, shared by its many blocks); a decode step's one block (kInPlace) pairs them in registers, the
+// same words. kInPlace also spreads the next task's lines over the products (`next`).
+template <bool kInPlace>
+void block(const Shape& s, const uint32_t* const q[kBlock], const float* const add[kBlock], const uint16_t* k,
+           const uint16_t* v, const Scratch& w, int64_t n, float* m_out, float* l_out, float* acc,
+           LinePrefetcher* next) {
+  __m512 score[kBlock][kChunk / 16];
+  scores(s, q, k, n, score, next);
+  alignas(64) uint32_t pairs[kBlock][kChunk / 2];
+  softmax_pairs(s, score, add, n, m_out, l_out, pairs);
+  if constexpr (kInPlace) {
+    alignas(64) static const uint16_t zeros[kMaxDim] = {};
+    weighted_values<true>(s, pairs, n, acc, [&](int64_t jp, int64_t d0, __m512i vv[4]) {
+      const uint16_t* a = v + 2 * jp * s.v_t + d0;
+      const uint16_t* b = 2 * jp + 1 < n ? a + s.v_t : zeros + d0;
+      for (int x = 0; x < 4; x += 2) {
+        const __m512i va = _mm512_loadu_si512(a + 16 * x), vb = _mm512_loadu_si512(b + 16 * x);
+        vv[x] = _mm512_unpacklo_epi16(va, vb);
+        vv[x + 1] = _mm512_unpackhi_epi16(va, vb);
+      }
+    }, next);
+  } else {
+    weighted_values<false>(s, pairs, n, acc, [&](int64_t jp, int64_t d0, __m512i vv[4]) {
+      for (int x = 0; x < 4; ++x) vv[x] = _mm512_load_si512(w.vt + jp * s.dim + d0 + 16 * x);
+    }, next);
+  }
+}
+
+// One task: every query of the row and key head against the chunk. A decode step's one block reads the chunk in
+// place, the next task's lines spread over its products; a question's many share its values rearranged once, the
+// next task's lines fetched meanwhile.
 void chunk(const Shape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v, const MaskRow* masks,
            const Unit& u, const Unit* next, float* m_out, float* l_out, float* acc) {
   thread_local Scratch w;
   const int64_t n = u.last - u.first;
   const auto at_k = [&](const Unit& x) { return k + x.row * s.k_b + x.head * s.k_h + x.first * s.k_t; };
   const auto at_v = [&](const Unit& x) { return v + x.row * s.v_b + x.head * s.v_h + x.first * s.v_t; };
-  // A decode step's one block of queries (its K/V from DRAM): the next task's lines spread over the products, every
-  // kPrefetchEvery iterations of the score loop's dim / 2, then p.V's. A question's many: while rearranging.
   const bool decode = s.queries <= kBlock;
-  keys_by_pair(at_k(u), s.k_t, n, s.dim, w.kt, next && !decode ? at_k(*next) : nullptr);
-  values_by_pair(at_v(u), s.v_t, n, s.dim, w.vt, next && !decode ? at_v(*next) : nullptr);
-  LinePrefetcher prefetch = next && decode
-      ? LinePrefetcher(at_k(*next), s.k_t, at_v(*next), s.v_t, next->last - next->first, s.dim,
-                       (s.dim / 2 + s.dim / 64 * ((n + 1) / 2)) / kPrefetchEvery)
-      : LinePrefetcher();
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t j = 0; j < n; ++j) w.add[t * kChunk + j] = masks[t].at(u.first + j);
+  LinePrefetcher prefetch = next && decode
+      ? LinePrefetcher(at_k(*next), s.k_t, at_v(*next), s.v_t, next->last - next->first, s.dim,
+                       (n + 3) / 4 + s.dim / 64 * (((n + 1) / 2 + kPrefetchEvery - 1) / kPrefetchEvery))
+      : LinePrefetcher();
+  if (!decode)
+    values_by_pair(at_v(u), s.v_t, n, s.dim, w.vt, next ? at_k(*next) : nullptr, s.k_t,
+                   next ? at_v(*next) : nullptr);
   alignas(64) static const uint32_t pad_query[kMaxDim / 2] = {};
   alignas(64) static const float pad_add[kChunk] = {};
   alignas(64) float pad_acc[kBlock * kMaxDim];
   query_blocks(s, q, u, w.add, pad_query, pad_add, m_out, l_out, acc, pad_acc,
                [&](const uint32_t* const* qs, const float* const* adds, float* m, float* l, float* a) {
-                 if (decode) block<true>(s, qs, adds, w, n, m, l, a, &prefetch);
-                 else block<false>(s, qs, adds, w, n, m, l, a, nullptr);
+                 if (decode) block<true>(s, qs, adds, at_k(u), at_v(u), w, n, m, l, a, &prefetch);
+                 else block<false>(s, qs, adds, at_k(u), at_v(u), w, n, m, l, a, &prefetch);
                });
   prefetch.finish();
 }
@@ -548,10 +613,13 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  at::parallel_for(0, n_units, 1, [&](int64_t begin, int64_t end) {
+  // a thread done with its own tasks takes the others' from their far end (one preempted by the server's event loop or
+  // a client no longer holds up the step); its next task, whose K/V are prefetched, is the following one, a thief's
+  // guess
+  parallel_stealing(0, n_units, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Unit& u = units[i];
-      const Unit* next = i + 1 < end ? &units[i + 1] : nullptr;  // this thread's next task: its K/V are prefetched
+      const Unit* next = i + 1 < n_units ? &units[i + 1] : nullptr;
       chunk(s, qp, kp, vp, &masks[u.row * tokens], u, next, m + i * queries, l + i * queries, acc + i * queries * dim);
     }
   });

@@ -15,17 +15,25 @@ kernel, 401-484 -> 366-433 us a layer (0.89-0.93x), 1,500 keys 0.81-0.91x; where
 1.10-1.26x and one row 14-15 -> 15-17 us a layer, a kv question's pass (38 tokens) keeps the old prefetch and its
 time. Same bits either way.
 
-How: per row and key head, the keys in chunks of 64 at absolute indices (a task each, over torch's threads); each
-chunk's keys transposed into one vector per bf16 pair of dims and its values paired key by key, so that the scores
-of 16 keys and the p.V sums of 16 dims are ``vdpbf16ps`` products with no horizontal sums, every query of the row
-(its new tokens x the key head's query heads) against the same rearranged chunk; the chunks' (max, sum, p.V)
-combined in key order. Its outputs are not torch's bits (another summation order; p rounded to bf16 per chunk of
-keys, not per block of 512). ``load()`` hands the operator out only after checking, on random shapes of the layouts
-Gemma uses, that (1) its error against a float64 reference is no larger than SDPA's own (``ERROR_RATIO``), and (2)
-every row's output is the same alone and in a batch with longer, masked rows. None, and attention stays SDPA, on
-CPUs without AVX2, where the build fails, where a check fails, or with ``INFERSCALE_ROW_ATTENTION=0``. What it does to
-answers is measured end to end (docs/bench/HISTORY.md, "attention row by row": answers against the SDPA path
-over LoCoMo questions).
+Since 2026-12-06 the keys are read in place, as the AVX2 build always did (each chunk's keys had been transposed
+into one vector per pair of dims first, which for a decode step's 4 queries cost about as much as their products):
+on the 2-core Zen 4 machine, 16 rows x 700 keys x 18 layers, interleaved with the old kernel, 5.5-5.7 -> 4.1-4.5 ms
+where the K/V sit in L3, 8.4-10.9 -> 6.9-8.7 ms where each layer reads its own from DRAM (the spread is the
+machine's memory speed); a 1-row 40-token pass over the same keys 6.8-7.1 -> 7.8 ms (L3), the price of scoring every
+pass one way, so that a token still gets the same bits in any pass. The tasks run on ``parallel_stealing`` (a
+thread preempted by the server's event loop or a client no longer holds the others up at the layer's end).
+
+How: per row and key head, the keys in chunks of 64 at absolute indices (a task each, over torch's threads); every query
+of the row (its new tokens x the key head's query heads), 4 at a time, against 4 keys at a time read in place, each
+score a vector of ``vdpbf16ps`` lane sums over the key's row added across lanes 16 keys at a time; the values paired key
+by key (in registers for a decode step, once per chunk for a question's many queries) so that the p.V sums of 16 dims
+are ``vdpbf16ps`` products; the chunks' (max, sum, p.V) combined in key order. Its outputs are not torch's bits (another
+summation order; p rounded to bf16 per chunk of keys, not per block of 512). ``load()`` hands the operator out only
+after checking, on random shapes of the layouts Gemma uses, that (1) its error against a float64 reference is no larger
+than SDPA's own (``ERROR_RATIO``), and (2) every row's output is the same alone and in a batch with longer, masked rows.
+None, and attention stays SDPA, on CPUs without AVX2, where the build fails, where a check fails, or with
+``INFERSCALE_ROW_ATTENTION=0``. What it does to answers is measured end to end (docs/bench/HISTORY.md, "attention row by
+row": answers against the SDPA path over LoCoMo questions).
 """
 
 from __future__ import annotations
