@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import runpy
 
-# The decode kernels (AMX, else AVX512-BF16, else AVX2 only), the norms, attention, injection and the embedder's
-# float32 products; a kernel this CPU cannot run says so and is skipped.
-KERNELS = ("amx_linear", "bf16_linear", "avx2_linear", "rms_norm", "row_attention", "rotate_place", "f32_linear")
+# The decode kernels (AMX, else AVX512-BF16, else AVX2 only), the norms, the MLP's activation, attention, injection
+# and the embedder's float32 products; a kernel this CPU cannot run says so and is skipped.
+KERNELS = ("amx_linear", "bf16_linear", "avx2_linear", "rms_norm", "gelu_mul", "row_attention", "rotate_place",
+           "f32_linear")
 
 if __name__ == "__main__":
     for name in KERNELS:

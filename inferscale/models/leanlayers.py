@@ -14,7 +14,9 @@ computes the same numbers with fewer of them:
   call (``kernels/rms_norm.cpp``, else aten's ``rms_norm``: the same float32 operations in the same order); q and
   k are normalized, rotated and split into query and key in one call too (``kernels/rms_norm.qk_norm_rope``);
 - ``rotate_half(x) * sin`` is ``roll(x, D/2) * signed_sin`` (``rotary_tables``: sin's first half negated once per
-  pass), one operation instead of four; the activation's own function is called, not its module.
+  pass), one operation instead of four; the activation's own function is called, not its module;
+- the fused read's rows go through gelu(gate) * up in one call (``kernels/gelu_mul``: aten's own vectorized gelu and
+  bf16 product, checked equal to aten's two calls at load) where the activation is the tanh gelu.
 
 The attention of passes of up to ``row_attention.MAX_TOKENS`` new tokens a row (decode steps, kv questions, prompt
 chunks) runs ``kernels/row_attention`` once ``install_row_attention`` has put it on the layers (after the check
@@ -32,12 +34,14 @@ or another transformers layer class keeps the Hugging Face layers.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from inferscale.kernels import decode_linear, rms_norm, row_attention
+from inferscale.kernels import decode_linear, gelu_mul, rms_norm, row_attention
 from inferscale.models.weightmajor import KERNEL, checked_blocks, max_rows, weight_major_product
 
 log = logging.getLogger(__name__)
@@ -191,6 +195,8 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         flat = h.reshape(-1, h.shape[-1])
         if lean.weight_major and flat.shape[0] <= fused.max_rows:
             gate_up = weight_major_product(fused.gate_up, flat, fused.gate_up_blocks).reshape(*h.shape[:-1], -1)
+            if lean.gelu_mul is not None:  # aten's gelu and mul in one call, the same bits
+                return mlp.down_proj(lean.gelu_mul(gate_up, fused.inter))
             gate, up = gate_up[..., : fused.inter], gate_up[..., fused.inter:]
         else:
             gate, up = mlp.gate_proj(h), mlp.up_proj(h)
@@ -217,6 +223,8 @@ class _LeanState:
         self.row_attention: row_attention.RowAttention | None = None  # install_row_attention sets it
         # the activation's own function (GELUTanh keeps it as ``act``): one module call fewer per layer
         self.act = getattr(layer.mlp.act_fn, "act", layer.mlp.act_fn)
+        self.gelu_mul = gelu_mul.load() if self.fused is not None and _gelu_tanh(self.act) and gelu_mul.fits(
+            self.fused.inter) else None
         self.input_norm = norm_weight(layer.input_layernorm)
         self.post_attention_norm = norm_weight(layer.post_attention_layernorm)
         self.pre_feedforward_norm = norm_weight(layer.pre_feedforward_layernorm)
@@ -227,6 +235,12 @@ class _LeanState:
         # one [1, D] row per head: q's norm weight for the query heads, k's for the key heads
         self.qk_norm = torch.cat([norm_weight(attn.q_norm).expand(heads, 1, d),
                                   norm_weight(attn.k_norm).expand(kv_heads, 1, d)])
+
+
+def _gelu_tanh(act: Callable) -> bool:
+    """Whether the activation is aten's gelu with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    return (isinstance(act, functools.partial) and act.func is torch.nn.functional.gelu and not act.args
+            and act.keywords == {"approximate": "tanh"})
 
 
 def _supported(layer: torch.nn.Module) -> bool:
