@@ -19,12 +19,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "parallel_stealing.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<c10::BFloat16>;
 
-// Values a task takes at least: a decode step's 16 rows x 2048 split in two, one row of them inline.
-constexpr int64_t kGrain = 8192;
+// Values a grain holds: a decode step's 16 rows x 2048 are 16 grains over both threads (one preempted by the server's
+// event loop or a client leaves its grains to the other: parallel_stealing.h), one row inline.
+constexpr int64_t kGrain = 2048;
 
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up, int64_t inter) {
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "gelu_tanh_mul: gate_up must be bfloat16");
@@ -38,7 +41,7 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate_up, int64_t inter) {
   const auto* in = rows.data_ptr<c10::BFloat16>();
   auto* o = out.data_ptr<c10::BFloat16>();
   const int64_t n = rows.size(0), stride = rows.stride(0), vectors = inter / Vec::size();
-  at::parallel_for(0, n * vectors, kGrain / Vec::size(), [&](int64_t begin, int64_t end) {
+  parallel_stealing(0, n * vectors, kGrain / Vec::size(), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / vectors, c = (i % vectors) * Vec::size();
       const Vec gate = Vec::loadu(in + r * stride + c), up = Vec::loadu(in + r * stride + inter + c);

@@ -195,7 +195,7 @@ class LeanGemma3DecoderLayer(torch.nn.Module):
         flat = h.reshape(-1, h.shape[-1])
         if lean.weight_major and flat.shape[0] <= fused.max_rows:
             gate_up = weight_major_product(fused.gate_up, flat, fused.gate_up_blocks).reshape(*h.shape[:-1], -1)
-            if lean.gelu_mul is not None:  # aten's gelu and mul in one call, the same bits
+            if lean.gelu_mul is not None and gate_up.stride(-1) == 1:  # aten's gelu and mul in one call, same bits
                 return mlp.down_proj(lean.gelu_mul(gate_up, fused.inter))
             gate, up = gate_up[..., : fused.inter], gate_up[..., fused.inter:]
         else:
