@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferscale.kernels import amx_linear, bf16_linear, rms_norm
+from inferscale.kernels import amx_linear, bf16_linear, gelu_mul, rms_norm
 from inferscale.models.leanlayers import lean_rms
 
 
@@ -93,7 +93,8 @@ def test_q_and_k_in_one_call_give_the_lean_layers_numbers(kernel):
 
 @pytest.mark.parametrize("kernel_module, switch", [(rms_norm, "INFERSCALE_RMS_NORM"),
                                                    (amx_linear, "INFERSCALE_AMX_LINEAR"),
-                                                   (bf16_linear, "INFERSCALE_BF16_LINEAR")])
+                                                   (bf16_linear, "INFERSCALE_BF16_LINEAR"),
+                                                   (gelu_mul, "INFERSCALE_GELU_MUL")])
 def test_the_switch_turns_a_kernel_off(monkeypatch, kernel_module, switch):
     monkeypatch.setenv(switch, "0")
     kernel_module.load.cache_clear()
