@@ -25,14 +25,19 @@ namespace {
 
 using Vec = at::vec::Vectorized<c10::BFloat16>;
 
+// inter must be a multiple of this in both builds (gelu_mul.fits): whole vectors of the AVX512 build (32 values) and
+// of the AVX2 one (16), so aten never takes its scalar path (std::tanh) for a tail here either.
+constexpr int64_t kInterMultiple = 32;
+static_assert(kInterMultiple % Vec::size() == 0);
+
 // Values a grain holds: a decode step's 16 rows x 2048 are 16 grains over both threads (one preempted by the server's
 // event loop or a client leaves its grains to the other: parallel_stealing.h), one row inline.
 constexpr int64_t kGrain = 2048;
 
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up, int64_t inter) {
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "gelu_tanh_mul: gate_up must be bfloat16");
-  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) == 2 * inter && inter % Vec::size() == 0,
-              "gelu_tanh_mul: gate_up's last dimension must be 2 * inter, inter a multiple of ", Vec::size());
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) == 2 * inter && inter % kInterMultiple == 0,
+              "gelu_tanh_mul: gate_up's last dimension must be 2 * inter, inter a multiple of ", kInterMultiple);
   const at::Tensor rows = gate_up.reshape({-1, 2 * inter});
   TORCH_CHECK(rows.stride(1) == 1, "gelu_tanh_mul: gate_up's rows must be contiguous");
   std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());

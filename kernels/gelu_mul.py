@@ -56,9 +56,12 @@ def agrees(op: GeluMul) -> bool:
     return True
 
 
+INTER_MULTIPLE = 32  # the C++'s kInterMultiple: whole vectors in either build
+
+
 def fits(inter: int) -> bool:
-    """Whether the kernel takes this intermediate size (whole 32-value vectors)."""
-    return inter % 32 == 0
+    """Whether the kernel takes this intermediate size (whole vectors in either build)."""
+    return inter % INTER_MULTIPLE == 0
 
 
 @functools.cache
