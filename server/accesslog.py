@@ -9,7 +9,7 @@ import logging
 import re
 from typing import Any
 
-from starlette.routing import compile_path
+from inferscale.server.openapi import documented_paths
 
 log = logging.getLogger("inferscale.access")
 UNMATCHED = "<no route>"  # a path no route matches: what was sent is not logged either
@@ -30,8 +30,7 @@ class RouteAccessLog:
         if path:
             return path
         if self._templates is None:
-            paths = scope["app"].openapi().get("paths", {}) if hasattr(scope.get("app"), "openapi") else {}
-            self._templates = [(compile_path(p)[0], p) for p in paths]
+            self._templates = [(regex, p) for regex, p, _ in documented_paths(scope.get("app"))]
         return next((p for regex, p in self._templates if regex.match(scope.get("path", ""))), UNMATCHED)
 
     async def __call__(self, scope, receive, send):

@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
 from inferscale import __version__
-from inferscale.server import chat, httperrors, ingest, internal, memories, ops
+from inferscale.server import chat, httperrors, ingest, internal, memories, openapi, ops
 from inferscale.server.accesslog import RouteAccessLog
 from inferscale.server.auth import TenantRegistry, require_tenant
 from inferscale.server.gcheap import startup_heap_frozen
@@ -22,7 +22,7 @@ from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.threads import on_own_thread, pin_threads
 from inferscale.engine.worker import EngineWorker
 from inferscale.engine.backend import EngineBackend
-from inferscale.server.schemas import ModelCard, ModelList, ModelProfile
+from inferscale.server.schemas import MODELS, ModelCard, ModelList, ModelProfile
 from inferscale.server.services import InternalServices, Services
 from inferscale.server.settings import Settings
 from inferscale.server.logs import inject_trace_ids_into_logs
@@ -103,8 +103,9 @@ def create_internal_app(settings: Settings, store, telemetry, fleet: Fleet) -> F
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, internal_token=settings.internal_token,
                        upload_check=ingest.upload_checker(settings.internal_token or ""),
                        upload_limit=settings.ingest_max_bytes)
-    app.include_router(internal.router)
-    app.include_router(ingest.router)
+    app.include_router(internal.router, responses=httperrors.ERROR_RESPONSES)
+    app.include_router(ingest.router, responses=httperrors.ERROR_RESPONSES)
+    openapi.install(app, MODELS)
     telemetry.instrument(app)
     app.add_middleware(RouteAccessLog)
     return app
@@ -176,9 +177,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     httperrors.install(app)
     # Size, API key and in-flight slot are checked before any body byte is read (server/guard.py).
     app.add_middleware(TenantGuard, limit=settings.max_body_bytes, tenants=tenants)
-    app.include_router(chat.router)
-    app.include_router(memories.router)
-    app.include_router(ops.router)
+    app.include_router(chat.router, responses=httperrors.ERROR_RESPONSES)
+    app.include_router(memories.router, responses=httperrors.ERROR_RESPONSES)
+    app.include_router(ops.router, responses=httperrors.ERROR_RESPONSES)
+    openapi.install(app, MODELS)
     telemetry.instrument(app)
     app.add_middleware(RouteAccessLog)  # outermost: it sees every answer, the guard's refusals included
     st.internal_app = create_internal_app(settings, store, telemetry, fleet) if settings.internal_token else None
@@ -187,12 +189,13 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         profile = ModelProfile(default_stop=list(engine.template.default_stop), modes=st.modes)
         return ModelCard(id=settings.model, created=int(st.started), inferscale=profile)
 
-    @app.get("/v1/models", response_model=ModelList, tags=["models"], dependencies=[Depends(require_tenant)])
+    @app.get("/v1/models", response_model=ModelList, tags=["models"], dependencies=[Depends(require_tenant)],
+             responses=httperrors.ERROR_RESPONSES)
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, tags=["models"],
-             dependencies=[Depends(require_tenant)])
+             dependencies=[Depends(require_tenant)], responses=httperrors.ERROR_RESPONSES)
     async def get_model(model_id: str) -> ModelCard:
         if model_id not in st.model_ids:
             raise httperrors.ApiError(404, f"model {model_id!r} does not exist", code="model_not_found", param="model")

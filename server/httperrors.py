@@ -14,8 +14,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferscale import errors as E
 from inferscale.server.auth import AuthError
+from inferscale.server.openapi import documented_paths
+from inferscale.server.schemas import ErrorBody
 
 log = logging.getLogger(__name__)
+
+# What the document says of errors: every 4xx and 5xx answer is an OpenAI-style ErrorBody (this module's handlers),
+# a validation error a 400, never FastAPI's default 422 (which it adds only where no 4XX is declared).
+ERROR_RESPONSES: dict[int | str, dict] = {
+    "4XX": {"model": ErrorBody, "description": "the caller's error (400 bad input, 401 no or bad key, 404 no such "
+            "model, user or item, 405, 409, 413 body too large, 429 over the tenant's share, with Retry-After)"},
+    "5XX": {"model": ErrorBody, "description": "the server's error (500, 503 overloaded or not ready, with "
+            "Retry-After where waiting helps)"},
+}
 
 
 class ApiError(Exception):
@@ -167,11 +178,23 @@ def install(app: FastAPI) -> None:
         return response(400, msg, "invalid_request_error", "invalid_value", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
+    async def _http(request: Request, e: StarletteHTTPException):
         type_ = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
-        return response(e.status_code, str(e.detail), type_, None, headers=getattr(e, "headers", None))
+        headers = getattr(e, "headers", None)
+        if e.status_code == 405:
+            headers = {**(headers or {}), "Allow": allowed_methods(request, (headers or {}).get("Allow", ""))}
+        return response(e.status_code, str(e.detail), type_, None, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
         a = from_exception(e)
         return response(a.status, a.message, a.type, a.code, a.param, a.headers)
+
+
+def allowed_methods(request: Request, fallback: str) -> str:
+    """Every method the document gives the request's path. Starlette's 405 names only the first route that matched
+    the path (``Allow: PUT`` for /v1/memories/{user}, which also serves GET and DELETE: schemathesis' ST205); RFC 9110
+    asks for all of them. ``fallback`` (Starlette's) for a path the document does not show."""
+    path = request.scope.get("path", "")
+    methods = {m for regex, _, ms in documented_paths(request.app) if regex.match(path) for m in ms}
+    return ", ".join(sorted(methods)) or fallback

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator,
+                      model_validator)
 
 from inferscale.contract import ID_PATTERN, TENANT_PATTERN, TTFT_GRANULARITY_MS, USER_MAX_LEN, Mode
 from inferscale.engine.sampling import MAX_STOP, MAX_TEMPERATURE, SEED_MAX, SEED_MIN
@@ -99,7 +100,7 @@ class MemoryOptions(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ResponseFormat(BaseModel):
@@ -115,7 +116,7 @@ class ChatCompletionRequest(NoLoneSurrogates):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: max_completion_tokens wins")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -133,10 +134,10 @@ class ChatCompletionRequest(NoLoneSurrogates):
     metadata: dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(
         max_length=512)]] | None = Field(None, max_length=16, description="accepted; recorded nowhere")
     service_tier: Literal["auto", "default"] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     # Known OpenAI fields this server cannot honour: typed here so that a harmless value passes and any other
     # answers 400 with ``param`` (see unsupported()).
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's ranges, then refused unless harmless
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -144,7 +145,7 @@ class ChatCompletionRequest(NoLoneSurrogates):
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -155,7 +156,7 @@ class ChatCompletionRequest(NoLoneSurrogates):
     web_search_options: Any = None
     inferscale: MemoryOptions | None = None
     # vLLM's extra sampling parameters (send them in the openai client's extra_body): force the output length.
-    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence and the default stop")
+    ignore_eos: StrictBool = Field(False, description="keep generating past end-of-sequence and the default stop")
     min_tokens: int = Field(0, ge=0, description="no stop ends the answer before this many tokens")
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -269,8 +270,9 @@ class MemoryItemIn(BaseModel):
 
 class PutMemories(NoLoneSurrogates):
     model_config = ConfigDict(extra="forbid")
-    items: list[MemoryItemIn] = Field(..., min_length=1, max_length=10000)
-    replace: bool = Field(False, description="also delete the user's items that are not in this list")
+    items: list[MemoryItemIn] = Field(..., min_length=1, max_length=10000, description=(
+        "ids unique within one request: a repeated id is refused (400 duplicate_id), not resolved by order"))
+    replace: StrictBool = Field(False, description="also delete the user's items that are not in this list")
 
 
 class PutMemoriesResult(BaseModel):
@@ -345,3 +347,8 @@ class Capacity(BaseModel):
     bytes_used: int
     bytes_capacity: int
     users: int
+
+
+# Every model above: the served OpenAPI document's integer bounds are read back from them (server/openapi.py).
+MODELS = tuple(v for v in list(globals().values())
+               if isinstance(v, type) and issubclass(v, BaseModel) and v.__module__ == __name__)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -30,6 +32,7 @@ def _err(r: httpx.Response, status: int) -> dict:
     ({"model": MODEL, "messages": Q, "inferscale": {"k": 100000}}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "inferscale": {"mode": "telepathy"}}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "max_tokens": 0}, 400, "invalid_value"),
+    ({"model": MODEL, "messages": Q, "ignore_eos": 1}, 400, "invalid_value"),  # a bool, not 1 (schemathesis ST201)
     ({"model": MODEL, "messages": Q, "n": 2}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "user": "x" * 257}, 400, "invalid_value"),
     ({"model": MODEL, "messages": Q, "inferscale": {"k": 51}}, 400, "k_limit_exceeded"),
@@ -72,9 +75,47 @@ def test_bad_memories(live):
     _err(httpx.put(u + "bob", json={"items": [{"id": "a", "text": " "}]}, headers=h), 400)
     _err(httpx.put(u + "bob", json={"items": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]}, headers=h), 400)
     _err(httpx.put(u + "bob", content=b"{", headers={**h, "content-type": "application/json"}), 400)
+    _err(httpx.put(u + "bob", json={"items": [{"id": "a", "text": "x"}], "replace": 0}, headers=h), 400)  # not a bool
     _err(httpx.put(u + "x" * 257, json={"items": [{"id": "a", "text": "x"}]}, headers=h), 400)  # user over 256
     _err(httpx.get(u + "never-seen", headers=h), 404)
     _err(httpx.get(live.url + "/v1/nothing-here", headers=h), 404)
+
+
+@pytest.mark.parametrize("method,path,allowed", [
+    ("OPTIONS", "/v1/memories/bob", {"DELETE", "GET", "PUT"}),  # three routes share the path
+    ("PATCH", "/v1/memories/bob/a1", {"DELETE"}),
+    ("GET", "/v1/chat/completions", {"POST"}),
+])
+def test_method_not_allowed_names_every_method_of_the_path(live, method, path, allowed):
+    """405's Allow lists what the path serves, all routes of it (schemathesis ST205 found ``Allow: PUT`` alone)."""
+    r = httpx.request(method, live.url + path, headers=live.headers())
+    _err(r, 405)
+    assert {m.strip() for m in r.headers["allow"].split(",")} - {"HEAD"} == allowed
+
+
+def test_openapi_documents_the_errors_it_answers(live):
+    """Every operation documents its 4xx/5xx answers as the error body they are, and no 422, which this server never
+    answers (schemathesis ST103 found a 404 from GET /v1/models/{id} documented as neither)."""
+    doc = httpx.get(live.url + "/openapi.json").json()
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert "422" not in op["responses"], (method, path)
+            assert op["responses"]["4XX"]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorBody"}, (method, path)
+    r = httpx.get(live.url + "/v1/models/no-such-model", headers=live.headers())
+    assert _err(r, 404)["code"] == "model_not_found"
+
+
+def test_openapi_integer_bounds_are_exact(live):
+    """seed's bounds are 64-bit integers in the document as in the model, not floats rounded to 2**63 (from which
+    schemathesis generated 2**63 + 191 as a valid seed)."""
+    from inferscale.engine.sampling import SEED_MAX, SEED_MIN
+
+    text = httpx.get(live.url + "/openapi.json").text
+    assert f'"maximum":{SEED_MAX}' in text.replace(" ", "") and "e+18" not in text
+    seed = json.loads(text)["components"]["schemas"]["ChatCompletionRequest"]["properties"]["seed"]["anyOf"][0]
+    assert (seed["minimum"], seed["maximum"]) == (SEED_MIN, SEED_MAX)
+    assert all(type(v) is int for v in (seed["minimum"], seed["maximum"]))
 
 
 def test_caller_values_are_400_and_configuration_is_500():
