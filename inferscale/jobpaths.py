@@ -28,6 +28,8 @@ def job_dir_path(root: str | os.PathLike | None, tenant: str, user: str, given: 
         raise bad("must be a path")
     raw = given.rstrip("/")
     parts = raw.split("/")
+    if given.startswith("/") and not raw:  # "/" itself: absolute and normal, just not the job's directory
+        raise bad(f"must end in /{tenant}/{user}")
     if not raw.startswith("/") or any(p in ("", ".", "..") for p in parts[1:]):
         raise bad("must be an absolute, normalized path")
     if tuple(parts[-2:]) != (tenant, user):

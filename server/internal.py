@@ -17,7 +17,8 @@ from inferscale.jobpaths import job_dir_path
 from inferscale.kvformat import SUFFIX
 from inferscale.server.auth import require_internal
 from inferscale.store.fleet import MAX_PEERS
-from inferscale.server.schemas import Capacity, ErrorBody, PullRequest, PullResult, Purged, PurgeRequest
+from inferscale.server.schemas import (Capacity, ErrorBody, PeerAddress, PullRequest, PullResult, Purged,
+                                       PurgeRequest)
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_internal)],
                    responses={s: {"model": ErrorBody} for s in (400, 401, 404, 424)})
@@ -115,7 +116,7 @@ async def purge(req: PurgeRequest, request: Request) -> Purged:
 
 class PeersRequest(BaseModel):
     """The other serving pods' peer addresses (``podIP:INFERSCALE_NIXL_PORT``), as the operator sees them."""
-    peers: list[str] = Field(default_factory=list, max_length=MAX_PEERS)
+    peers: list[PeerAddress] = Field(default_factory=list, max_length=MAX_PEERS)
 
 
 class Peers(BaseModel):

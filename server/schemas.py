@@ -53,6 +53,10 @@ UserId = Annotated[str, StringConstraints(pattern=ID_PATTERN), AfterValidator(_n
 ApiUser = Annotated[str, StringConstraints(min_length=1, max_length=USER_MAX_LEN)]
 StopText = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 TenantName = Annotated[str, StringConstraints(pattern=TENANT_PATTERN)]
+# host:port of a peer's NIXL agent; an absolute path on the node (both checked again where used: the store's
+# address check, jobpaths' normalized-path check, which the document cannot say all of)
+PeerAddress = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}$")]
+NodePath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^/")]
 HARD_MAX_K = 1000
 MAX_MESSAGES = 10_000  # turns of one chat: far more than any context holds, and a bound on validation work
 
@@ -305,9 +309,8 @@ class Removed(BaseModel):
 class PullSource(BaseModel):
     node: str = Field(..., max_length=253)
     # A Job's output dir on this node (the CLI/dev path; inferscale/jobpaths.py): the chart's Jobs deliver instead.
-    dir: str | None = Field(None, min_length=1, max_length=4096)
-    peer: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-\[\]:]{1,255}:[0-9]{1,5}$")] | None = Field(
-        None, description="host:port of the peer's NIXL agent")
+    dir: NodePath | None = None
+    peer: PeerAddress | None = Field(None, description="host:port of the peer's NIXL agent")
 
 
 class PullRequest(BaseModel):
@@ -331,7 +334,7 @@ class PurgeRequest(BaseModel):
     tenant: TenantName
     user: UserId
     items: list[ItemId] | None = None
-    source_dir: str | None = Field(None, min_length=1, max_length=4096, description=(
+    source_dir: NodePath | None = Field(None, description=(
         "also delete this encoding-Job output dir on this node: <INFERSCALE_KV_HOST_PATH>/<tenant>/<user>"))
 
 

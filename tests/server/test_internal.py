@@ -96,6 +96,7 @@ def test_purge_refuses_a_source_dir_outside_the_users_dir(live, tmp_path):
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == "source_dir"
     assert (root / "globex" / "other").is_dir() and outside.is_dir()
+    assert "must end in /globex/melanie" in _purge(live, source_dir="/").json()["error"]["message"]  # not "normalized"
 
 
 def test_peers_are_set_by_the_operator_only(live):
