@@ -47,7 +47,7 @@ def response(status: int, message: str, type: str, code: str | None = None, para
 
 
 # Typed engine/store errors -> (status, type, code).
-_TYPED: list[tuple[type, int, str, str]] = [
+_TYPED: list[tuple[type[E.InferScaleError], int, str, str | None]] = [
     (E.UploadRefused, 401, "authentication_error", "invalid_upload_credential"),
     (E.UploadDenied, 403, "permission_error", "upload_not_permitted"),
     (E.NotFoundError, 404, "not_found_error", "not_found"),
@@ -67,8 +67,8 @@ _TYPED: list[tuple[type, int, str, str]] = [
 
 def from_typed(e: E.InferScaleError) -> ApiError:
     if isinstance(e, E.EngineBusyError):  # queue full, queue timeout, or no engine: come back later
-        code = "engine_unavailable" if isinstance(e, E.EngineUnavailableError) else "engine_busy"
-        return ApiError(503, str(e), type="server_error", code=code, headers={"Retry-After": str(e.retry_after_s)})
+        busy = "engine_unavailable" if isinstance(e, E.EngineUnavailableError) else "engine_busy"
+        return ApiError(503, str(e), type="server_error", code=busy, headers={"Retry-After": str(e.retry_after_s)})
     for cls, status, type_, code in _TYPED:
         if isinstance(e, cls):
             headers = {"Retry-After": "1"} if status == 429 else None  # every 429 says when to come back
@@ -164,7 +164,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
         errs = _specific(e.errors())
-        first = errs[0] if errs else {"msg": "invalid request", "loc": (), "type": "invalid"}
+        first: dict = errs[0] if errs else {"msg": "invalid request", "loc": (), "type": "invalid"}
         if first.get("type") == "json_invalid":
             return response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                             "invalid_request_error", "invalid_json")
