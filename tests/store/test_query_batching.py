@@ -68,6 +68,20 @@ def test_concurrent_queries_of_a_tenant_share_a_batch_and_get_their_own_rows(emb
         assert row.shape == (embedder.dim,)
 
 
+def test_a_tenants_concurrent_queries_get_the_bits_they_get_alone(embedder):
+    """Queries of different lengths queued together are not padded to each other: each embedding is bit for bit
+    the one the query gets alone, so a request retrieves the same memories amid its tenant's other requests (a
+    padded batch moved the bits, and under load one greedy answer: tests/server/test_answers_under_load.py)."""
+    texts = ["where did caroline go camping with her sister last june?", "dog", "the book melanie painted",
+             "what did maya do in week 3 of the summer?", "what did maya do in week 4 of the summer?",
+             "who moved to paris and why did they move there after the beach trip with the brother?"]
+    counting = CountingEmbedder(embedder, len(texts))
+    got = _concurrently(counting.embed_query, [(t, "tenant-a") for t in texts])
+    assert sum(map(len, counting.batches)) == len(texts) and len(counting.batches) < len(texts)  # some shared
+    for text, row in zip(texts, got):
+        assert torch.equal(row, embedder._encode_queries([text])[0]), text
+
+
 def test_another_tenants_queries_never_join_the_batch(embedder):
     args = [("first question of a", "tenant-a")] + [(f"question {i} of b", "tenant-b") for i in range(3)] + \
         [(f"question {i} of a", "tenant-a") for i in range(3)]
