@@ -117,19 +117,20 @@ class Embedder:
             with self._turns:
                 self._queued[group] = queries + self._queued.pop(group, [])
 
-    def _encode_unpadded(self, texts: list[str]) -> list[torch.Tensor]:
-        """Each text's embedding, those of one length in word pieces encoded together (``_lock`` held): a padded
-        batch moved an embedding's last bits in 26 of 40 random pairs, and with them a greedy answer under load
-        when two memories' scores were that close (tests/server/test_answers_under_load.py); unpadded, batches of
-        2-16 gave the bits of the text alone in 60 of 60."""
+    def _encode_unpadded(self, texts: list[str]) -> torch.Tensor:
+        """``[n, dim]``: each text's embedding, those of one length in word pieces encoded together (``_lock`` held;
+        the lengths from one tokenization of them all): a padded batch moved an embedding's last bits in 26 of 40
+        random pairs, and with them a greedy answer under load when two memories' scores were that close
+        (tests/server/test_answers_under_load.py); unpadded, batches of 2-16 gave the bits of the text alone in 60
+        of 60."""
+        lengths = self.model.preprocess(texts)["attention_mask"].sum(dim=1).tolist()  # word pieces each, unpadded
         by_length: dict[int, list[int]] = {}
-        for i, text in enumerate(texts):
-            by_length.setdefault(int(self.model.preprocess([text])["input_ids"].shape[1]), []).append(i)
-        rows: list[torch.Tensor | None] = [None] * len(texts)
+        for i, n in enumerate(lengths):
+            by_length.setdefault(n, []).append(i)
+        rows = torch.empty((len(texts), self.dim), dtype=torch.float32)
         for members in by_length.values():
-            for i, row in zip(members, self._encode_queries([texts[i] for i in members])):
-                rows[i] = row
-        return rows  # type: ignore[return-value]  # every index is some length's member
+            rows[members] = self._encode_queries([texts[i] for i in members])
+        return rows
 
     def _encode_queries(self, texts: list[str]) -> torch.Tensor:
         """A request's few queries in one batch: the model's own preprocess and forward (its pooling and
