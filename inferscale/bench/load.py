@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from inferscale.bench.floor import decode_floor
-from inferscale.bench.loadclients import B_K, KEYS, concurrent, flood
+from inferscale.bench.loadclients import B_K, KEYS, LATE_REFUSAL_S, concurrent, flood
 from inferscale.bench.repeats import print_spread, spread
 from inferscale.contract import DEFAULT_ENGINE, ENGINES
 from inferscale.engine.threads import usable_cores
@@ -133,6 +133,7 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
         out["flood_ratio"] = flood["ratio"]
         out["flood_refused_p50_ms"] = flood["a_refused_p50_ms"]
         out["flood_refused_max_ms"] = flood["a_refused_max_ms"]
+        out["flood_refused_late"] = len(flood.get("a_refused_late_ms") or [])
     return out
 
 
@@ -220,6 +221,12 @@ def _print(result: dict, rep: dict) -> None:
     if f:
         shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
                 if f["a_refused"] else "none refused")
+        late = f.get("a_refused_late_ms") or []
+        if late:
+            shed += f" ({len(late)} of them {LATE_REFUSAL_S:g} s or more after sending: " \
+                    f"{', '.join(f'{ms:.0f}' for ms in late)} ms)"
+        if f.get("host_steal_s"):
+            shed += f", the host took {f['host_steal_s']:.2f} s of CPU meanwhile (steal)"
         long_ = f", {f['flood_question_chars']}-character prompts" if f.get("flood_question_chars", 0) > 200 else ""
         print(f"flood: {f['flood_requests']} text requests (k={f['flood_k']}{long_}) of tenant A, {shed}; tenant B's TTFT "
               f"{f['b_flood_ttft_ms']:.1f} ms vs {f['b_idle_ttft_ms']:.1f} ms idle ({f['ratio']:.2f}x)")

@@ -107,6 +107,10 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
         assert (row["arrival_ttft_ms"] is None) == (row["n"] == 1)
         assert 0 < row["client_cores"] <= os.cpu_count()  # the SDK parsing chunks: a share of the cores
     assert result["flood"]["b_flood_ttft_ms"] > 0 and result["flood"]["b_idle_ttft_ms"] > 0
+    # the refusals that did not come at admission, apart (two requests: none refused), and the host's steal beside
+    assert result["flood"]["a_refused_late_ms"] == [] and result["summary"]["flood_refused_late"]["max"] == 0
+    steal = result["flood"]["host_steal_s"]
+    assert steal is None or steal >= 0
     # Issue 22's bar, printed and written: the floor beside the step, N/1 ratios, the flood's ratio.
     assert result["floor"]["floor_ms"] > 0 and result["floor"]["weight_bytes"] > 0
     summary = result["summary"]
