@@ -114,7 +114,7 @@ class ServingLoop:
     # ---- the loop's thread ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
-        t0, taking_in = time.perf_counter(), self.scheduler.taking_in()
+        t0, taking_in, grown_s = time.perf_counter(), self.scheduler.taking_in(), self.slots.grown_s
         out = self.scheduler.schedule()
         for s in out.cancelled:
             self._free(s.payload)
@@ -131,17 +131,17 @@ class ServingLoop:
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
         prompt_tokens, prompt_passes = self._prefill([(s.payload, n) for s, n in out.prefill
                                                       if s.payload.slot >= 0 and s.payload.pending], out.pass_tokens)
-        t1 = time.perf_counter()
+        t1, grown_at_decode = time.perf_counter(), self.slots.grown_s
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self.threads.before_decode(len(decode))
             self._decode(decode)
-            took = time.perf_counter() - t1 - self.interject.take_elapsed()
+            took = time.perf_counter() - t1 - self.interject.take_elapsed() - (self.slots.grown_s - grown_at_decode)
             self.threads.after_decode(len(decode), took)
             cost.observe_decode(took)
         self._settle()  # rows wait until no pass is paused; none decodes before the next step
-        cost.observe_step(time.perf_counter() - t0, prompt_tokens, prompt_passes, bool(decode),
-                          taking_in or self.scheduler.taking_in())
+        took = time.perf_counter() - t0 - (self.slots.grown_s - grown_s)  # a growth is no step's cost (slots.py)
+        cost.observe_step(took, prompt_tokens, prompt_passes, bool(decode), taking_in or self.scheduler.taking_in())
         self.steps += 1
 
     def _refuse(self, shed: list) -> None:
@@ -217,12 +217,13 @@ class ServingLoop:
                     self._refuse(self.scheduler.shed_queued())
                 first = False
                 batch = [pieces[i] for i in group if pieces[i][0].slot >= 0]  # not failed by an earlier group
-                t0, taking_in = time.perf_counter(), self.scheduler.taking_in()
+                t0, taking_in, grown_s = time.perf_counter(), self.scheduler.taking_in(), self.slots.grown_s
                 if len(batch) == 1:
                     computed = self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
                 else:
                     computed = self._prefill_batch(batch) if batch else 0
-                took = time.perf_counter() - t0 - self.interject.take_elapsed()
+                # neither the questions run between its layers nor the slot cache growing are this pass's cost
+                took = time.perf_counter() - t0 - self.interject.take_elapsed() - (self.slots.grown_s - grown_s)
                 self.scheduler.cost.observe_prefill(computed, took, 1, {r.sched.tenant for r, _ in batch},
                                                     taking_in or self.scheduler.taking_in())
                 done, passes = done + computed, passes + 1

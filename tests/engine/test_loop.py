@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -176,3 +177,38 @@ def test_a_tenants_next_request_is_not_held_behind_another_tenants_pieces(engine
     assert passes[1] == ("b", len(second.ids))
     loop.run_until_done()
     assert sum(n for t, n in passes if t == "a") == len(long.ids) and long.output and second.output
+
+
+def test_the_slot_cache_growing_is_not_learnt_as_what_a_pass_costs(engine, monkeypatch):
+    """Issue 22: growing the slot cache reallocates every layer's K and V (152-246 ms on the 2-core VM), and the
+    pass it fell in was learnt at that price: a flood's per-token estimate doubled and two kept requests were shed
+    1.6 s in. A growth made 0.5 s slow here, inside the prompt pass (the capacity one token past the prefix) and
+    inside the second-to-last decode pass (the answer running past the grown capacity): the estimates stay those of
+    the passes."""
+    from inferscale.engine.slots import GROWTH_QUANTUM, SlotCache
+    from inferscale.engine.stepcost import StepCost
+
+    grow = SlotCache._grow
+
+    def slow_grow(self, slots, capacity):
+        time.sleep(0.5)
+        grow(self, slots, capacity)
+
+    loop = ServingLoop(engine)
+    question = engine.question_ids("where did caroline go?")
+    loop.add(req(engine, [], ids=question))
+    loop.run_until_done()  # warm: a first pass pays its kernels' first use (0.2-0.3 s here)
+    loop.scheduler.cost = StepCost()
+    monkeypatch.setattr(SlotCache, "_grow", slow_grow)
+    prefix = engine.prefix_kv.shape[3]
+    loop.slots = SlotCache(engine.loaded.layout, engine.prefix_kv.dtype, engine.loaded.device, capacity=prefix + 1)
+    events = []
+    answer = GROWTH_QUANTUM + 2 - prefix - len(question)  # its second-to-last token is the quantum's first past
+    loop.add(req(engine, events, tokens=answer, ids=question))
+    loop.run_until_done()
+    assert isinstance(events[-1], DoneEvent)
+    assert loop.slots.grown_s >= 1.0  # grown twice
+    cost = loop.scheduler.cost
+    # learnt, the prompt's pass would have said >= 0.5 s, the decode pass >= 0.08 s a fifth of the way
+    assert cost.prompt_token_s * len(question) < 0.1 and cost.pass_s < 0.04 and cost.decode_pass_s < 0.04
+    assert cost.overrun < 2.0  # one step of 0.5 s over a few ms would have said 4x (OVERRUN_MAX), learnt at a fifth
