@@ -133,7 +133,7 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
         out["flood_ratio"] = flood["ratio"]
         out["flood_refused_p50_ms"] = flood["a_refused_p50_ms"]
         out["flood_refused_max_ms"] = flood["a_refused_max_ms"]
-        out["flood_refused_late"] = len(flood.get("a_refused_late_ms") or [])
+        out["flood_refused_late"] = len(flood["a_refused_late_ms"])
     return out
 
 
@@ -221,11 +221,11 @@ def _print(result: dict, rep: dict) -> None:
     if f:
         shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
                 if f["a_refused"] else "none refused")
-        late = f.get("a_refused_late_ms") or []
+        late = f["a_refused_late_ms"]
         if late:
             shed += f" ({len(late)} of them {LATE_REFUSAL_S:g} s or more after sending: " \
                     f"{', '.join(f'{ms:.0f}' for ms in late)} ms)"
-        if f.get("host_steal_s"):
+        if f["host_steal_s"]:
             shed += f", the host took {f['host_steal_s']:.2f} s of CPU meanwhile (steal)"
         long_ = f", {f['flood_question_chars']}-character prompts" if f.get("flood_question_chars", 0) > 200 else ""
         print(f"flood: {f['flood_requests']} text requests (k={f['flood_k']}{long_}) of tenant A, {shed}; tenant B's TTFT "
