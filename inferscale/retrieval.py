@@ -123,22 +123,26 @@ class Embedder:
         random pairs, and with them a greedy answer under load when two memories' scores were that close
         (tests/server/test_answers_under_load.py); unpadded, batches of 2-16 gave the bits of the text alone in 60
         of 60."""
-        lengths = self.model.preprocess(texts)["attention_mask"].sum(dim=1).tolist()  # word pieces each, unpadded
+        features = self.model.preprocess(texts)  # tokenized once: each length's group is its rows, unpadded
         by_length: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
+        for i, n in enumerate(features["attention_mask"].sum(dim=1).tolist()):  # word pieces each
             by_length.setdefault(n, []).append(i)
         rows = torch.empty((len(texts), self.dim), dtype=torch.float32)
-        for members in by_length.values():
-            rows[members] = self._encode_queries([texts[i] for i in members])
+        for n, members in by_length.items():
+            group = {name: value[members, :n] if isinstance(value, torch.Tensor) else value  # and e.g. "modality"
+                     for name, value in features.items()}
+            rows[members] = self._encode_queries([texts[i] for i in members], group)
         return rows
 
-    def _encode_queries(self, texts: list[str]) -> torch.Tensor:
-        """A request's few queries in one batch: the model's own preprocess and forward (its pooling and
-        normalization modules), then ``encode``'s normalization, so the same numbers as ``_encode`` (tested), without
-        ``encode``'s per-call work (a walk over every parameter to resolve the device, ``eval()`` on every module,
-        sorting and batching): ~1 ms of a 12-13 ms query embedding on the 2-core machine (issue 22)."""
+    def _encode_queries(self, texts: list[str], features: dict[str, torch.Tensor | str] | None = None) -> torch.Tensor:
+        """A request's few queries in one batch: the model's own preprocess (unless ``features`` already hold it)
+        and forward (its pooling and normalization modules), then ``encode``'s normalization, so the same numbers
+        as ``_encode`` (tested), without ``encode``'s per-call work (a walk over every parameter to resolve the
+        device, ``eval()`` on every module, sorting and batching): ~1 ms of a 12-13 ms query embedding on the
+        2-core machine (issue 22)."""
         with torch.inference_mode():
-            features = self.model.preprocess(texts)
+            if features is None:
+                features = self.model.preprocess(texts)
             if self._query_forward is not None:  # the same arithmetic without the modules' walk (queryforward.py)
                 out = self._query_forward(features)
             else:

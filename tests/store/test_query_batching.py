@@ -27,11 +27,11 @@ class CountingEmbedder(Embedder):
         self.all_queued = threading.Event()
         self.callers = callers
 
-    def _encode_queries(self, texts):
+    def _encode_queries(self, texts, features=None):
         if not self.batches:  # the first encode waits until the others have queued behind it
             self.all_queued.wait(10)
         self.batches.append(list(texts))
-        return super()._encode_queries(texts)
+        return super()._encode_queries(texts, features)
 
     def embed_query(self, text, group):
         with self._queue_lock:
@@ -93,11 +93,11 @@ def test_another_tenants_queries_never_join_the_batch(embedder):
 
 def test_a_caller_taken_along_by_a_failed_encode_embeds_its_own_query(embedder):
     class FailingBatches(CountingEmbedder):
-        def _encode_queries(self, texts):
+        def _encode_queries(self, texts, features=None):
             if len(texts) > 1:  # the batch of the two callers queued behind the first
                 self.batches.append(list(texts))
                 raise RuntimeError("this encode fails")
-            return super()._encode_queries(texts)
+            return super()._encode_queries(texts, features)
 
     failing = FailingBatches(embedder, 3)
     results = []
