@@ -81,7 +81,7 @@ def open_backend(settings: Settings, engine: Engine) -> EngineBackend:
     return EngineWorker(engine, SchedulerConfig(
         max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
         max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s,
-        step_time_s=settings.step_time_s))
+        step_time_s=settings.step_time_s), slots=settings.kv_slots, slot_tokens=settings.kv_slot_tokens)
 
 
 def plane_credentials(settings: Settings) -> dict[str, str]:

@@ -52,6 +52,8 @@ ENV = {
     "max_tokens": "INFERSCALE_MAX_TOKENS",
     "max_in_flight": "INFERSCALE_MAX_IN_FLIGHT",
     "max_active": "INFERSCALE_MAX_ACTIVE",
+    "kv_slots": "INFERSCALE_KV_SLOTS",
+    "kv_slot_tokens": "INFERSCALE_KV_SLOT_TOKENS",
     "step_tokens": "INFERSCALE_STEP_TOKENS",
     "chunk_tokens": "INFERSCALE_CHUNK_TOKENS",
     "max_queued_per_tenant": "INFERSCALE_MAX_QUEUED_PER_TENANT",
@@ -130,6 +132,11 @@ class Settings(BaseModel):
     # The engine's scheduler (inferscale/engine/scheduler.py): sequences in flight (decoded in one batch), the
     # token budget of one step, the largest prompt chunk per turn, and each tenant's bounded queue.
     max_active: int = Field(64, ge=1)
+    # The decode slots' K/V reserved before the server listens (sequences x tokens each; 16 x 2,048: 604 MB of bf16
+    # for Gemma-3-270M): past it the pool grows by reallocation, which stalls the step it falls in for every tenant
+    # (inferscale/engine/slots.py).
+    kv_slots: int = Field(16, ge=1)
+    kv_slot_tokens: int = Field(2048, ge=1)
     step_tokens: int = Field(512, ge=1)
     chunk_tokens: int = Field(128, ge=1)
     max_queued_per_tenant: int = Field(64, ge=1)

@@ -23,6 +23,7 @@ from inferscale.contract import DEFAULT_KV_DTYPE, DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
 from inferscale.engine.sampling import Sampling, sample
+from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS, encode_items
 from inferscale.engine.threads import configure_threads
@@ -218,9 +219,11 @@ class Engine:
         seq.logits = self.forward_logits([token], seq.length, seq.cache)
         seq.length += 1
 
-    def serving_loop(self, config: SchedulerConfig | None = None) -> ServingLoop:
-        """A serving loop over this engine (the server's worker runs one; ``ask`` runs its own)."""
-        return ServingLoop(self, config)
+    def serving_loop(self, config: SchedulerConfig | None = None, *, slots: int = FIRST_SLOTS,
+                     slot_tokens: int = FIRST_CAPACITY) -> ServingLoop:
+        """A serving loop over this engine (the server's worker runs one; ``ask`` runs its own), its slot pool
+        starting at ``slots`` x ``slot_tokens`` (``slots.py``)."""
+        return ServingLoop(self, config, slots=slots, slot_tokens=slot_tokens)
 
     def ask(
         self, question: str | list[int], blocks: list[KVBlock], mode: str = "kv", *, sampling: Sampling | None = None,

@@ -40,7 +40,7 @@ from inferscale.engine.request import DoneEvent, ErrorEvent, Event, GenRequest, 
 from inferscale.engine.sampling import find_stop, held_back, sample
 from inferscale.engine.scheduler import (NEWCOMER_PASS_TOKENS, NEWCOMER_STEP_SHARE, Arrival, ScheduledRequest,
                                          Scheduler, SchedulerConfig)
-from inferscale.engine.slots import SlotCache
+from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS, SlotCache
 from inferscale.engine.spans import request_span
 from inferscale.engine.threads import pin_threads, tuned_choices
 from inferscale.engine.threadtuner import ThreadTuner
@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 class ServingLoop:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, *, slots: int = FIRST_SLOTS,
+                 slot_tokens: int = FIRST_CAPACITY) -> None:
         self.engine = engine
         loaded = engine.loaded
         config = config or SchedulerConfig()
@@ -62,7 +63,11 @@ class ServingLoop:
         if config.max_pass_tokens is None and self.kernel_rows is not None:  # timed passes stay on those kernels
             config = dataclasses.replace(config, max_pass_tokens=min(self.kernel_rows, NEWCOMER_PASS_TOKENS))
         self.scheduler = Scheduler(config)
-        self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device)
+        # the slot pool the loop starts with (a server reserves its expected load: slots.py), never past what the
+        # scheduler runs at once or the model's context
+        self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device,
+                               slots=min(slots, config.max_running),
+                               capacity=min(slot_tokens, loaded.layout.max_positions))
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
         self.steps = 0

@@ -52,7 +52,11 @@ class _SlotLayer(DynamicLayer):
 
 # Tokens a slot holds from the start: a k=20 kv prompt and its answer (4 slots: 75 MB of bf16 K/V for Gemma-3-270M).
 # Growing (a copy of every layer's K/V, first touch of new pages) cost the first request after a start ~160 ms, twice:
-# its prompt, then its first decode step (issue 22).
+# its prompt, then its first decode step (issue 22). A server starts bigger (``inferscale serve``: INFERSCALE_KV_SLOTS
+# x INFERSCALE_KV_SLOT_TOKENS, reserved before it listens, as vLLM sizes its KV cache at start): every growth stalls
+# the step it falls in for every tenant (a first flood of long prompts grew 4 -> 8 slots of 2,048 tokens in 247 and
+# 265 ms on the 2-core VM).
+FIRST_SLOTS = 4
 FIRST_CAPACITY = 1024
 GROWTH_QUANTUM = 256  # tokens: a grown capacity is a multiple of it
 
@@ -60,7 +64,7 @@ GROWTH_QUANTUM = 256  # tokens: a grown capacity is a multiple of it
 class SlotCache:
     """KV storage for up to ``slots`` sequences; grows (slots and capacity) on demand by reallocation."""
 
-    def __init__(self, layout: ModelLayout, dtype: torch.dtype, device: torch.device, *, slots: int = 4,
+    def __init__(self, layout: ModelLayout, dtype: torch.dtype, device: torch.device, *, slots: int = FIRST_SLOTS,
                  capacity: int = FIRST_CAPACITY) -> None:
         self.layout, self.dtype, self.device = layout, dtype, device
         self.num_layers = len(layout.layers)

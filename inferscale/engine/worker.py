@@ -27,6 +27,7 @@ from inferscale.contract import MODES
 from inferscale.engine.engine import Engine
 from inferscale.engine.loop import ErrorEvent, GenRequest
 from inferscale.engine.scheduler import Arrival, SchedulerConfig
+from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS
 from inferscale.errors import EngineUnavailableError, PromptTooLongError
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,10 @@ class EngineWorker:
 
     modes = MODES
 
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None, *, slots: int = FIRST_SLOTS,
+                 slot_tokens: int = FIRST_CAPACITY) -> None:
         self.engine = engine
-        self.loop = engine.serving_loop(config)
+        self.loop = engine.serving_loop(config, slots=slots, slot_tokens=slot_tokens)
         self.max_prompt_chars = engine.loaded.layout.max_positions * CHARS_PER_TOKEN_LIMIT
         self._prompt_side = PromptSide(engine)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-tokenize")

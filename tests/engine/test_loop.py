@@ -212,3 +212,25 @@ def test_the_slot_cache_growing_is_not_learnt_as_what_a_pass_costs(engine, monke
     # learnt, the prompt's pass would have said >= 0.5 s, the decode pass >= 0.08 s a fifth of the way
     assert cost.prompt_token_s * len(question) < 0.1 and cost.pass_s < 0.04 and cost.decode_pass_s < 0.04
     assert cost.overrun < 2.0  # one step of 0.5 s over a few ms would have said 4x (OVERRUN_MAX), learnt at a fifth
+
+
+def test_a_slot_pool_reserved_at_start_serves_its_load_without_growing(engine):
+    """Issue 22: every growth of the slot pool stalls the step it falls in for every tenant (a first flood grew 4 ->
+    8 slots of 2,048 tokens in 247 and 265 ms on the 2-core VM), so a server reserves its expected load at start.
+    Six sequences at once fit a pool of six from the start; the default pool of four grows for them."""
+    grown = {}
+    for slots in (4, 6):
+        loop = ServingLoop(engine, slots=slots, slot_tokens=256)
+        events = [[] for _ in range(6)]
+        for i, ev in enumerate(events):
+            loop.add(req(engine, ev, tokens=4, tenant=f"t{i}"))
+        loop.run_until_done()
+        assert all(isinstance(ev[-1], DoneEvent) for ev in events)
+        grown[slots] = (loop.slots.slots, loop.slots.grown_s)
+    assert grown[6] == (6, 0.0)
+    assert grown[4][0] == 8 and grown[4][1] > 0
+
+
+def test_the_reserved_pool_stays_within_what_the_loop_runs_and_the_model_holds(engine):
+    loop = ServingLoop(engine, SchedulerConfig(max_running=3), slots=16, slot_tokens=10**9)
+    assert (loop.slots.slots, loop.slots.capacity) == (3, engine.loaded.layout.max_positions)
