@@ -289,7 +289,8 @@ def test_env_contract_from_interfaces_md(values):
                        "INFERSCALE_STEP_TOKENS", "INFERSCALE_CHUNK_TOKENS", "INFERSCALE_MAX_QUEUED_PER_TENANT",
                        "INFERSCALE_QUEUE_TIMEOUT_S", "INFERSCALE_TENANT_MAX_MEMORIES", "INFERSCALE_TENANT_MAX_DISK_BYTES",
                        "INFERSCALE_TENANT_DRAM_BYTES", "INFERSCALE_TENANT_ENCODE_TOKENS_PER_MINUTE",
-                       "INFERSCALE_STEP_TIME_S", "INFERSCALE_TORCH_THREADS",
+                       "INFERSCALE_STEP_TIME_S", "INFERSCALE_TORCH_THREADS", "INFERSCALE_KV_SLOTS",
+                       "INFERSCALE_KV_SLOT_TOKENS",
                        "INFERSCALE_KV_HOST_PATH", "INFERSCALE_INGEST_MAX_BYTES"}  # a dev server's Job dirs; 1 GiB
     assert want["operator"] - set(op_env) == set()
     assert want["server"] - optional_server - set(srv_env) == set()
