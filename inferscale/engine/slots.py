@@ -13,6 +13,7 @@ gathered per round.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -21,6 +22,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from inferscale.models.layout import ModelLayout
+
+log = logging.getLogger(__name__)
 
 
 class _SlotLayer(DynamicLayer):
@@ -95,7 +98,17 @@ class SlotCache:
         new_c = max(self.capacity, capacity if capacity <= self.capacity else max(wanted, 2 * self.capacity))
         t0 = time.perf_counter()
         self._grow(new_s, new_c)
-        self.grown_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.grown_s += took
+        # an operator's cue: every stream waited this out (a server reserves more with INFERSCALE_KV_SLOTS and
+        # INFERSCALE_KV_SLOT_TOKENS)
+        log.info("slot pool grew to %d slots x %d tokens (%.0f MB) in %.0f ms", new_s, new_c, self.nbytes / 1e6,
+                 took * 1e3)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds, every layer's K and V."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def _grow(self, slots: int, capacity: int) -> None:
         """Reallocate every layer's K and V at ``slots`` x ``capacity``, keeping what they hold."""

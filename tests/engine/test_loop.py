@@ -234,3 +234,15 @@ def test_a_slot_pool_reserved_at_start_serves_its_load_without_growing(engine):
 def test_the_reserved_pool_stays_within_what_the_loop_runs_and_the_model_holds(engine):
     loop = ServingLoop(engine, SchedulerConfig(max_running=3), slots=16, slot_tokens=10**9)
     assert (loop.slots.slots, loop.slots.capacity) == (3, engine.loaded.layout.max_positions)
+
+
+def test_a_growth_of_the_slot_pool_is_logged_with_its_size_and_time(engine, caplog):
+    """Operators see a growth (a stall of every stream) and what the pool reached, to reserve that at start."""
+    loop = ServingLoop(engine, slots=1, slot_tokens=256)
+    with caplog.at_level("INFO", logger="inferscale.engine.slots"):
+        for i in range(2):
+            loop.add(req(engine, [], tokens=2, tenant=f"t{i}"))
+        loop.run_until_done()
+    grown = [r.getMessage() for r in caplog.records if "slot pool grew" in r.getMessage()]
+    assert grown and grown[0].startswith("slot pool grew to 2 slots x 256 tokens (")
+    assert f"({loop.slots.nbytes / 1e6:.0f} MB)" in grown[-1]
