@@ -9,10 +9,13 @@ other value a caller chooses freely: model (one of the served ids), mode (one of
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
+
+from inferscale.engine.steptally import StepKey, StepTotals, by_label
 
 PROVIDER = "inferscale"  # gen_ai.provider.name: no well-known value fits a self-hosted engine
 # The GenAI semantic conventions' advised bucket boundaries.
@@ -22,10 +25,12 @@ DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 
 
 
 class ServerMetrics:
-    """Every instrument of the server, on one meter. ``load`` returns (running, waiting) at collection time."""
+    """Every instrument of the server, on one meter. ``load`` returns (running, waiting) and ``steps`` the serving
+    loop's steps (``EngineBackend.step_totals``) at collection time."""
 
-    def __init__(self, meter: metrics.Meter, load: Callable[[], tuple[int, int]]) -> None:
-        self.load = load
+    def __init__(self, meter: metrics.Meter, load: Callable[[], tuple[int, int]],
+                 steps: Callable[[], Mapping[StepKey, StepTotals]] = dict) -> None:
+        self.load, self.steps = load, steps
         h = meter.create_histogram
         self.ttft = h("gen_ai.server.time_to_first_token", unit="s", description="Time to generate the first token",
                       explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
@@ -49,12 +54,22 @@ class ServerMetrics:
                                       description="Sequences being decoded")
         meter.create_observable_gauge("inferscale.num_requests_waiting", [self._waiting], unit="{request}",
                                       description="Jobs waiting for the engine worker")
+        meter.create_observable_counter("inferscale.engine.steps", [self._step_counts], unit="{step}",
+                                        description="Serving loop steps by rows decoded and kind")
+        meter.create_observable_counter("inferscale.engine.step_time", [self._step_seconds], unit="s",
+                                        description="Wall time of the serving loop's steps by rows decoded and kind")
 
     def _running(self, _options: CallbackOptions) -> list[Observation]:
         return [Observation(self.load()[0])]
 
     def _waiting(self, _options: CallbackOptions) -> list[Observation]:
         return [Observation(self.load()[1])]
+
+    def _step_counts(self, _options: CallbackOptions) -> list[Observation]:
+        return [Observation(t.steps, _step_attrs(key)) for key, t in by_label(self.steps()).items()]
+
+    def _step_seconds(self, _options: CallbackOptions) -> list[Observation]:
+        return [Observation(t.seconds, _step_attrs(key)) for key, t in by_label(self.steps()).items()]
 
     def rejected(self, limit: str) -> None:
         self.rejected_requests.add(1, {"inferscale.limit": limit})
@@ -64,6 +79,11 @@ class ServerMetrics:
 
     def encoded(self, n: int) -> None:
         self.memories_encoded.add(n)
+
+
+def _step_attrs(key: tuple[str, str]) -> dict[str, str]:
+    rows, kind = key
+    return {"inferscale.step.rows": rows, "inferscale.step.kind": kind}
 
 
 def error_type(e: BaseException) -> str:

@@ -7,9 +7,10 @@ the N streams), the aggregate decode rate over the whole span (from the first st
 one's last: the later prompts' prefills interleave with it) and while all N decode (``steady``), TTFT p50/p95,
 time per output token p50/p95, and the TTFT of one request that arrives while N-1 streams decode against the same
 request's on the idle server (the median of three, after one request that pays the client's first-use costs: a
-new client's first TTFT read 160-240 ms against ~100), and the cores the client process used while the N streams ran
+new client's first TTFT read 160-240 ms against ~100), the cores the client process used while the N streams ran
 (``client``: on a machine the server shares, CPU the engine's threads did not get, as they would with the clients
-elsewhere). TTFT ends at the first chunk with visible content, as aiperf and the SDK's users count it.
+elsewhere), and the engine's own step beside the client's time per token (``engine step``: the mean of the server's
+steps that decoded exactly N rows and nothing else, from the tally /metrics exports; ``engine/steptally.py``). TTFT ends at the first chunk with visible content, as aiperf and the SDK's users count it.
 
 Beside them (issue 22) it measures, in the same process and thread settings, the decode step's floor: the model's
 weight bytes over the read bandwidth of a reduction over its largest weight (the embedding, which is the LM head);
@@ -33,6 +34,7 @@ from inferscale.bench.floor import decode_floor
 from inferscale.bench.loadclients import B_K, KEYS, LATE_REFUSAL_S, concurrent, flood
 from inferscale.bench.repeats import print_spread, spread
 from inferscale.contract import DEFAULT_ENGINE, ENGINES
+from inferscale.engine.steptally import since
 from inferscale.engine.threads import usable_cores
 from inferscale.errors import ConfigError
 
@@ -103,6 +105,19 @@ def _floor(server: LiveServer) -> dict:
     return decode_floor(server.app.state.engine.loaded.model, threads)
 
 
+def _measured(server: LiveServer, mode: str, n: int, k: int, tokens: int, extra: dict) -> dict:
+    """One ``concurrent`` run, with the engine's own n-row decode step over it: the mean of the server's steps that
+    decoded exactly n rows and nothing else (its ``StepTally``, which /metrics exports), against which the client's
+    time per token shows what the client, the event loop and the network add on these cores."""
+    worker = server.app.state.worker
+    before = worker.step_totals
+    row = concurrent(server.url, server.model, mode, n, k, tokens, extra)
+    steps = since(worker.step_totals, before).get((n, "decode"))
+    row["engine_steps"] = steps.steps if steps else 0
+    row["engine_step_ms"] = steps.mean_s * 1e3 if steps else None
+    return row
+
+
 def _load_memories(server: LiveServer, k: int) -> None:
     import httpx
 
@@ -129,6 +144,8 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
         out[f"{mode}_tokens_per_s_{top}_over_1"] = wide["tokens_per_s"] / r["tokens_per_s"]
         out[f"{mode}_decode_tokens_per_s_{top}_over_1"] = wide["decode_tokens_per_s"] / r["decode_tokens_per_s"]
         out[f"{mode}_steady_tokens_per_s_{top}_over_1"] = wide["steady_tokens_per_s"] / r["steady_tokens_per_s"]
+        if r["engine_step_ms"] and wide["engine_step_ms"]:  # the same ratio from the engine's own steps
+            out[f"{mode}_engine_tokens_per_s_{top}_over_1"] = top * r["engine_step_ms"] / wide["engine_step_ms"]
     if flood:
         out["flood_ratio"] = flood["ratio"]
         out["flood_refused_p50_ms"] = flood["a_refused_p50_ms"]
@@ -159,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         _load_memories(server, args.k)
         for _ in range(args.repeats):
             repeats.append({"floor": _floor(server),
-                            "rows": [concurrent(server.url, server.model, mode, n, args.k, args.tokens, extra)
+                            "rows": [_measured(server, mode, n, args.k, args.tokens, extra)
                                      for n in ns for mode in modes]})
     finally:
         server.close()
@@ -210,13 +227,14 @@ def _print(result: dict, rep: dict) -> None:
           f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
           f"{fl['floor_threads']} threads; the engine decodes on {fl['torch_threads']} now)")
     print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'steady':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "
-          f"{'p95':>8} {'arrival TTFT':>13} {'idle TTFT':>10}  (ms) {'client':>7} (cores)")
+          f"{'p95':>8} {'engine step':>12} {'arrival TTFT':>13} {'idle TTFT':>10}  (ms) {'client':>7} (cores)")
     for r in rep["rows"]:
         arrival = f"{r['arrival_ttft_ms']:.1f}" if r["arrival_ttft_ms"] is not None else "-"
+        engine = f"{r['engine_step_ms']:.1f}" if r.get("engine_step_ms") is not None else "-"
         print(f"{r['n']:>3} {r['mode']:<5} {r['tokens_per_s']:>8.1f} {r['decode_tokens_per_s']:>8.1f} "
               f"{r['steady_tokens_per_s']:>8.1f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p95_ms']:>8.1f} "
-              f"{r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {arrival:>13} {r['idle_ttft_ms']:>10.1f}       "
-              f"{r['client_cores']:>7.2f}")
+              f"{r['tpot_p50_ms']:>9.1f} {r['tpot_p95_ms']:>8.1f} {engine:>12} {arrival:>13} {r['idle_ttft_ms']:>10.1f}"
+              f"       {r['client_cores']:>7.2f}")
     f = rep.get("flood")
     if f:
         shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
@@ -245,6 +263,10 @@ def _print_summary(summary: dict) -> None:
             what = "while all decode" if steady else "over the whole span"
             print(f"bar: {mode} aggregate decode tokens/s {what}, {ratio.replace('_over_', ' streams / ')} stream = "
                   f"{v['median']:.2f}x (bar >= 8x)")
+        elif "_engine_tokens_per_s_" in key:  # beside the bar, not the bar: what the engine did inside the server
+            mode, ratio = key.split("_engine_tokens_per_s_")
+            print(f"beside it: {mode} the engine's own decode steps inside the server (its step tally), "
+                  f"{ratio.replace('_over_', ' rows / ')} row = {v['median']:.2f}x")
 
 
 def _plot(result: dict, modes: list[str], path: str) -> None:

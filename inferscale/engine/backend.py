@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 
 from inferscale.engine.engine import Engine
 from inferscale.engine.scheduler import Arrival
+from inferscale.engine.steptally import StepKey, StepTotals
 from inferscale.engine.loop import DoneEvent, ErrorEvent, Event, GenRequest, TokenEvent
 
 T = TypeVar("T")
@@ -44,6 +45,11 @@ class EngineBackend(Protocol):
         """Seconds per prompt token as this backend measures them (what the fetch planner weighs recomputing a
         memory by); None before a measurement, or when the backend cannot compute memory tokens behind injected
         ones (``GenRequest.recompute_ids``): then every retrieved block is fetched."""
+
+    @property
+    def step_totals(self) -> dict[StepKey, StepTotals]:
+        """The serving loop's steps and seconds by (rows decoded, kind) since it started (``steptally.py``); empty
+        where another engine's loop runs them (TensorRT-LLM's executor keeps its own iteration stats)."""
 
     def check_chars(self, texts: list[str]) -> None:
         """Refuse a prompt too long in characters (``PromptTooLongError``) before any tokenizer sees it."""

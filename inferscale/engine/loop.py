@@ -42,6 +42,7 @@ from inferscale.engine.scheduler import (NEWCOMER_PASS_TOKENS, NEWCOMER_STEP_SHA
                                          Scheduler, SchedulerConfig)
 from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS, SlotCache
 from inferscale.engine.spans import request_span
+from inferscale.engine.steptally import StepTally
 from inferscale.engine.threads import pin_threads, tuned_choices
 from inferscale.engine.threadtuner import ThreadTuner
 from inferscale.models.greedyhead import Head
@@ -71,6 +72,7 @@ class ServingLoop:
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
         self.steps = 0
+        self.tally = StepTally()  # each step's wall time by the rows it decoded (/metrics, bench load)
         self.threads = ThreadTuner(tuned_choices(), pin_threads)  # a no-op after an explicit count
         self.interject = Interjector(self.scheduler, self._fits_between_layers, self._interjected,
                                      config.step_time_s * NEWCOMER_STEP_SHARE)
@@ -147,6 +149,7 @@ class ServingLoop:
         self._settle()  # rows wait until no pass is paused; none decodes before the next step
         took = time.perf_counter() - t0 - (self.slots.grown_s - grown_s)  # a growth is no step's cost (slots.py)
         cost.observe_step(took, prompt_tokens, prompt_passes, bool(decode), taking_in or self.scheduler.taking_in())
+        self.tally.add(len(decode), prompt_tokens, time.perf_counter() - t0)  # what the rows waited, growth included
         self.steps += 1
 
     def _refuse(self, shed: list) -> None:

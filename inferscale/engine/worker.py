@@ -28,6 +28,7 @@ from inferscale.engine.engine import Engine
 from inferscale.engine.loop import ErrorEvent, GenRequest
 from inferscale.engine.scheduler import Arrival, SchedulerConfig
 from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS
+from inferscale.engine.steptally import StepKey, StepTotals
 from inferscale.errors import EngineUnavailableError, PromptTooLongError
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,10 @@ class EngineWorker:
     @property
     def prompt_token_s(self) -> float | None:
         return self.loop.scheduler.cost.prompt_token_s  # the loop's own measurement (stepcost.py)
+
+    @property
+    def step_totals(self) -> dict[StepKey, StepTotals]:
+        return self.loop.tally.snapshot()
 
     @property
     def rounds(self) -> int:

@@ -34,6 +34,7 @@ from inferscale.engine.engine import Engine
 from inferscale.engine.scheduler import Arrival
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
 from inferscale.engine.spans import request_span
+from inferscale.engine.steptally import StepKey, StepTotals
 from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, PromptSide
 from inferscale.errors import ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError, TransferError
 from inferscale.trtllm.core import cache_salt
@@ -113,6 +114,10 @@ class TrtllmBackend:
     @property
     def queued(self) -> int:
         return self._calls  # TensorRT-LLM queues its requests itself; what waits here is memory encoding
+
+    @property
+    def step_totals(self) -> dict[StepKey, StepTotals]:
+        return {}  # TensorRT-LLM's executor runs the steps: its iteration stats are its own
 
     # The prompt side is the PyTorch worker's: the same character bound, the same template, its own tokenizer.
     check_chars = EngineWorker.check_chars

@@ -106,6 +106,11 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
         assert (row["arrival_ttft_ms"] is None) == (row["n"] == 1)
         assert 0 < row["client_cores"] <= os.cpu_count()  # the SDK parsing chunks: a share of the cores
+        # the engine's own N-row decode steps inside the server, from its step tally (one stream: every token after
+        # the first is one)
+        assert (row["engine_step_ms"] is None) == (row["engine_steps"] == 0)
+        if row["n"] == 1:
+            assert row["engine_steps"] >= 2 and row["engine_step_ms"] > 0
     assert result["flood"]["b_flood_ttft_ms"] > 0 and result["flood"]["b_idle_ttft_ms"] > 0
     # the refusals that did not come at admission, apart (two requests: none refused), and the host's steal beside
     assert result["flood"]["a_refused_late_ms"] == [] and result["summary"]["flood_refused_late"]["max"] == 0
@@ -121,6 +126,10 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
     assert ("bar: kv aggregate decode tokens/s over the whole span, 2 streams / 1 stream = "
             f"{summary['kv_decode_tokens_per_s_2_over_1']['median']:.2f}x") in printed
     assert "bar: kv aggregate decode tokens/s while all decode, 2 streams / 1 stream = " in printed
+    engine = summary.get("kv_engine_tokens_per_s_2_over_1")
+    if engine is not None:
+        assert (f"beside it: kv the engine's own decode steps inside the server (its step tally), 2 rows / 1 row = "
+                f"{engine['median']:.2f}x") in printed
     assert result["floor"]["floor_threads"] >= 1 and result["floor"]["torch_threads"] >= 1
 
 

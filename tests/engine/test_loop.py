@@ -246,3 +246,22 @@ def test_a_growth_of_the_slot_pool_is_logged_with_its_size_and_time(engine, capl
     grown = [r.getMessage() for r in caplog.records if "slot pool grew" in r.getMessage()]
     assert grown and grown[0].startswith("slot pool grew to 2 slots x 256 tokens (")
     assert f"({loop.slots.nbytes / 1e6:.0f} MB)" in grown[-1]
+
+
+def test_the_step_tally_times_each_step_by_the_rows_it_decoded(engine, monkeypatch):
+    """What /metrics and `bench load` read of the engine's own steps (issue 22): every step that computed something
+    is counted once, under the rows it decoded and whether prompt tokens shared it, with its wall time; three
+    sequences of 5 tokens decode 4 steps each, the steps where all three decode alone counted at 3 rows."""
+    loop = ServingLoop(engine)
+    clock = iter(range(10**6))
+    monkeypatch.setattr("inferscale.engine.loop.time.perf_counter", lambda: next(clock) * 1e-3)  # 1 ms a reading
+    for i in range(3):
+        loop.add(req(engine, [], tokens=5, tenant=f"t{i}"))
+    loop.run_until_done()
+    totals = loop.tally.snapshot()
+    assert sum(t.steps for t in totals.values()) == loop.steps
+    assert {kind for _, kind in totals} <= {"decode", "mixed", "prompt"}
+    decoded = sum(rows * t.steps for (rows, kind), t in totals.items())
+    assert decoded == 3 * 4  # the first token comes from the prompt's pass, the other four from decode steps
+    assert totals[(3, "decode")].steps >= 1
+    assert all(t.seconds > 0 and t.mean_s == t.seconds / t.steps for t in totals.values())

@@ -141,6 +141,27 @@ def test_metrics_parse_and_no_label_is_a_caller_path(live, memories):
     assert reasons <= {"stop", "length"} and reasons
 
 
+def test_the_engines_own_steps_are_counted_and_timed_by_rows(live, memories):
+    """Issue 22: the serving loop's steps on /metrics, by rows decoded (a bounded set of labels) and kind, with their
+    wall time, so an operator reads the engine's mean step beside the clients' time per output token."""
+    def decode_steps(families, name):
+        return sum(s.value for s in families.get(name, []) if s.labels.get("inferscale_step_rows") == "1"
+                   and s.labels.get("inferscale_step_kind") == "decode" and s.name.endswith("_total"))
+
+    before = _scrape(live)
+    resp = _chat(live.client(), max_tokens=5, extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 5
+    after = _scrape(live)
+    steps = [s for s in after["inferscale_engine_steps"] if s.name.endswith("_total")]
+    assert steps and {s.labels["inferscale_step_kind"] for s in steps} <= {"decode", "mixed", "prompt"}
+    assert {s.labels["inferscale_step_rows"] for s in steps} <= {
+        "0", "1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65-128", "129-256", "257+"}
+    # one request alone: its first token from the prompt's pass, the other four from one-row decode steps
+    assert decode_steps(after, "inferscale_engine_steps") - decode_steps(before, "inferscale_engine_steps") >= 4
+    assert (decode_steps(after, "inferscale_engine_step_time_seconds")
+            > decode_steps(before, "inferscale_engine_step_time_seconds"))
+
+
 def test_log_records_carry_trace_ids(live, caplog):
     from inferscale.server.logs import uvicorn_log_config
 
