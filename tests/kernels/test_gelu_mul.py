@@ -38,6 +38,18 @@ def test_the_kernel_gives_aten_numbers_bit_for_bit(kernel, shape):
         assert torch.equal(kernel(zeros, inter), gelu_mul.reference(zeros, inter))
 
 
+def test_every_gate_value_gives_atens_bits(kernel):
+    """The kernel looks aten's gelu up by the gate's 16 bits: every one of the 65,536 patterns (infinities, NaNs,
+    subnormals included), each against several up values, equals aten's gelu(gate) * up bit for bit."""
+    gate = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 2048)
+    gen = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for up in (torch.ones_like(gate), (torch.randn(gate.shape, generator=gen) * 3).to(torch.bfloat16)):
+            gate_up = torch.cat([gate, up], dim=-1)
+            got, want = kernel(gate_up, 2048), gelu_mul.reference(gate_up, 2048)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_rows_it_cannot_take_are_refused_by_name(kernel):
     with pytest.raises(RuntimeError, match="gelu_tanh_mul: gate_up must be bfloat16"):
         kernel(torch.randn(2, 128), 64)
