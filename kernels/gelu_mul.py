@@ -2,8 +2,10 @@
 gate/up product's rows, in one call (``gelu_mul.cpp``), aten's numbers bit for bit.
 
 aten's gelu and the mul after it cost a 16-row decode step of Gemma-3-270M ~1.2 ms (18 layers, two dispatched calls
-each, the gelu reading a strided half of the product); the kernel runs aten's own vectorized gelu and bf16 product
-(its headers, compiled at the CPU capability torch runs here) in one pass.
+each, the gelu reading a strided half of the product); the kernel runs aten's own bf16 product in one pass, with
+aten's gelu looked up by the gate's 16 bits in a table aten's own vectorized gelu fills once (its headers, compiled at
+the CPU capability torch runs here): 18 calls of 16 rows 0.3 ms, of a 64-token chunk 0.9 (Sleef's tanh per value:
+0.7-1.2 and 2.7-2.8).
 
 ``load()`` returns the operator only after checking it equals aten's two calls on this machine (random rows at
 several scales, the layouts the lean layers hand it). None, and the lean layers keep aten's calls, where torch runs
