@@ -10,7 +10,8 @@ request's on the idle server (the median of three, after one request that pays t
 new client's first TTFT read 160-240 ms against ~100), the cores the client process used while the N streams ran
 (``client``: on a machine the server shares, CPU the engine's threads did not get, as they would with the clients
 elsewhere), and the engine's own step beside the client's time per token (``engine step``: the mean of the server's
-steps that decoded exactly N rows and nothing else, from the tally /metrics exports; ``engine/steptally.py``). TTFT ends at the first chunk with visible content, as aiperf and the SDK's users count it.
+steps that decoded exactly N rows and nothing else, from the tally /metrics exports; ``engine/steptally.py``). TTFT
+ends at the first chunk with visible content, as aiperf and the SDK's users count it.
 
 Beside them (issue 22) it measures, in the same process and thread settings, the decode step's floor: the model's
 weight bytes over the read bandwidth of a reduction over its largest weight (the embedding, which is the LM head);
@@ -107,8 +108,8 @@ def _floor(server: LiveServer) -> dict:
 
 def _measured(server: LiveServer, mode: str, n: int, k: int, tokens: int, extra: dict) -> dict:
     """One ``concurrent`` run, with the engine's own n-row decode step over it: the mean of the server's steps that
-    decoded exactly n rows and nothing else (its ``StepTally``, which /metrics exports), against which the client's
-    time per token shows what the client, the event loop and the network add on these cores."""
+    decoded exactly n rows and nothing else (its ``StepTally``, which /metrics exports), beside the client's time per
+    token (on a machine the clients share, their CPU and the event loop's slow the step itself too)."""
     worker = server.app.state.worker
     before = worker.step_totals
     row = concurrent(server.url, server.model, mode, n, k, tokens, extra)

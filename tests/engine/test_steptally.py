@@ -37,7 +37,8 @@ def test_rows_labels_are_a_bounded_set():
 
 def test_labels_sum_their_rows_and_snapshots_subtract():
     before = {(16, "decode"): StepTotals(1, 0.03)}
-    after = {(16, "decode"): StepTotals(3, 0.10), (15, "decode"): StepTotals(2, 0.06), (1, "decode"): StepTotals(5, 0.1)}
+    after = {(16, "decode"): StepTotals(3, 0.10), (15, "decode"): StepTotals(2, 0.06),
+             (1, "decode"): StepTotals(5, 0.1)}
     assert by_label(after) == {("9-16", "decode"): StepTotals(5, pytest.approx(0.16)),
                                ("1", "decode"): StepTotals(5, 0.1)}
     between = since(after, before)
