@@ -147,9 +147,10 @@ class ServingLoop:
             self.threads.after_decode(len(decode), took)
             cost.observe_decode(took)
         self._settle()  # rows wait until no pass is paused; none decodes before the next step
-        took = time.perf_counter() - t0 - (self.slots.grown_s - grown_s)  # a growth is no step's cost (slots.py)
+        waited = time.perf_counter() - t0  # what the rows waited, a growth included: the tally's
+        took = waited - (self.slots.grown_s - grown_s)  # a growth is no step's cost (slots.py)
         cost.observe_step(took, prompt_tokens, prompt_passes, bool(decode), taking_in or self.scheduler.taking_in())
-        self.tally.add(len(decode), prompt_tokens, time.perf_counter() - t0)  # what the rows waited, growth included
+        self.tally.add(len(decode), prompt_tokens, waited)
         self.steps += 1
 
     def _refuse(self, shed: list) -> None:
