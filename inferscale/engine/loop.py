@@ -65,10 +65,10 @@ class ServingLoop:
             config = dataclasses.replace(config, max_pass_tokens=min(self.kernel_rows, NEWCOMER_PASS_TOKENS))
         self.scheduler = Scheduler(config)
         # the slot pool the loop starts with (a server reserves its expected load: slots.py), never past what the
-        # scheduler runs at once or the model's context
-        self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device,
-                               slots=min(slots, config.max_running),
-                               capacity=min(slot_tokens, loaded.layout.max_positions))
+        # scheduler runs at once or the model's context, which a CPU's pool addresses from the start
+        most = config.max_running, loaded.layout.max_positions
+        self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device, slots=min(slots, most[0]),
+                               capacity=min(slot_tokens, most[1]), most=most)
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
         self.steps = 0

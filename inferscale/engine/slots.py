@@ -14,6 +14,9 @@ gathered per round.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import sys
 import time
 from collections.abc import Iterable
 
@@ -58,27 +61,68 @@ class _SlotLayer(DynamicLayer):
 # its prompt, then its first decode step (issue 22). A server starts bigger (``inferscale serve``: INFERSCALE_KV_SLOTS
 # x INFERSCALE_KV_SLOT_TOKENS, reserved before it listens, as vLLM sizes its KV cache at start): every growth stalls
 # the step it falls in for every tenant (a first flood of long prompts grew 4 -> 8 slots of 2,048 tokens in 247 and
-# 265 ms on the 2-core VM).
+# 265 ms on the 2-core VM; a 2,936-token prompt past 16 x 2,048 grew it to 16 x 4,096 in 302-316 ms, a 391 ms gap in
+# another tenant's stream). On a CPU the pool is therefore mapped whole instead (``lazy_zeros``): every slot the loop
+# can run at the model's whole context, the kernel backing a page when it is first written, so nothing is ever
+# reallocated or copied and a request past the reservation pays only the first touch of its own new pages.
 FIRST_SLOTS = 4
 FIRST_CAPACITY = 1024
 GROWTH_QUANTUM = 256  # tokens: a grown capacity is a multiple of it
+# Linux's flag for a mapping not counted against overcommit (Python's mmap module names it only from 3.13): the pool
+# addresses far more than it will hold, and only what it holds is memory.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A CPU tensor of zeros over an anonymous private mapping: the kernel backs (and zeroes) each page when it is
+    first touched, so a tensor of gigabytes costs nothing until written. None where no such mapping is had (not
+    Linux, or strict overcommit refusing it): the caller allocates as usual."""
+    if not MAP_NORESERVE:
+        return None
+    try:
+        region = mmap.mmap(-1, math.prod(shape) * dtype.itemsize,
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+    except (OSError, ValueError):
+        return None
+    return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 class SlotCache:
-    """KV storage for up to ``slots`` sequences; grows (slots and capacity) on demand by reallocation."""
+    """KV storage for ``slots`` sequences of ``capacity`` tokens, backed before the first request. With ``most``
+    (slots, tokens) on a CPU, the tensors address that much from the start (``lazy_zeros``) and never grow; else (a
+    GPU, or no such mapping here) they grow on demand by reallocation."""
 
     def __init__(self, layout: ModelLayout, dtype: torch.dtype, device: torch.device, *, slots: int = FIRST_SLOTS,
-                 capacity: int = FIRST_CAPACITY) -> None:
+                 capacity: int = FIRST_CAPACITY, most: tuple[int, int] | None = None) -> None:
         self.layout, self.dtype, self.device = layout, dtype, device
         self.num_layers = len(layout.layers)
-        shape = (slots, layout.num_kv_heads, capacity, layout.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.reserved = (slots, capacity)
         # Seconds spent growing (``reserve``), which the serving loop leaves out of the passes and steps it times: a
         # growth reallocates every layer's K and V once (152-246 ms to 4-8 slots of 2,048 tokens on the 2-core VM,
         # fresh memory being slow to touch there), and learnt as the cost of the prompt pass it fell in (a 64-token
         # pass of 253 ms against ~60) it doubled the per-token estimate and shed two kept requests 1.6 s in.
         self.grown_s = 0.0
+        mapped = self._mapped(max(most[0], slots), max(most[1], capacity)) if most is not None else None
+        self.lazy = mapped is not None
+        if mapped is not None:
+            self.keys, self.values = mapped
+            for t in (*self.keys, *self.values):  # the reservation's pages backed now, before any request
+                t[:slots, :, :capacity].zero_()
+        else:
+            shape = (slots, layout.num_kv_heads, capacity, layout.head_dim)
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+
+    def _mapped(self, slots: int, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Every layer's K and V at ``slots`` x ``capacity`` over lazily backed mappings; None on a GPU or where
+        one is refused."""
+        if torch.device(self.device).type != "cpu":
+            return None
+        shape = (slots, self.layout.num_kv_heads, capacity, self.layout.head_dim)
+        tensors = [lazy_zeros(shape, self.dtype) for _ in range(2 * self.num_layers)]
+        if any(t is None for t in tensors):
+            return None
+        return tensors[: self.num_layers], tensors[self.num_layers:]
 
     @property
     def slots(self) -> int:
@@ -92,6 +136,9 @@ class SlotCache:
         """Make room for ``slots`` rows of ``capacity`` tokens (at least doubling, so growth is amortized)."""
         if slots <= self.slots and capacity <= self.capacity:
             return
+        if self.lazy:  # the loop runs no more rows than it mapped, nor a sequence past the model's context
+            raise ValueError(f"slot pool: {slots} slots x {capacity} tokens asked of a pool mapped at {self.slots} x "
+                             f"{self.capacity}")
         new_s = max(self.slots, slots if slots <= self.slots else max(slots, 2 * self.slots))
         # whole quanta: a prompt that fills the new capacity would grow it again one decode step later
         wanted = -(-capacity // GROWTH_QUANTUM) * GROWTH_QUANTUM
@@ -107,7 +154,7 @@ class SlotCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pool holds, every layer's K and V."""
+        """Bytes the pool addresses, every layer's K and V (a lazy pool holds only the pages written)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def _grow(self, slots: int, capacity: int) -> None:
