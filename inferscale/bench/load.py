@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from inferscale.bench.floor import decode_floor
-from inferscale.bench.loadclients import B_K, KEYS, LATE_REFUSAL_S, concurrent, flood
+from inferscale.bench.loadclients import B_K, KEYS, LATE_REFUSAL_S, QUESTION, concurrent, flood
 from inferscale.bench.repeats import print_spread, spread
 from inferscale.contract import DEFAULT_ENGINE, ENGINES
 from inferscale.engine.steptally import since
@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON object of more request fields for the load streams, e.g. \'{"min_tokens": 64}\' (how '
                         'aiperf forces a length) or \'{"temperature": 0.7, "top_p": 0.9}\' (sampled answers)')
     p.add_argument("-k", type=int, default=20, help="memories per request")
+    p.add_argument("--users", type=int, default=1,
+                   help="users the N streams ask as, each with k memories and a question of its own (1: one user's "
+                        "concurrent questions, the same question N times)")
     p.add_argument("--flood", action="store_true", help="also run the tenant flood scenario (issue 12)")
     p.add_argument("--flood-requests", type=int, default=32, help="tenant A's long text requests in the flood")
     p.add_argument("--flood-k", type=int, default=40, help="memories in each of tenant A's flood requests")
@@ -106,29 +109,41 @@ def _floor(server: LiveServer) -> dict:
     return decode_floor(server.app.state.engine.loaded.model, threads)
 
 
-def _measured(server: LiveServer, mode: str, n: int, k: int, tokens: int, extra: dict) -> dict:
+def _measured(server: LiveServer, mode: str, n: int, k: int, tokens: int, extra: dict, users: int = 1) -> dict:
     """One ``concurrent`` run, with the engine's own n-row decode step over it: the mean of the server's steps that
     decoded exactly n rows and nothing else (its ``StepTally``, which /metrics exports), beside the client's time per
     token (on a machine the clients share, their CPU and the event loop's slow the step itself too)."""
     worker = server.app.state.worker
     before = worker.step_totals
-    row = concurrent(server.url, server.model, mode, n, k, tokens, extra)
+    row = concurrent(server.url, server.model, mode, n, k, tokens, extra, [stream_asks(i, users) for i in range(n)])
     steps = since(worker.step_totals, before).get((n, "decode"))
     row["engine_steps"] = steps.steps if steps else 0
     row["engine_step_ms"] = steps.mean_s * 1e3 if steps else None
     return row
 
 
-def _load_memories(server: LiveServer, k: int) -> None:
+def stream_asks(i: int, users: int) -> tuple[str, str]:
+    """The user stream ``i`` of ``users`` asks as and its question: "maya" and ``QUESTION`` for the first (every
+    stream, with one user: one user's concurrent questions), else user i mod users, whose memories are a set of
+    their own (``_load_memories``), with one of the synthetic memories' questions."""
+    from inferscale.bench.synthetic import QUESTIONS
+
+    u = i % users
+    return ("maya", QUESTION) if u == 0 else (f"user-{u}", QUESTIONS[(u - 1) % len(QUESTIONS)])
+
+
+def _load_memories(server: LiveServer, k: int, users: int = 1) -> None:
+    """k synthetic memories for "maya" of both tenants, and for tenant A's other ``users`` a set of their own."""
     import httpx
 
     from inferscale.bench.synthetic import put_body, synthetic_memories
 
     engine = server.app.state.engine
-    body = put_body(synthetic_memories(max(k, 1), engine.tokenizer))
-    for tenant, key in KEYS.items():
-        r = httpx.put(f"{server.url}/v1/memories/maya", json=body, headers={"Authorization": f"Bearer {key}"},
-                      timeout=3600)
+    loads = [(tenant, 0) for tenant in KEYS] + [("bench-a", u) for u in range(1, users)]
+    for tenant, u in loads:
+        body = put_body(synthetic_memories(max(k, 1), engine.tokenizer, seed=u))
+        r = httpx.put(f"{server.url}/v1/memories/{stream_asks(u, users)[0]}", json=body,
+                      headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=3600)
         if r.status_code != 200:
             raise ConfigError(f"bench load: loading memories for {tenant} failed: {r.status_code} {r.text[:200]}")
 
@@ -165,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not ns or ns[0] < 1:
         raise ConfigError(f"--n {args.n!r}: expected positive integers")
-    if args.tokens < 2 or args.k < 0 or args.repeats < 1:
-        raise ConfigError("--tokens must be 2 or more, -k 0 or more and --repeats 1 or more")
+    if args.tokens < 2 or args.k < 0 or args.repeats < 1 or args.users < 1:
+        raise ConfigError("--tokens must be 2 or more, -k 0 or more, --users and --repeats 1 or more")
     if not 0 <= args.flood_words <= MAX_FLOOD_WORDS:
         raise ConfigError(f"--flood-words {args.flood_words}: expected 0 to {MAX_FLOOD_WORDS}")
     extra = _extra_body(args.extra_body)
@@ -174,10 +189,10 @@ def run(args: argparse.Namespace) -> int:
     server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine,
                         torch_threads=args.torch_threads)
     try:
-        _load_memories(server, args.k)
+        _load_memories(server, args.k, args.users)
         for _ in range(args.repeats):
             repeats.append({"floor": _floor(server),
-                            "rows": [_measured(server, mode, n, args.k, args.tokens, extra)
+                            "rows": [_measured(server, mode, n, args.k, args.tokens, extra, args.users)
                                      for n in ns for mode in modes]})
     finally:
         server.close()
@@ -195,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
     result = {"model": server.model, "device": args.device or "cpu", "cores": usable_cores(),
               "torch_threads": __import__("torch").get_num_threads(), "platform": platform.platform(),
-              "tokens": args.tokens, "k": args.k, "extra_body": extra, "repeats": repeats, "summary": spread(summaries),
+              "tokens": args.tokens, "k": args.k, "users": args.users, "extra_body": extra, "repeats": repeats, "summary": spread(summaries),
               # the first repeat's rows under the names earlier versions wrote
               "rows": repeats[0]["rows"], "flood": repeats[0].get("flood"), "floor": repeats[0]["floor"]}
     for rep in repeats:
@@ -224,7 +239,9 @@ def _extra_body(text: str | None) -> dict:
 def _print(result: dict, rep: dict) -> None:
     fl = rep["floor"]
     extra = f" with {json.dumps(result['extra_body'])}" if result["extra_body"] else ""
-    print(f"bench load: {result['model']}, {result['tokens']} tokens per request{extra}, k={result['k']}; decode floor "
+    users = f", {result['users']} users" if result.get("users", 1) > 1 else ""
+    print(f"bench load: {result['model']}, {result['tokens']} tokens per request{extra}, k={result['k']}{users}; "
+          f"decode floor "
           f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
           f"{fl['floor_threads']} threads; the engine decodes on {fl['torch_threads']} now)")
     print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'steady':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "

@@ -63,10 +63,12 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, extra: dict | None = None) -> dict:
+def concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, extra: dict | None = None,
+               asks: list[tuple[str, str]] | None = None) -> dict:
     """N concurrent streams (and one arriving while N-1 decode), measured in a client process; ``extra``: more
-    request fields for each (``bench load --extra-body``)."""
-    return _spawned(_concurrent, url, model, mode, n, k, tokens, extra or {})
+    request fields for each (``bench load --extra-body``); ``asks``: each stream's user and question (None: every
+    one "maya" asking ``QUESTION``)."""
+    return _spawned(_concurrent, url, model, mode, n, k, tokens, extra or {}, asks or [("maya", QUESTION)] * n)
 
 
 def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: Callable[[], int],
@@ -155,7 +157,8 @@ async def _stream(client, model: str, mode: str, k: int, tokens: int, question: 
     return Stream(ttft, tpot, used, tuple(times))
 
 
-async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, extra: dict) -> dict:
+async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, extra: dict,
+                      asks: list[tuple[str, str]]) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
@@ -163,7 +166,8 @@ async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: i
     idle = statistics.median([(await _stream(client, model, mode, k, tokens, extra=extra)).ttft_s
                               for _ in range(PROBES)])
     t0, cpu0 = time.perf_counter(), time.process_time()
-    results = await asyncio.gather(*(_stream(client, model, mode, k, tokens, extra=extra) for _ in range(n)))
+    results = await asyncio.gather(*(_stream(client, model, mode, k, tokens, question, user, extra=extra)
+                                     for user, question in asks))
     wall = time.perf_counter() - t0
     # The cores this client process used meanwhile (the SDK parsing every chunk): on a machine the server shares,
     # taken from the server's engine threads, which a client elsewhere would not take.

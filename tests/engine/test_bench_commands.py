@@ -99,8 +99,9 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
     """The load benchmark's smallest run: real server, official client, kv and text side by side, the flood."""
     out = tmp_path / "load.json"
     assert main(["bench", "load", "--model", str(model_dir), "--n", "1,2", "--tokens", "3", "-k", "2", "--flood",
-                 "--flood-requests", "2", "--json", str(out)]) == 0
+                 "--flood-requests", "2", "--users", "2", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["users"] == 2
     assert [(r["n"], r["mode"]) for r in result["rows"]] == [(1, "kv"), (1, "text"), (2, "kv"), (2, "text")]
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
@@ -131,6 +132,18 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
         assert (f"beside it: kv the engine's own decode steps inside the server (its step tally), 2 rows / 1 row = "
                 f"{engine['median']:.2f}x") in printed
     assert result["floor"]["floor_threads"] >= 1 and result["floor"]["torch_threads"] >= 1
+
+
+def test_bench_load_streams_ask_as_their_users():
+    """``bench load --users U``: stream i asks as user i mod U, each user its own question (the memories, loaded per
+    user, are a set of their own); one user is one user's concurrent questions, the same question N times."""
+    from inferscale.bench.load import stream_asks
+    from inferscale.bench.loadclients import QUESTION
+
+    assert {stream_asks(i, 1) for i in range(16)} == {("maya", QUESTION)}
+    asks = [stream_asks(i, 3) for i in range(6)]
+    assert [user for user, _ in asks] == ["maya", "user-1", "user-2"] * 2
+    assert len({question for _, question in asks}) == 3
 
 
 def test_bench_step_json(model_dir, tmp_path, capsys):
