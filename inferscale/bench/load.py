@@ -210,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
     result = {"model": server.model, "device": args.device or "cpu", "cores": usable_cores(),
               "torch_threads": __import__("torch").get_num_threads(), "platform": platform.platform(),
-              "tokens": args.tokens, "k": args.k, "users": args.users, "extra_body": extra, "repeats": repeats, "summary": spread(summaries),
+              "tokens": args.tokens, "k": args.k, "users": args.users, "extra_body": extra, "repeats": repeats,
+              "summary": spread(summaries),
               # the first repeat's rows under the names earlier versions wrote
               "rows": repeats[0]["rows"], "flood": repeats[0].get("flood"), "floor": repeats[0]["floor"]}
     for rep in repeats:
@@ -241,9 +242,9 @@ def _print(result: dict, rep: dict) -> None:
     extra = f" with {json.dumps(result['extra_body'])}" if result["extra_body"] else ""
     users = f", {result['users']} users" if result.get("users", 1) > 1 else ""
     print(f"bench load: {result['model']}, {result['tokens']} tokens per request{extra}, k={result['k']}{users}; "
-          f"decode floor "
-          f"{fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at {fl['read_gb_per_s']:.1f} GB/s, "
-          f"{fl['floor_threads']} threads; the engine decodes on {fl['torch_threads']} now)")
+          f"decode floor {fl['floor_ms']:.1f} ms ({fl['weight_bytes'] / 1e9:.3f} GB of weights at "
+          f"{fl['read_gb_per_s']:.1f} GB/s, {fl['floor_threads']} threads; the engine decodes on "
+          f"{fl['torch_threads']} now)")
     print(f"{'N':>3} {'mode':<5} {'tok/s':>8} {'decode':>8} {'steady':>8} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} "
           f"{'p95':>8} {'engine step':>12} {'arrival TTFT':>13} {'idle TTFT':>10}  (ms) {'client':>7} (cores)")
     for r in rep["rows"]:
