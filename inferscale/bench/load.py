@@ -115,7 +115,7 @@ def _measured(server: LiveServer, mode: str, n: int, k: int, tokens: int, extra:
     token (on a machine the clients share, their CPU and the event loop's slow the step itself too)."""
     worker = server.app.state.worker
     before = worker.step_totals
-    row = concurrent(server.url, server.model, mode, n, k, tokens, extra, [stream_asks(i, users) for i in range(n)])
+    row = concurrent(server.url, server.model, mode, [stream_asks(i, users) for i in range(n)], k, tokens, extra)
     steps = since(worker.step_totals, before).get((n, "decode"))
     row["engine_steps"] = steps.steps if steps else 0
     row["engine_step_ms"] = steps.mean_s * 1e3 if steps else None

@@ -63,12 +63,11 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, extra: dict | None = None,
-               asks: list[tuple[str, str]] | None = None) -> dict:
-    """N concurrent streams (and one arriving while N-1 decode), measured in a client process; ``extra``: more
-    request fields for each (``bench load --extra-body``); ``asks``: each stream's user and question (None: every
-    one "maya" asking ``QUESTION``)."""
-    return _spawned(_concurrent, url, model, mode, n, k, tokens, extra or {}, asks or [("maya", QUESTION)] * n)
+def concurrent(url: str, model: str, mode: str, asks: list[tuple[str, str]], k: int, tokens: int,
+               extra: dict | None = None) -> dict:
+    """One concurrent stream for each of ``asks`` (its user and question), and one more arriving while all but one
+    decode, measured in a client process; ``extra``: more request fields for each (``bench load --extra-body``)."""
+    return _spawned(_concurrent, url, model, mode, asks, k, tokens, extra or {})
 
 
 def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: Callable[[], int],
@@ -157,10 +156,11 @@ async def _stream(client, model: str, mode: str, k: int, tokens: int, question: 
     return Stream(ttft, tpot, used, tuple(times))
 
 
-async def _concurrent(url: str, model: str, mode: str, n: int, k: int, tokens: int, extra: dict,
-                      asks: list[tuple[str, str]]) -> dict:
+async def _concurrent(url: str, model: str, mode: str, asks: list[tuple[str, str]], k: int, tokens: int,
+                      extra: dict) -> dict:
     from openai import AsyncOpenAI
 
+    n = len(asks)
     client = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
     await _stream(client, model, mode, k, 1)  # the client's first request pays its connection and first-use costs
     idle = statistics.median([(await _stream(client, model, mode, k, tokens, extra=extra)).ttft_s

@@ -84,4 +84,4 @@ def by_label(totals: Mapping[StepKey, StepTotals]) -> dict[tuple[str, StepKind],
 
 def since(after: Mapping[StepKey, StepTotals], before: Mapping[StepKey, StepTotals]) -> dict[StepKey, StepTotals]:
     """The steps between two snapshots."""
-    return {k: t - before.get(k, StepTotals()) for k, t in after.items() if t.steps > before.get(k, StepTotals()).steps}
+    return {k: d for k, t in after.items() if (d := t - before.get(k, StepTotals())).steps > 0}
