@@ -54,6 +54,7 @@ ENV = {
     "max_active": "INFERSCALE_MAX_ACTIVE",
     "kv_slots": "INFERSCALE_KV_SLOTS",
     "kv_slot_tokens": "INFERSCALE_KV_SLOT_TOKENS",
+    "kv_cache_bytes": "INFERSCALE_KV_CACHE_BYTES",
     "step_tokens": "INFERSCALE_STEP_TOKENS",
     "chunk_tokens": "INFERSCALE_CHUNK_TOKENS",
     "max_queued_per_tenant": "INFERSCALE_MAX_QUEUED_PER_TENANT",
@@ -137,6 +138,10 @@ class Settings(BaseModel):
     # (inferscale/engine/slots.py).
     kv_slots: int = Field(16, ge=1)
     kv_slot_tokens: int = Field(2048, ge=1)
+    # The K/V the running requests may hold together (their slots'), each counted at its prompt + max_tokens from
+    # admission (inferscale/engine/kvbudget.py): a request waits for room; one needing more than all of it is
+    # refused (400). It holds the reservation above. 4 GiB: 233,016 tokens of Gemma-3-270M in bf16.
+    kv_cache_bytes: int = Field(4 << 30, ge=1)
     step_tokens: int = Field(512, ge=1)
     chunk_tokens: int = Field(128, ge=1)
     max_queued_per_tenant: int = Field(64, ge=1)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from inferscale.engine.engine import Engine
-from inferscale.engine.scheduler import Arrival
+from inferscale.engine.takein import Arrival
 from inferscale.engine.steptally import StepKey, StepTotals
 from inferscale.engine.loop import DoneEvent, ErrorEvent, Event, GenRequest, TokenEvent
 

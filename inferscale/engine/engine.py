@@ -23,7 +23,7 @@ from inferscale.contract import DEFAULT_KV_DTYPE, DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
 from inferscale.engine.sampling import Sampling, sample
-from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS
+from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS, token_bytes
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS, encode_items
 from inferscale.engine.threads import configure_threads
@@ -218,6 +218,11 @@ class Engine:
         seq.generated.append(token)
         seq.logits = self.forward_logits([token], seq.length, seq.cache)
         seq.length += 1
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """What one token's K/V takes in a serving loop's slot pool (a server's K/V budget, in tokens)."""
+        return token_bytes(self.loaded.layout, self.prefix_kv.dtype)
 
     def serving_loop(self, config: SchedulerConfig | None = None, *, slots: int = FIRST_SLOTS,
                      slot_tokens: int = FIRST_CAPACITY) -> ServingLoop:

@@ -46,7 +46,7 @@ from inferscale.engine.steptally import StepTally
 from inferscale.engine.threads import pin_threads, tuned_choices
 from inferscale.engine.threadtuner import ThreadTuner
 from inferscale.models.greedyhead import Head
-from inferscale.errors import InvalidInputError, EngineBusyError, PromptTooLongError
+from inferscale.errors import ConfigError, InvalidInputError, EngineBusyError, PromptTooLongError
 
 if TYPE_CHECKING:
     from inferscale.engine.loopengine import LoopEngine as Engine  # what the loop reads of an Engine
@@ -69,6 +69,10 @@ class ServingLoop:
         most = config.max_running, loaded.layout.max_positions
         self.slots = SlotCache(loaded.layout, engine.prefix_kv.dtype, loaded.device, slots=min(slots, most[0]),
                                capacity=min(slot_tokens, most[1]), most=most)
+        reserved = self.slots.reserved[0] * self.slots.reserved[1]
+        if config.kv_tokens is not None and reserved > config.kv_tokens:  # backed from the start: part of it
+            raise ConfigError(f"the slot pool's reservation ({reserved} tokens) is more than the K/V budget of "
+                              f"the running requests ({config.kv_tokens} tokens)")
         self.rows: list[GenRequest] = []  # by slot: [0, decoding) decode, then prefilling
         self.decoding = 0
         self.steps = 0
@@ -100,7 +104,8 @@ class ServingLoop:
             raise PromptTooLongError(f"prompt of {total} tokens + {req.sampling.max_new_tokens} to generate exceeds "
                                      f"the model's context of {limit}")
         computed = p if req.mode == "text" else p + memory
-        req.sched = ScheduledRequest(tenant=req.tenant, prompt_tokens=total, computed_tokens=computed, payload=req)
+        req.sched = ScheduledRequest(tenant=req.tenant, prompt_tokens=total, computed_tokens=computed,
+                                     new_tokens=req.sampling.max_new_tokens, payload=req)
         self.scheduler.add(req.sched)
 
     def expect(self, tenant: str, prompt_tokens: int = 0) -> Arrival:
@@ -181,6 +186,7 @@ class ServingLoop:
         req.answer_text = AnswerText(eng.tokenizer)
         req.slot = len(self.rows)
         self.rows.append(req)
+        self._trim()
         if req.sampling.seed is not None:  # on the logits' device: a CPU generator cannot draw on CUDA tensors
             req.generator = torch.Generator(device=eng.device).manual_seed(req.sampling.seed)
         if req.mode == "kv-recompute" and req.blocks:
@@ -466,6 +472,7 @@ class ServingLoop:
         self.rows.pop()
         req.slot = -1
         req.blocks = []  # leased DRAM views: drop them now
+        self._trim()
 
     def _swap(self, req: GenRequest, dst: int) -> None:
         if req.slot == dst:
@@ -474,4 +481,13 @@ class ServingLoop:
         self.slots.swap(req.slot, dst, req.length, other.length)
         self.rows[req.slot], self.rows[dst] = other, req
         other.slot, req.slot = req.slot, dst
+        self._trim()
+
+    def _trim(self) -> None:
+        """Pages the slots hold past their sequences go back once they would take the pool past the K/V budget
+        (``SlotCache.trim``): called wherever such pages appear (a sequence ends or moves) or the room shrinks (an
+        admission)."""
+        room = self.scheduler.kv.room()  # what the budget leaves beside what the running requests may hold
+        if room is not None:
+            self.slots.trim([r.length for r in self.rows], room)
 

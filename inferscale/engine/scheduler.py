@@ -19,6 +19,7 @@ question fits one pass need not wait for the pass in progress either: ``take_new
 between two of that pass's layers (interject.py). A tenant's first
 burst is predicted at the request's own prompt size and, before a step was measured, at a cost prior; a queued
 request that the costs measured since would still make outwait the timeout is refused at the next step (``shed``).
+Room: a slot, and the K/V budget for the request's prompt + the most it may generate (kvbudget.py), or it waits.
 Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish``/``take_newcomer`` from
 the engine thread.
 """
@@ -34,8 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferscale.engine.kvbudget import KVBudget
 from inferscale.engine.stepcost import StepCost, ewma
-from inferscale.engine.takein import TakeIn
+from inferscale.engine.takein import Arrival, TakeIn
 from inferscale.errors import ConfigError, EngineBusyError
 
 
@@ -46,6 +48,7 @@ class ScheduledRequest:
     tenant: str
     prompt_tokens: int  # all tokens before the first generated one (prefix + memories + question)
     computed_tokens: int = 0  # already in the cache (the injected prefix and blocks count from the start)
+    new_tokens: int = 0  # the most it may generate: with its prompt, the K/V it holds while it runs (kvbudget.py)
     payload: Any = None  # the engine's own request object; the scheduler never looks inside
     arrived: float = field(default_factory=time.monotonic)
     id: int = field(default_factory=itertools.count().__next__)
@@ -90,19 +93,6 @@ NEWCOMER_STEP_SHARE = 0.35
 NEWCOMER_PASS_TOKENS = 64
 
 
-class Arrival:
-    """A request announced to the scheduler before it is added (``Scheduler.expect``); ``close`` is idempotent."""
-
-    def __init__(self, scheduler: Scheduler | None, tenant: str, prompt_tokens: int = 0) -> None:
-        self._scheduler, self._tenant = scheduler, tenant  # None: a backend whose own scheduler queues (no-op)
-        self.prompt_tokens = prompt_tokens
-
-    def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.arrived(self._tenant, self.prompt_tokens)
-            self._scheduler = None
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64  # slots: sequences in prefill or decode at once
@@ -121,6 +111,9 @@ class SchedulerConfig:
     # missed: in a flood, passes of 66-74 tokens took 118-140 ms against the 87 ms meant, and the other tenant
     # waited them out.
     max_pass_tokens: int | None = None
+    # The K/V tokens the running requests may hold together, each at its prompt + the most it may generate
+    # (kvbudget.py); None: only ``max_running`` x the model's context bounds them.
+    kv_tokens: int | None = None
 
     @property
     def min_chunk_tokens(self) -> int:
@@ -129,8 +122,8 @@ class SchedulerConfig:
         return max(self.chunk_tokens // 4, 1)
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "step_tokens", "chunk_tokens", "max_queued_per_tenant"):
-            if getattr(self, name) < 1:
+        for name in ("max_running", "step_tokens", "chunk_tokens", "max_queued_per_tenant", "kv_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"scheduler {name}={getattr(self, name)}: expected 1 or more")
         for name in ("queue_timeout_s", "step_time_s"):
             if getattr(self, name) <= 0:
@@ -152,12 +145,14 @@ class Scheduler:
         self._arriving: dict[str, list[int]] = {}
         self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
         self._take_in = TakeIn(clock)
+        self.kv = KVBudget(self.config.kv_tokens)  # what the running requests hold; admission waits for room
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
         """Queue ``req``; EngineBusyError when its tenant's queue is full or its predicted wait for a slot exceeds
-        the queue timeout."""
+        the queue timeout; PromptTooLongError when it alone needs more K/V than the budget holds."""
         with self._lock:
+            self.kv.check(req)
             queue = self._waiting.get(req.tenant, ())
             if len(queue) >= self.config.max_queued_per_tenant:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {len(queue)} requests queued (limit "
@@ -249,14 +244,14 @@ class Scheduler:
                         break
                     req = next((r for r in self._prefilling.get(tenant, ()) if r.id not in chunked), None)
                     queue = self._waiting.get(tenant)
-                    if req is None and (not queue or self.num_running >= self.config.max_running
-                                        or tenant in unfinished):
-                        continue  # (a tenant's started prompt goes on before another starts)
+                    if req is None and (not queue or tenant in unfinished or not self._room_for(queue[0])):
+                        continue  # (a tenant's started prompt goes on before another starts; FIFO: its next waits)
                     if budget < min((req or queue[0]).remaining_prompt, self.config.min_chunk_tokens):
                         continue  # a sliver of a prompt would be a forward pass of its own for a few tokens
                     if req is None:
                         req = queue.popleft()
                         self._prefilling.setdefault(tenant, []).append(req)
+                        self.kv.take(req)
                         admitted.append(req)
                     chunked.add(req.id)
                     n = min(req.remaining_prompt, chunk_tokens, budget)
@@ -304,21 +299,21 @@ class Scheduler:
             self._decoding.clear()
             self._prefilling.clear()
             self._waiting.clear()
+            self.kv.clear()
             return held
 
     def take_newcomer(self, busy: set[str], fits: Callable[[ScheduledRequest], bool]) -> ScheduledRequest | None:
         """The next queued request of a tenant not in ``busy`` and with no prompt started, if ``fits`` takes it,
         admitted now as its tenant's turn (interject.py runs its prompt between two layers of a pass computing for
-        ``busy``); None when there is none or every slot is taken."""
+        ``busy``); None when there is none or no room (a slot, K/V) for it."""
         with self._lock:
-            if self.num_running >= self.config.max_running:
-                return None
             for tenant, queue in self._waiting.items():
                 if (tenant in busy or tenant in self._prefilling or not queue or queue[0].cancelled
-                        or not fits(queue[0])):
+                        or not self._room_for(queue[0]) or not fits(queue[0])):
                     continue
                 req = queue.popleft()
                 self._prefilling[tenant] = [req]
+                self.kv.take(req)
                 self._served_at[tenant] = self._steps
                 return req
             return None
@@ -337,6 +332,10 @@ class Scheduler:
                 q and t not in tenants for t, q in self._waiting.items())
 
     # ---- internals (lock held) ------------------------------------------------------------------------------
+    def _room_for(self, req: ScheduledRequest) -> bool:
+        """A slot is free and the K/V budget holds ``req`` beside the running requests."""
+        return self.num_running < self.config.max_running and self.kv.fits(req)
+
     def _prompt_budget(self, decoding: int, newcomer: bool = False, lone: bool = False) -> int:
         """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at
         least, so a full decode batch cannot starve prompts), cut to what fits in ``step_time_s`` (a share of it
@@ -473,6 +472,7 @@ class Scheduler:
         return shed
 
     def _remove(self, req: ScheduledRequest) -> None:
+        self.kv.give(req)
         if req in self._decoding:
             self._decoding.remove(req)
         started = self._prefilling.get(req.tenant, [])

@@ -13,6 +13,7 @@ the time. No lock of its own: the scheduler calls it under its lock.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 TAKE_IN_S = 1.5
 
@@ -31,3 +32,20 @@ class TakeIn:
         spent, self._at = now - self._at, now
         self._left = min(max(self._left - spent if arriving else self._left + spent, 0.0), TAKE_IN_S)
         return arriving and self._left > 0
+
+
+class Announced(Protocol):
+    def arrived(self, tenant: str, prompt_tokens: int = 0) -> None: ...
+
+
+class Arrival:
+    """A request announced to the scheduler before it is added (``Scheduler.expect``); ``close`` is idempotent."""
+
+    def __init__(self, scheduler: Announced | None, tenant: str, prompt_tokens: int = 0) -> None:
+        self._scheduler, self._tenant = scheduler, tenant  # None: a backend whose own scheduler queues (no-op)
+        self.prompt_tokens = prompt_tokens
+
+    def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.arrived(self._tenant, self.prompt_tokens)
+            self._scheduler = None

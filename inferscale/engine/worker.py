@@ -26,7 +26,8 @@ from typing import TypeVar
 from inferscale.contract import MODES
 from inferscale.engine.engine import Engine
 from inferscale.engine.loop import ErrorEvent, GenRequest
-from inferscale.engine.scheduler import Arrival, SchedulerConfig
+from inferscale.engine.scheduler import SchedulerConfig
+from inferscale.engine.takein import Arrival
 from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS
 from inferscale.engine.steptally import StepKey, StepTotals
 from inferscale.errors import EngineUnavailableError, PromptTooLongError

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from inferscale.engine.engine import Engine
-from inferscale.engine.scheduler import Arrival
+from inferscale.engine.takein import Arrival
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
 from inferscale.engine.spans import request_span
 from inferscale.engine.steptally import StepKey, StepTotals
@@ -61,6 +61,9 @@ class TrtllmOptions:
     tokens_per_block: int = 32
     free_gpu_memory_fraction: float = 0.8
     max_in_flight_per_tenant: int = 64  # beyond it a tenant's request is refused (EngineBusyError), not queued
+    # the most tokens its KV cache holds (KvCacheConfig.max_tokens; INFERSCALE_KV_CACHE_BYTES): with
+    # free_gpu_memory_fraction, TensorRT-LLM sizes the pool at whichever is less; its scheduler admits by free blocks
+    max_kv_tokens: int | None = None
 
 
 class TrtllmBackend:
@@ -92,7 +95,7 @@ class TrtllmBackend:
         self._calls = 0
         self.llm = LLM(model=options.model, kv_cache_config=KvCacheConfig(
             enable_block_reuse=True, tokens_per_block=options.tokens_per_block,
-            free_gpu_memory_fraction=options.free_gpu_memory_fraction),
+            free_gpu_memory_fraction=options.free_gpu_memory_fraction, max_tokens=options.max_kv_tokens),
             kv_connector_config=KvCacheConnectorConfig(**CONNECTOR))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="inferscale-trtllm", daemon=True)

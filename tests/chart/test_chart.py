@@ -290,7 +290,7 @@ def test_env_contract_from_interfaces_md(values):
                        "INFERSCALE_QUEUE_TIMEOUT_S", "INFERSCALE_TENANT_MAX_MEMORIES", "INFERSCALE_TENANT_MAX_DISK_BYTES",
                        "INFERSCALE_TENANT_DRAM_BYTES", "INFERSCALE_TENANT_ENCODE_TOKENS_PER_MINUTE",
                        "INFERSCALE_STEP_TIME_S", "INFERSCALE_TORCH_THREADS", "INFERSCALE_KV_SLOTS",
-                       "INFERSCALE_KV_SLOT_TOKENS",
+                       "INFERSCALE_KV_SLOT_TOKENS", "INFERSCALE_KV_CACHE_BYTES",
                        "INFERSCALE_KV_HOST_PATH", "INFERSCALE_INGEST_MAX_BYTES"}  # a dev server's Job dirs; 1 GiB
     assert want["operator"] - set(op_env) == set()
     assert want["server"] - optional_server - set(srv_env) == set()
@@ -310,10 +310,12 @@ def test_env_contract_from_interfaces_md(values):
 
 
 def test_budgets_render_as_plain_integers():
-    m = docs("values.yaml", sets=("server.dramBudgetBytes=17179869184", "server.gpuBudgetBytes=1073741824"))
+    m = docs("values.yaml", sets=("server.dramBudgetBytes=17179869184", "server.gpuBudgetBytes=1073741824",
+                                  "server.kvCacheBytes=8589934592"))
     env = effective_env(m, workload(m, "server"))
     assert env["INFERSCALE_DRAM_BUDGET_BYTES"] == "17179869184"
     assert env["INFERSCALE_GPU_BUDGET_BYTES"] == "1073741824"
+    assert env["INFERSCALE_KV_CACHE_BYTES"] == "8589934592"
 
 
 @pytest.mark.parametrize("values", ["values.yaml", "values-gpu.yaml"])

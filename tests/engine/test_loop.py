@@ -12,7 +12,7 @@ import tiny_models as tm
 from inferscale.engine import Sampling
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
 from inferscale.engine.scheduler import SchedulerConfig
-from inferscale.errors import EngineBusyError, InvalidInputError, PromptTooLongError
+from inferscale.errors import ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +258,55 @@ def test_the_reserved_pool_stays_within_what_the_loop_runs_and_the_model_holds(e
     loop = ServingLoop(engine, SchedulerConfig(max_running=3), slots=16, slot_tokens=10**9)
     assert loop.slots.reserved == (3, engine.loaded.layout.max_positions)
     assert (loop.slots.slots, loop.slots.capacity) == (3, engine.loaded.layout.max_positions)
+
+
+def test_requests_run_within_the_kv_budget_one_after_another_when_two_do_not_fit(engine):
+    """Each request holds its prompt + max_new_tokens of K/V while it runs: with room for one such at a time, three
+    tenants' requests run one after another, each to its end, the same tokens as when they share the steps; one
+    needing more than the whole budget is refused at add; a reservation past the budget is a config error."""
+    one = len(engine.prefix_ids) + len(engine.question_ids("where did caroline go?")) + 6
+    loop = ServingLoop(engine, SchedulerConfig(kv_tokens=2 * one - 1), slots=1, slot_tokens=one)
+    free = ServingLoop(engine)
+    events, shared = [[] for _ in range(3)], [[] for _ in range(3)]
+    for i in range(3):
+        loop.add(req(engine, events[i], tenant=f"t{i}"))
+        free.add(req(engine, shared[i], tenant=f"t{i}"))
+    most = 0
+    while loop.has_work():
+        loop.step()
+        most = max(most, len(loop.rows))
+        assert loop.scheduler.kv.held <= 2 * one - 1
+    free.run_until_done()
+    assert most == 1
+    texts = lambda evs: ["".join(e.text for e in ev if isinstance(e, TokenEvent)) for ev in evs]  # noqa: E731
+    assert all(isinstance(ev[-1], DoneEvent) for ev in events) and texts(events) == texts(shared)
+    with pytest.raises(PromptTooLongError, match="more than this server holds"):
+        loop.add(req(engine, [], tokens=2 * one))
+    with pytest.raises(ConfigError, match="reservation"):
+        ServingLoop(engine, SchedulerConfig(kv_tokens=100), slots=2, slot_tokens=51)
+
+
+def test_a_cpu_slot_pool_holds_past_its_reservation_what_the_kv_budget_allows(engine):
+    """Twelve requests of four tenants, long and short, through four slots of which one is reserved: the running
+    requests never hold more than the budget, and once they are done the pool holds no more past its reservation
+    than the budget (it gave back what finished sequences left), where a loop without one keeps every slot's
+    deepest tokens."""
+    def run(budget):
+        loop = ServingLoop(engine, SchedulerConfig(max_running=4, kv_tokens=budget), slots=1, slot_tokens=8)
+        for i in range(12):
+            long = i % 3 == 0
+            loop.add(req(engine, [], tokens=20 if long else 4, tenant=f"t{i % 4}",
+                         ids=engine.question_ids(" ".join(["where did caroline go?"] * (6 if long else 1)))))
+        while loop.has_work():
+            loop.step()
+            assert budget is None or loop.scheduler.kv.held <= budget
+        return loop.slots.backed
+
+    prefix = len(engine.prefix_ids)
+    long = prefix + len(engine.question_ids(" ".join(["where did caroline go?"] * 6))) + 20
+    short = prefix + len(engine.question_ids("where did caroline go?")) + 4
+    budget = long + 2 * short
+    assert 0 < run(budget) <= budget < run(None)
 
 
 def test_the_step_tally_times_each_step_by_the_rows_it_decoded(engine, monkeypatch):

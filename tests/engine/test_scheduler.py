@@ -9,7 +9,7 @@ import pytest
 from inferscale.engine.scheduler import (NEWCOMER_STEP_SHARE, SHED_AT, SHED_AT_UNMEASURED, ScheduledRequest, Scheduler,
                                          SchedulerConfig)
 from inferscale.engine.stepcost import StepCost
-from inferscale.errors import ConfigError, EngineBusyError
+from inferscale.errors import ConfigError, EngineBusyError, PromptTooLongError
 
 
 class Clock:
@@ -173,6 +173,40 @@ def test_max_running_limits_admission_and_finish_frees_a_slot():
     assert s.schedule().admitted == [reqs[2]]
 
 
+def test_admission_waits_for_room_in_the_kv_budget_and_an_end_gives_it_back():
+    """A request holds its prompt + the most it may generate from admission to its end; the next one waits in its
+    queue until that fits beside what runs (another tenant's smaller one goes on meanwhile), and one that could never
+    fit is refused when added."""
+    s = Scheduler(SchedulerConfig(kv_tokens=100))
+    a1, a2 = ScheduledRequest("a", 50, new_tokens=20), ScheduledRequest("a", 30, new_tokens=20)
+    b1 = ScheduledRequest("b", 10, new_tokens=10)
+    for r in (a1, a2, b1):
+        s.add(r)
+    out = s.schedule()
+    assert sorted(out.admitted, key=lambda r: r.id) == [a1, b1] and s.kv.held == 90  # a2 would make 140
+    run_prefill(s, out)
+    assert s.schedule().admitted == [] and s.num_waiting == 1
+    s.finish(a1)
+    assert s.schedule().admitted == [a2] and s.kv.held == 70
+    s.cancel(b1)
+    s.schedule()
+    assert s.kv.held == 50  # a cancelled request gives its room back too
+    with pytest.raises(PromptTooLongError, match="101 tokens"):
+        s.add(ScheduledRequest("c", 90, new_tokens=11))
+    assert s.num_waiting == 0
+
+
+def test_take_newcomer_leaves_a_request_the_kv_budget_does_not_hold():
+    s = Scheduler(SchedulerConfig(kv_tokens=64))
+    a, b = ScheduledRequest("a", 40, new_tokens=8), ScheduledRequest("b", 20, new_tokens=8)
+    s.add(a)
+    assert s.schedule().admitted == [a]
+    s.add(b)  # 28 tokens do not fit beside a's 48
+    assert s.take_newcomer({"a"}, lambda r: True) is None
+    s.finish(a)
+    assert s.take_newcomer({"a"}, lambda r: True) is b and s.kv.held == 28
+
+
 def test_cancelled_requests_leave_every_list():
     s = Scheduler()
     r, q = ScheduledRequest("a", 5), ScheduledRequest("b", 5)
@@ -190,6 +224,8 @@ def test_bad_config_is_a_config_error():
         SchedulerConfig(step_tokens=0)
     with pytest.raises(ConfigError):
         SchedulerConfig(queue_timeout_s=0)
+    with pytest.raises(ConfigError, match="kv_tokens=0"):
+        SchedulerConfig(kv_tokens=0)
 
 
 def test_a_full_decode_batch_does_not_starve_prompts():

@@ -64,3 +64,32 @@ def test_a_pool_where_no_mapping_is_had_grows_as_before(monkeypatch):
     pool.reserve(2, 20)
     assert (pool.slots, pool.capacity) == (2, 256) and pool.grown_s > 0
     assert torch.equal(pool.keys[3][0], torch.cat([kv[3, 0], torch.zeros(1, 240, 256)], 1).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(lazy_zeros((1,), torch.bfloat16) is None, reason="no lazily backed mapping on this system")
+def test_a_mapped_pool_gives_back_what_its_slots_hold_past_the_reservation_beyond_the_room_it_is_given():
+    """``trim``: while what the slots wrote past the reservation fits the room the K/V budget leaves, a finished
+    sequence's pages stay for the next one (written again they cost ~11x); past it every slot gives back its pages
+    past the reservation and past the sequence it holds (a swap's stale tail included). The reservation's pages,
+    and the running sequences' tokens (a page partly kept included), stay as they are."""
+    pool = SlotCache(GEMMA_270M, torch.bfloat16, torch.device("cpu"), slots=2, capacity=64, most=(8, 32768))
+    long = torch.ones(18, 2, 1, 8000, 256, dtype=torch.bfloat16)  # 147 MB of K/V
+    short = torch.full((18, 2, 1, 10, 256), 2.0, dtype=torch.bfloat16)
+    before = resident_mb()
+    pool.write(5, long)
+    assert resident_mb() - before > 140 and pool.backed == 8000
+    pool.trim([0] * 5 + [10], room=7990)  # the 7,990 tokens past the sequence's 10 fit the room: kept
+    assert resident_mb() - before > 140 and pool.backed == 8000
+    pool.trim([0] * 5 + [10], room=7989)
+    assert resident_mb() - before < 5 and pool.backed == 10
+    assert torch.equal(pool.keys[7][5, :, :10], long[7, 0, :, :10]) and not pool.keys[7][5, :, 16:].any()
+    pool.write(0, long)
+    pool.write(1, short)
+    pool.swap(0, 1, 8000, 10)  # slot 0 now holds the short one, and the long one's tail
+    assert pool.backed == 2 * (8000 - 64) + 10  # and slot 5's 10 tokens
+    pool.trim([10, 8000], room=0)
+    assert resident_mb() - before < 200 and pool.backed == 8000 - 64  # one copy, not two (294 MB)
+    assert torch.equal(pool.values[2][1, :, :8000], long[2, 1]) and torch.equal(pool.values[2][0, :, :10], short[2, 1])
+    pool.trim([], room=0)  # every sequence ended: past the reservation the pool holds nothing
+    assert resident_mb() - before < 40 and pool.backed == 0  # (the swap's copies may stay in the heap)
+    assert torch.equal(pool.values[2][1, :, :64], long[2, 1, :, :64]) and not pool.values[2][1, :, 64:].any()

@@ -30,6 +30,23 @@ def test_huge_message_is_refused_before_tokenization(live, tiny_engine, monkeypa
     assert all(n <= limit for n in seen), "the oversized prompt reached a tokenizer"
 
 
+def test_a_request_needing_more_kv_than_the_server_holds_is_refused_with_400(live):
+    """INFERSCALE_KV_CACHE_BYTES bounds what the running requests hold, each at its prompt + max_tokens: one that alone
+    needs more is refused at once, naming what it needs (it could never run), and the next request is served."""
+    from inferscale.engine.kvbudget import KVBudget
+
+    scheduler = live.app.state.worker.loop.scheduler
+    ask = dict(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "where did caroline go?"}])
+    saved, scheduler.kv = scheduler.kv, KVBudget(8)  # fewer tokens than the chat template's alone
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            live.client().chat.completions.create(**ask)
+        assert e.value.body["code"] == "context_length_exceeded" and "K/V" in e.value.body["message"]
+    finally:
+        scheduler.kv = saved
+    assert live.client().chat.completions.create(**ask).usage.completion_tokens >= 1 and saved.held == 0
+
+
 def test_full_tenant_queue_answers_503_with_retry_after(live):
     from inferscale.engine.scheduler import SchedulerConfig
     from inferscale.engine.worker import _Call

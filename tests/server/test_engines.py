@@ -45,3 +45,10 @@ def test_the_trtllm_engine_lists_and_serves_its_modes(live_trtllm):
             model=MODEL, messages=[{"role": "user", "content": "hi"}],
             extra_body={"inferscale": {"mode": "kv-recompute"}})
     assert e.value.body["code"] == "mode_unavailable" and e.value.param == "inferscale.mode"
+
+
+def test_the_trtllm_engine_sizes_its_kv_cache_at_the_servers_kv_budget(live_trtllm, tiny_engine):
+    """INFERSCALE_KV_CACHE_BYTES reaches TensorRT-LLM as KvCacheConfig.max_tokens (it takes the lesser of that and
+    free_gpu_memory_fraction, and admits by free blocks), in the model's tokens."""
+    kv = live_trtllm.app.state.worker.llm.args.kv_cache_config
+    assert kv.max_tokens == live_trtllm.app.state.settings.kv_cache_bytes // tiny_engine.kv_token_bytes > 0

@@ -1,4 +1,5 @@
-"""The server reserves its decode slots' K/V before it listens (INFERSCALE_KV_SLOTS x INFERSCALE_KV_SLOT_TOKENS)."""
+"""The server reserves its decode slots' K/V before it listens (INFERSCALE_KV_SLOTS x INFERSCALE_KV_SLOT_TOKENS), within
+the K/V budget of its running requests (INFERSCALE_KV_CACHE_BYTES)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def test_the_server_starts_with_the_slot_pool_its_settings_reserve(tmp_path, tin
 
     tenants = tmp_path / "tenants.json"
     tenants.write_text(json.dumps({"acme": [hash_key(KEYS["acme"])]}))
-    settings = Settings.from_env({"INFERSCALE_KV_SLOTS": "7", "INFERSCALE_KV_SLOT_TOKENS": "300"},
+    budget = 5000 * tiny_engine.kv_token_bytes + 1
+    settings = Settings.from_env({"INFERSCALE_KV_SLOTS": "7", "INFERSCALE_KV_SLOT_TOKENS": "300",
+                                  "INFERSCALE_KV_CACHE_BYTES": str(budget)},
                                  data_dir=tmp_path, tenants_file=tenants, model=MODEL)
     store = KVStore(settings.store_dir, dram_budget_bytes=16 << 20, nixl=False)
     try:
@@ -29,5 +32,6 @@ def test_the_server_starts_with_the_slot_pool_its_settings_reserve(tmp_path, tin
             pool = app.state.worker.loop.slots
             assert pool.reserved == (7, 300)  # backed before it listens; on a CPU, mapped to the whole context
             assert pool.grown_s == 0.0  # the warm-up's requests fit it too
+            assert app.state.worker.loop.scheduler.kv.tokens == 5000  # INFERSCALE_KV_CACHE_BYTES, in tokens
     finally:
         store.close()

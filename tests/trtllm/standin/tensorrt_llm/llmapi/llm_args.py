@@ -2,7 +2,7 @@
 
 Fields as the pinned release names them: ``KvCacheConnectorConfig(connector_module, connector_scheduler_class,
 connector_worker_class)`` (required strings), ``KvCacheConfig(enable_block_reuse, tokens_per_block,
-free_gpu_memory_fraction)``; the connector reads ``llm_args.kv_cache_config.tokens_per_block``."""
+free_gpu_memory_fraction, max_tokens)``; the connector reads ``llm_args.kv_cache_config.tokens_per_block``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ class KvCacheConfig:
     enable_block_reuse: bool = True
     tokens_per_block: int = 32
     free_gpu_memory_fraction: float | None = None
+    max_tokens: int | None = None
 
 
 @dataclass
