@@ -51,7 +51,8 @@ class TransferError(InferScaleError):
 
 
 class PromptTooLongError(InferScaleError):
-    """Prefix + memories + question + requested tokens exceed the model's context."""
+    """Prefix + memories + question + requested tokens exceed the model's context, or the K/V the server holds for all
+    running requests (INFERSCALE_KV_CACHE_BYTES)."""
 
 
 class StorageError(InferScaleError):

@@ -145,7 +145,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     tenants.watch(lambda ts: [store.set_tenant_quota(t.name, t.dram_bytes) for t in ts])
     telemetry = setup_telemetry(console=settings.console_traces, span_exporter=span_exporter,
                                 metric_reader=metric_reader, load=lambda: (worker.active, worker.queued),
-                                steps=lambda: worker.step_totals)
+                                steps=lambda: worker.step_totals, kv_usage=lambda: worker.kv_usage)
     inject_trace_ids_into_logs()
 
     @contextlib.asynccontextmanager

@@ -25,12 +25,14 @@ DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 
 
 
 class ServerMetrics:
-    """Every instrument of the server, on one meter. ``load`` returns (running, waiting) and ``steps`` the serving
-    loop's steps (``EngineBackend.step_totals``) at collection time."""
+    """Every instrument of the server, on one meter. ``load`` returns (running, waiting), ``steps`` the serving
+    loop's steps (``EngineBackend.step_totals``) and ``kv_usage`` the share of the K/V budget held
+    (``EngineBackend.kv_usage``) at collection time."""
 
     def __init__(self, meter: metrics.Meter, load: Callable[[], tuple[int, int]],
-                 steps: Callable[[], Mapping[StepKey, StepTotals]] = dict) -> None:
-        self.load, self.steps = load, steps
+                 steps: Callable[[], Mapping[StepKey, StepTotals]] = dict,
+                 kv_usage: Callable[[], float | None] = lambda: None) -> None:
+        self.load, self.steps, self.kv_usage = load, steps, kv_usage
         h = meter.create_histogram
         self.ttft = h("gen_ai.server.time_to_first_token", unit="s", description="Time to generate the first token",
                       explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
@@ -54,6 +56,8 @@ class ServerMetrics:
                                       description="Sequences being decoded")
         meter.create_observable_gauge("inferscale.num_requests_waiting", [self._waiting], unit="{request}",
                                       description="Jobs waiting for the engine worker")
+        meter.create_observable_gauge("inferscale.kv_cache_usage", [self._kv_usage], unit="1",
+                                      description="Share of the K/V budget the running requests hold")
         meter.create_observable_counter("inferscale.engine.steps", [self._step_counts], unit="{step}",
                                         description="Serving loop steps by rows decoded and kind")
         meter.create_observable_counter("inferscale.engine.step_time", [self._step_seconds], unit="s",
@@ -64,6 +68,10 @@ class ServerMetrics:
 
     def _waiting(self, _options: CallbackOptions) -> list[Observation]:
         return [Observation(self.load()[1])]
+
+    def _kv_usage(self, _options: CallbackOptions) -> list[Observation]:
+        usage = self.kv_usage()
+        return [] if usage is None else [Observation(usage)]
 
     def _step_counts(self, _options: CallbackOptions) -> list[Observation]:
         return [Observation(t.steps, _step_attrs(key)) for key, t in by_label(self.steps()).items()]

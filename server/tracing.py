@@ -97,14 +97,15 @@ def _headers_from_file() -> None:
 def setup(*, console: bool = False, span_exporter: SpanExporter | None = None,
           metric_reader: MetricReader | None = None,
           load: Callable[[], tuple[int, int]] = lambda: (0, 0),
-          steps: Callable[[], Mapping[StepKey, StepTotals]] = dict) -> Telemetry:
-    """``load`` returns (running, waiting) sequences for the gauges and ``steps`` the serving loop's steps for their
-    counters, read at collection time."""
+          steps: Callable[[], Mapping[StepKey, StepTotals]] = dict,
+          kv_usage: Callable[[], float | None] = lambda: None) -> Telemetry:
+    """``load`` returns (running, waiting) sequences for the gauges, ``steps`` the serving loop's steps for their
+    counters and ``kv_usage`` the share of the K/V budget held, read at collection time."""
     _stable_http_semconv()  # before any instrumentor (the logging one too) fixes the process-wide choice
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" and span_exporter is None:
         tracer = trace.NoOpTracerProvider().get_tracer(__name__)
         meter = metrics.NoOpMeterProvider().get_meter(__name__)
-        return Telemetry(tracer, meter, ServerMetrics(meter, load, steps), None, None)
+        return Telemetry(tracer, meter, ServerMetrics(meter, load, steps, kv_usage), None, None)
 
     _headers_from_file()
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "inferscale-server")}).merge(
@@ -133,7 +134,7 @@ def setup(*, console: bool = False, span_exporter: SpanExporter | None = None,
     mp = MeterProvider(resource=resource, metric_readers=readers)
     tracer = tp.get_tracer("inferscale.server")
     meter = mp.get_meter("inferscale.server")
-    return Telemetry(tracer, meter, ServerMetrics(meter, load, steps), tp, mp, registry)
+    return Telemetry(tracer, meter, ServerMetrics(meter, load, steps, kv_usage), tp, mp, registry)
 
 
 def _warn_protocol() -> None:

@@ -51,6 +51,11 @@ class EngineBackend(Protocol):
         """The serving loop's steps and seconds by (rows decoded, kind) since it started (``steptally.py``); empty
         where another engine's loop runs them (TensorRT-LLM's executor keeps its own iteration stats)."""
 
+    @property
+    def kv_usage(self) -> float | None:
+        """The share of the K/V budget the running requests hold (INFERSCALE_KV_CACHE_BYTES; vLLM's
+        ``kv_cache_usage_perc``); None where another engine keeps its own (TensorRT-LLM's iteration stats)."""
+
     def check_chars(self, texts: list[str]) -> None:
         """Refuse a prompt too long in characters (``PromptTooLongError``) before any tokenizer sees it."""
 

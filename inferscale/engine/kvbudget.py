@@ -41,6 +41,11 @@ class KVBudget:
         """Tokens the budget leaves beside what the running requests hold (None: no bound)."""
         return None if self.tokens is None else self.tokens - self.held
 
+    @property
+    def usage(self) -> float | None:
+        """The share of the budget the running requests hold (None: no bound)."""
+        return None if self.tokens is None else self.held / self.tokens
+
     def check(self, req: Sized) -> None:
         """PromptTooLongError when ``req`` alone needs more than the whole budget: it could never be admitted."""
         if self.tokens is not None and tokens_held(req) > self.tokens:

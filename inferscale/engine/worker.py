@@ -98,6 +98,10 @@ class EngineWorker:
         return self.loop.tally.snapshot()
 
     @property
+    def kv_usage(self) -> float | None:
+        return self.loop.scheduler.kv.usage
+
+    @property
     def rounds(self) -> int:
         return self.loop.steps
 

@@ -122,6 +122,10 @@ class TrtllmBackend:
     def step_totals(self) -> dict[StepKey, StepTotals]:
         return {}  # TensorRT-LLM's executor runs the steps: its iteration stats are its own
 
+    @property
+    def kv_usage(self) -> float | None:
+        return None  # its KV cache manager's, in its iteration stats
+
     # The prompt side is the PyTorch worker's: the same character bound, the same template, its own tokenizer.
     check_chars = EngineWorker.check_chars
     prompt_ids = EngineWorker.prompt_ids

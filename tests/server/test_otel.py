@@ -5,6 +5,7 @@ and log records that carry the trace ids."""
 from __future__ import annotations
 
 import logging
+import threading
 import os
 import re
 import secrets
@@ -160,6 +161,32 @@ def test_the_engines_own_steps_are_counted_and_timed_by_rows(live, memories):
     assert decode_steps(after, "inferscale_engine_steps") - decode_steps(before, "inferscale_engine_steps") >= 4
     assert (decode_steps(after, "inferscale_engine_step_time_seconds")
             > decode_steps(before, "inferscale_engine_step_time_seconds"))
+
+
+def test_the_share_of_the_kv_budget_held_is_a_gauge(live, memories):
+    """INFERSCALE_KV_CACHE_BYTES in use (vLLM's kv_cache_usage_perc): above zero while a request runs, zero after."""
+    def usage():
+        return _scrape(live)["inferscale_kv_cache_usage"][0].value
+
+    from inferscale.engine.worker import _Call
+
+    worker = live.app.state.worker
+    stream = _chat(live.client(), max_tokens=60, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    gate, holding = threading.Event(), threading.Event()  # the engine held between two steps: the request runs on
+    hold = _Call(lambda _engine: (holding.set(), gate.wait(60)))
+    with worker._cv:
+        worker._calls.append(hold)
+        worker._cv.notify()
+    try:
+        assert holding.wait(30)
+        during = usage()
+    finally:
+        gate.set()
+        hold.future.result(30)
+    for _ in stream:
+        pass
+    assert 0 < during < 1 and usage() == 0
 
 
 def test_log_records_carry_trace_ids(live, caplog):
