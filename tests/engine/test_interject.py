@@ -154,3 +154,32 @@ def test_a_pass_waits_for_newcomers_up_to_its_budget(engine, budget_s, answered)
     assert sum(len(_tokens(log, name)) for name in "bc") == answered  # one token each, inside A's pass
     loop.run_until_done()
     assert loop.rows == [] and loop.decoding == 0
+
+
+def test_a_newcomer_interjected_under_a_full_kv_budget_leaves_the_paused_pass_intact(engine):
+    """The paused pass's rows hold some layers' K/V of tokens past their lengths: the newcomer's admission, which
+    fills the K/V budget, must not give those pages back as left behind (``ServingLoop._trim``), or A's answer
+    changes. Sampled at temperature 1 with a seed: a random tiny model's greedy tokens barely follow its cache."""
+    import dataclasses
+
+    def sampled(log, name, tenant, ids, tokens):
+        return GenRequest(ids=ids, blocks=[], mode="none", tenant=tenant, emit=lambda e: log.append((name, e)),
+                          sampling=Sampling(max_new_tokens=tokens, ignore_eos=True, temperature=1.0, seed=7))
+
+    long_prompt = engine.tokenizer("memory " * 150, add_special_tokens=False).input_ids[:150]
+    question = engine.question_ids("where did caroline go?")
+    prefix = len(engine.prefix_ids)
+    budget = (prefix + len(long_prompt) + 8) + (prefix + len(question) + 1)  # both, to the token: no room left
+    alone: list = []
+    solo = ServingLoop(engine, CONFIG)
+    solo.add(sampled(alone, "a", "tenant-a", long_prompt, 8))
+    solo.run_until_done()
+    log: list = []
+    loop = ServingLoop(engine, dataclasses.replace(CONFIG, kv_tokens=budget), slots=1, slot_tokens=8)
+    loop.add(sampled(log, "a", "tenant-a", long_prompt, 8))
+    queued = _arriving_during_first_pass(loop, sampled(log, "b", "tenant-b", question, 1), after_steps=1)
+    loop.step()
+    loop.step()  # A's second chunk, tokens 109-172, paused after its first layer; 128-172 fill a page of their own
+    assert queued == [1] and len(_tokens(log, "b")) == 1
+    loop.run_until_done()
+    assert _tokens(log, "a") == _tokens(alone, "a") and len(_tokens(alone, "a")) == 8
