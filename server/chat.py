@@ -16,6 +16,7 @@ from inferscale.engine.loop import DoneEvent, ErrorEvent, Event, GenRequest, Tok
 from inferscale.engine.sampling import Sampling
 from inferscale.server.auth import Tenant, require_tenant
 from inferscale.server.genai_metrics import ChatTelemetry
+from inferscale.server.guard import ADMISSION, Admission
 from inferscale.server.httperrors import ApiError, body as error_body, from_exception, from_typed, request_id
 from inferscale.server.scheduler import EventStream
 from inferscale.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionRequest, Choice, ErrorBody,
@@ -144,7 +145,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         headers = {TTFT_HEADER: f"{ttft * 1000:.3f}"}
         if req.stream:
             handed_off = True
-            gen = _stream(job, first, rid, req, meta, rec, tenant)
+            gen = _stream(job, first, rid, req, meta, rec, _Slots(tenant, getattr(request.state, ADMISSION, None)))
             return StreamingResponse(gen, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
         text, done = await _collect(job, first)
         reason = done.finish_reason
@@ -200,8 +201,24 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class _Slots:
+    """A streamed answer's in-flight slots, the engine's (``Tenant.acquire``) and the guard's (``Admission``), given
+    back once: before the stream's last line, so a client that reads ``[DONE]`` and sends its next request at once
+    finds them free."""
+
+    def __init__(self, tenant: Tenant, admission: Admission | None) -> None:
+        self._tenant, self._admission = tenant, admission
+
+    def release(self) -> None:
+        tenant, self._tenant = self._tenant, None
+        if tenant is not None:
+            tenant.release()
+        if self._admission is not None:
+            self._admission.leave()
+
+
 async def _stream(job: EventStream, first: Event, rid: str, req: ChatCompletionRequest, meta: MemoryUsage,
-                  rec: ChatTelemetry, tenant: Tenant):
+                  rec: ChatTelemetry, slots: _Slots):
     created = int(time.time())
     # With include_usage every chunk carries "usage": null but the last one, which carries only the usage.
     with_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -234,8 +251,9 @@ async def _stream(job: EventStream, first: Event, rid: str, req: ChatCompletionR
                 yield _sse(error_body(a.message, a.type, a.code, a.param))
                 break
             ev = await job.next()
+        slots.release()
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()  # no-op when finished; stops decoding when the client went away
-        tenant.release()
+        slots.release()
         rec.end()

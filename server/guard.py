@@ -5,7 +5,9 @@ admitted:
 1. ``Content-Length`` over the limit -> 413 before a byte of the body is read;
 2. on ``/v1/*`` the API key is checked from the headers alone -> 401 before a byte of the body is read (a key
    cannot come in the body, so an unauthenticated flood costs one header parse);
-3. the tenant's in-flight slot for EVERY ``/v1/*`` route (chat and memories alike) -> 429 + ``Retry-After``;
+3. the tenant's in-flight slot for EVERY ``/v1/*`` route (chat and memories alike) -> 429 + ``Retry-After``; the
+   slot is given back as the response's last bytes are handed on, before the client can read them and send its
+   next request (a streamed answer gives it back before its ``[DONE]``: ``Admission``);
 4. the body is read from the ASGI receive stream, counting bytes, chunked uploads included -> 413 as soon as
    the running total crosses the limit (never buffering past it), and replayed to the app;
 5. the ``x-inferscale-ttft-ms`` response header is rounded up to ``TTFT_GRANULARITY_MS``, so the header is not a
@@ -36,6 +38,23 @@ RETRY_AFTER_S = 1  # an in-flight slot frees when one of the tenant's own reques
 INGEST_PREFIX = "/internal/v1/ingest/"
 # (tenant, user, bearer) -> None when that credential may upload there; raises UploadRefused / UploadDenied.
 UploadCheck = Callable[[str, str, str | None], None]
+
+
+ADMISSION = "admission"  # the request state's key of its ``Admission``
+
+
+class Admission:
+    """One request's place in its tenant's in-flight count, given back once. After the response was sent was too
+    late: a client with one request in flight that sent its next as soon as it had read the last one was refused
+    429 now and then (a CI run's ``test_in_flight_limit_is_429``)."""
+
+    def __init__(self, tenant) -> None:
+        self._tenant = tenant
+
+    def leave(self) -> None:
+        tenant, self._tenant = self._tenant, None
+        if tenant is not None:
+            tenant.leave()
 
 
 def coarse_ttft_ms(value: float) -> float:
@@ -79,7 +98,7 @@ class TenantGuard:
                 resp = error_response(401, "incorrect internal token", "authentication_error", "invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
                 return await resp(scope, receive, send)
-        tenant = None
+        tenant = admission = None
         if self.tenants is not None and scope.get("path", "").startswith("/v1/"):
             try:
                 tenant = self.tenants.authenticate(bearer_token(scope))
@@ -92,15 +111,16 @@ class TenantGuard:
                                       f"{tenant.max_in_flight})", "rate_limit_error", "rate_limit_exceeded",
                                       headers={"Retry-After": str(RETRY_AFTER_S)})
                 return await resp(scope, receive, send)
-            scope.setdefault("state", {})["tenant"] = tenant
+            admission = Admission(tenant)
+            scope.setdefault("state", {}).update({"tenant": tenant, ADMISSION: admission})
         try:
             body = await self._read_body(receive)
             if body is None:
                 return await self._too_large(scope, receive, send)
-            await self.app(scope, self._replay(body, receive), self._filter(send))
+            await self.app(scope, self._replay(body, receive), self._filter(send, admission))
         finally:
-            if tenant is not None:
-                tenant.leave()
+            if admission is not None:
+                admission.leave()
 
     async def _upload(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A Job's delivery: its own credential and size limit, checked before the body; the body streamed."""
@@ -152,12 +172,14 @@ class TenantGuard:
 
         return replay
 
-    def _filter(self, send: Send) -> Send:
-        if not self.coarse_ttft:
+    def _filter(self, send: Send, admission: Admission | None = None) -> Send:
+        if not self.coarse_ttft and admission is None:
             return send
 
         async def filtered(msg: dict[str, Any]) -> None:
-            if msg["type"] == "http.response.start":
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False) and admission is not None:
+                admission.leave()  # before the client can have the end and send its next request
+            if msg["type"] == "http.response.start" and self.coarse_ttft:
                 headers = []
                 for k, v in msg.get("headers", []):
                     if k.lower() == TTFT_HEADER:

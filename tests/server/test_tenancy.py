@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL
+from conftest import KEYS, MODEL
 
 Q = [{"role": "user", "content": "where did caroline move?"}]
 
@@ -75,3 +75,35 @@ def test_in_flight_limit_is_429(live):
     list(stream)
     stream.close()
     assert c.chat.completions.create(model=MODEL, messages=Q, max_tokens=2).choices
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_tenants_slots_are_free_once_the_client_has_read_the_end(live, stream, monkeypatch):
+    """tight allows one request in flight: when the client has read the end of an answer ([DONE], or the whole
+    JSON), its in-flight slots (the guard's and the engine's) are free, so a next request sent at once is not refused
+    429: they were given back after the last bytes went out, and a CI run's test_in_flight_limit_is_429 met one."""
+    import asyncio
+
+    from inferscale.server.guard import TenantGuard
+
+    unhurried = TenantGuard._filter
+
+    def slow(self, send, *args):  # the server's loop gets to the rest a while after handing each piece of body on
+        inner = unhurried(self, send, *args)
+
+        async def send_then_wait(msg):
+            await inner(msg)
+            if msg["type"] == "http.response.body":
+                await asyncio.sleep(0.05)
+        return send_then_wait
+
+    monkeypatch.setattr(TenantGuard, "_filter", slow)
+    c = live.client("tight")
+    tight = live.app.state.tenants.authenticate(KEYS["tight"])
+    for _ in range(3):
+        if stream:
+            for _chunk in c.chat.completions.create(model=MODEL, messages=Q, stream=True, max_tokens=2):
+                pass
+        else:
+            c.chat.completions.create(model=MODEL, messages=Q, max_tokens=1)
+        assert (tight.requests, tight.in_flight) == (0, 0)
