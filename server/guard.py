@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from inferscale.contract import TTFT_GRANULARITY_MS
 from inferscale.errors import UploadDenied, UploadRefused
-from inferscale.server.auth import AuthError, TenantRegistry
+from inferscale.server.auth import AuthError, Tenant, TenantRegistry
 from inferscale.server.httperrors import response as error_response
 
 Scope = dict[str, Any]
@@ -48,8 +48,8 @@ class Admission:
     late: a client with one request in flight that sent its next as soon as it had read the last one was refused
     429 now and then (a CI run's ``test_in_flight_limit_is_429``)."""
 
-    def __init__(self, tenant) -> None:
-        self._tenant = tenant
+    def __init__(self, tenant: Tenant) -> None:
+        self._tenant: Tenant | None = tenant
 
     def leave(self) -> None:
         tenant, self._tenant = self._tenant, None
