@@ -23,14 +23,14 @@ from inferscale.contract import DEFAULT_KV_DTYPE, DEFAULT_RECOMPUTE_RATIO, MODES
 from inferscale.engine.cache import cache_from_kv, injected_cache, kv_of_cache
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, ServingLoop, TokenEvent
 from inferscale.engine.sampling import Sampling, sample
-from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS, token_bytes
+from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS
 from inferscale.engine.scheduler import SchedulerConfig
 from inferscale.engine.encoder import DEFAULT_CONTEXT_ITEMS, DEFAULT_CONTEXT_TOKENS, encode_items
 from inferscale.engine.threads import configure_threads
 from inferscale.engine.template import DEFAULT_TEMPLATE, MemoryItem, PromptTemplate
 from inferscale.errors import ConfigError, InvalidInputError, MemoryItemError, FingerprintMismatchError, PromptTooLongError
 from inferscale.kvformat import KVBlock, list_blobs, load_block
-from inferscale.kvquant import check_kv_dtype
+from inferscale.kvquant import check_kv_dtype, stored_bytes_per_token
 from inferscale.models.loader import LoadedModel, load_model
 
 
@@ -221,8 +221,11 @@ class Engine:
 
     @property
     def kv_token_bytes(self) -> int:
-        """What one token's K/V takes in a serving loop's slot pool (a server's K/V budget, in tokens)."""
-        return token_bytes(self.loaded.layout, self.prefix_kv.dtype)
+        """What one token's K/V takes in a serving loop's slot pool, uncompressed in the model's dtype (a server's K/V
+        budget, in tokens)."""
+        layout = self.loaded.layout
+        return stored_bytes_per_token("bf16", layers=len(layout.layers), kv_heads=layout.num_kv_heads,
+                                      head_dim=layout.head_dim, float_dtype=self.prefix_kv.dtype)
 
     def serving_loop(self, config: SchedulerConfig | None = None, *, slots: int = FIRST_SLOTS,
                      slot_tokens: int = FIRST_CAPACITY) -> ServingLoop:

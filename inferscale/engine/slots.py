@@ -96,11 +96,6 @@ def drop_pages(region: mmap.mmap, start: int, end: int) -> None:
         region.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
-def token_bytes(layout: ModelLayout, dtype: torch.dtype) -> int:
-    """What one token's K and V take in the slot pool, over every layer (a server's K/V budget in tokens)."""
-    return 2 * len(layout.layers) * layout.num_kv_heads * layout.head_dim * dtype.itemsize
-
-
 class SlotCache:
     """KV storage for ``slots`` sequences of ``capacity`` tokens, backed before the first request. With ``most``
     (slots, tokens) on a CPU, the tensors address that much from the start (``lazy_zeros``) and never grow; else (a
