@@ -112,7 +112,6 @@ class SlotCache:
         # pass of 253 ms against ~60) it doubled the per-token estimate and shed two kept requests 1.6 s in.
         self.grown_s = 0.0
         mapped = self._mapped(max(most[0], slots), max(most[1], capacity)) if most is not None else None
-        self.lazy = mapped is not None
         self._regions: list[mmap.mmap] = []  # a mapped pool's, by tensor: keys' then values'
         if mapped is not None:
             tensors, regions = zip(*mapped)
@@ -135,6 +134,11 @@ class SlotCache:
         shape = (slots, self.layout.num_kv_heads, capacity, self.layout.head_dim)
         mapped = [lazy_zeros(shape, self.dtype) for _ in range(2 * self.num_layers)]
         return None if any(m is None for m in mapped) else mapped  # type: ignore[return-value]
+
+    @property
+    def lazy(self) -> bool:
+        """The pool is mapped whole (``lazy_zeros``): it never grows and gives pages back (``trim``)."""
+        return bool(self._regions)
 
     @property
     def slots(self) -> int:
