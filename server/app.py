@@ -73,16 +73,20 @@ def check_engine(settings: Settings) -> None:
 def open_backend(settings: Settings, engine: Engine) -> EngineBackend:
     """The engine seam's backend ``settings.engine`` names (inferscale/engine/backend.py)."""
     kv_tokens = settings.kv_cache_bytes // engine.kv_token_bytes  # INFERSCALE_KV_CACHE_BYTES, in the model's tokens
+    # held back for tenants with nothing running: one arriving finds room for the largest request there can be
+    # beside the other tenants' (kvbudget.py)
+    kv_reserve = min(kv_tokens // 2, engine.loaded.layout.max_positions)
     if settings.engine == "trtllm":
         from inferscale.trtllm.backend import TrtllmBackend, TrtllmOptions
 
         return TrtllmBackend(engine, TrtllmOptions(
             model=settings.trtllm_model or settings.model, tokens_per_block=settings.trtllm_tokens_per_block,
-            max_in_flight_per_tenant=settings.max_active + settings.max_queued_per_tenant, max_kv_tokens=kv_tokens))
+            max_in_flight_per_tenant=settings.max_active + settings.max_queued_per_tenant, max_kv_tokens=kv_tokens,
+            kv_reserve_tokens=kv_reserve))
     return EngineWorker(engine, SchedulerConfig(
         max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
         max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s,
-        step_time_s=settings.step_time_s, kv_tokens=kv_tokens),
+        step_time_s=settings.step_time_s, kv_tokens=kv_tokens, kv_reserve_tokens=kv_reserve),
         slots=settings.kv_slots, slot_tokens=settings.kv_slot_tokens)
 
 

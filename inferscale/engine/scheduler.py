@@ -13,15 +13,14 @@ token per running decode, and what is left goes to prompt chunks. Fairness betwe
 Time, not only tokens (issue 22): a step's prompt budget is also bounded by ``step_time_s`` at the measured cost
 of a prompt token and a decode pass (stepcost.py), so a request arriving during a flood waits at most one short
 step (half of ``step_time_s`` while it is announced and fetching its memories) before its own prompt runs first;
-and ``add`` refuses a request whose predicted wait for a slot exceeds the
-queue timeout at once (EngineBusyError: 503 + Retry-After), instead of after waiting it out. A newcomer whose
-question fits one pass need not wait for the pass in progress either: ``take_newcomer`` hands it to the serving loop
-between two of that pass's layers (interject.py). A tenant's first
-burst is predicted at the request's own prompt size and, before a step was measured, at a cost prior; a queued
-request that the costs measured since would still make outwait the timeout is refused at the next step (``shed``).
-Room: a slot, and the K/V budget for the request's prompt + the most it may generate (kvbudget.py), or it waits.
-Thread-safe: ``add`` and ``cancel`` may be called from any thread, ``schedule``/``finish``/``take_newcomer`` from
-the engine thread.
+and ``add`` refuses a request whose predicted wait for a slot exceeds the queue timeout at once (EngineBusyError:
+503 + Retry-After), instead of after waiting it out. A newcomer whose question fits one pass need not wait for the
+pass in progress either: ``take_newcomer`` hands it to the serving loop between two of that pass's layers
+(interject.py). A tenant's first burst is predicted at the request's own prompt size and, before a step was
+measured, at a cost prior; a queued request that the costs measured since would still make outwait the timeout is
+refused at the next step (``shed``). Room: a slot, and the K/V budget for the request's prompt + the most it may
+generate, within its tenant's part of the budget (kvbudget.py), or it waits. Thread-safe: ``add`` and ``cancel``
+from any thread, ``schedule``/``finish``/``take_newcomer`` from the engine thread.
 """
 
 from __future__ import annotations
@@ -80,16 +79,14 @@ SHED_AT = 0.7
 # tenants' costs. A first flood's ~2,300-token text prompts (``--flood-words 1500``) cost 1.4-2.8x a token of another
 # tenant's short questions: at 0.8, one burst in three kept requests it shed 1.6-2.7 s in, once A's passes were timed.
 SHED_AT_UNMEASURED = 0.5
-
-
 # While a tenant with no prompt started is on its way, steps are bounded to this share of ``step_time_s``: it
 # arrives during one of them and waits that one out before its own prompt runs first.
 NEWCOMER_STEP_SHARE = 0.35
 # The most prompt tokens the serving loop lets a timed pass hold where the model's fast kernels take more
 # (``LoadedModel.pass_rows``: 128 on AVX512-BF16): a newcomer not run between its layers (interject.py) waits out
-# the pass in progress. On the 2-core Zen 4
-# machine, 2026-12-04, ``bench load --flood`` (3 repeats): passes of up to 128 tokens gave tenant B 2.46x [2.32, 2.55]
-# its idle TTFT, of up to 64 1.43x [1.34, 1.98] in the next run (and 1.63x [1.52, 1.71] in the one after).
+# the pass in progress. On the 2-core Zen 4 machine, 2026-12-04, ``bench load --flood`` (3 repeats): passes of up to
+# 128 tokens gave tenant B 2.46x [2.32, 2.55] its idle TTFT, of up to 64 1.43x [1.34, 1.98] in the next run (and
+# 1.63x [1.52, 1.71] in the one after).
 NEWCOMER_PASS_TOKENS = 64
 
 
@@ -114,6 +111,8 @@ class SchedulerConfig:
     # The K/V tokens the running requests may hold together, each at its prompt + the most it may generate
     # (kvbudget.py); None: only ``max_running`` x the model's context bounds them.
     kv_tokens: int | None = None
+    # Of those, held back for tenants with nothing running (kvbudget.py); None: half of ``kv_tokens``.
+    kv_reserve_tokens: int | None = None
 
     @property
     def min_chunk_tokens(self) -> int:
@@ -145,7 +144,7 @@ class Scheduler:
         self._arriving: dict[str, list[int]] = {}
         self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
         self._take_in = TakeIn(clock)
-        self.kv = KVBudget(self.config.kv_tokens)  # what the running requests hold; admission waits for room
+        self.kv = KVBudget(self.config.kv_tokens, self.config.kv_reserve_tokens)  # what the running requests hold
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
@@ -333,8 +332,9 @@ class Scheduler:
 
     # ---- internals (lock held) ------------------------------------------------------------------------------
     def _room_for(self, req: ScheduledRequest) -> bool:
-        """A slot is free and the K/V budget holds ``req`` beside the running requests."""
-        return self.num_running < self.config.max_running and self.kv.fits(req)
+        """A slot is free and the K/V budget holds ``req`` beside the running requests, within its tenant's part."""
+        tenants = len({req.tenant, *self._prompt_tenants(), *(r.tenant for r in self._decoding)})
+        return self.num_running < self.config.max_running and self.kv.fits(req, tenants)
 
     def _prompt_budget(self, decoding: int, newcomer: bool = False, lone: bool = False) -> int:
         """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at

@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from inferscale.engine.engine import Engine
+from inferscale.engine.kvbudget import KVBudget, tokens_held
 from inferscale.engine.takein import Arrival
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
+from inferscale.engine.scheduler import ScheduledRequest
 from inferscale.engine.spans import request_span
 from inferscale.engine.steptally import StepKey, StepTotals
 from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, PromptSide
@@ -64,6 +66,9 @@ class TrtllmOptions:
     # the most tokens its KV cache holds (KvCacheConfig.max_tokens; INFERSCALE_KV_CACHE_BYTES): with
     # free_gpu_memory_fraction, TensorRT-LLM sizes the pool at whichever is less; its scheduler admits by free blocks
     max_kv_tokens: int | None = None
+    # Of those, held back for tenants with nothing in flight (kvbudget.py; None: half): TensorRT-LLM's scheduler
+    # admits first come, first served, so a tenant past its part of the rest is refused here instead
+    kv_reserve_tokens: int | None = None
 
 
 class TrtllmBackend:
@@ -91,6 +96,8 @@ class TrtllmBackend:
         self._plans: Counter[str] = Counter()  # plan key -> requests in flight that use it
         self._tenants: Counter[str] = Counter()
         self._inflight: set[GenRequest] = set()
+        self._kv = KVBudget(options.max_kv_tokens, options.kv_reserve_tokens)  # each tenant's part of the K/V
+        self._kv_held: dict[GenRequest, ScheduledRequest] = {}
         self._closed = False
         self._calls = 0
         self.llm = LLM(model=options.model, kv_cache_config=KvCacheConfig(
@@ -142,6 +149,7 @@ class TrtllmBackend:
             if self._tenants[req.tenant] >= self.options.max_in_flight_per_tenant:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {self._tenants[req.tenant]} requests in flight "
                                       f"on the engine; retry later", retry_after_s=1)
+            self._take_kv(req, len(prompt))
             self._tenants[req.tenant] += 1
             self._inflight.add(req)
         try:
@@ -210,8 +218,23 @@ class TrtllmBackend:
             self._plans[key] += 1
         return key
 
+    def _take_kv(self, req: GenRequest, prompt_tokens: int) -> None:
+        """Count ``req``'s prompt + the most it may generate in its tenant's part of the K/V, or refuse it (lock
+        held): a tenant filling TensorRT-LLM's pool would hold up every other tenant's requests in its queue."""
+        sized = ScheduledRequest(req.tenant, prompt_tokens, new_tokens=req.sampling.max_new_tokens)
+        tenants = len({req.tenant, *(t for t, n in self._tenants.items() if n)})
+        if not self._kv.within_part(sized, tenants):
+            raise EngineBusyError(f"tenant {req.tenant!r} holds {self._kv.held_by(req.tenant)} tokens of K/V on the "
+                                  f"engine; {tokens_held(sized)} more would pass its part ({self._kv.part(tenants)}) "
+                                  f"while {tenants} tenants share it; retry later", retry_after_s=1)
+        self._kv.take(sized)
+        self._kv_held[req] = sized
+
     def _release(self, req: GenRequest, key: str | None) -> None:
         with self._lock:
+            sized = self._kv_held.pop(req, None)
+            if sized is not None:  # (None: a request ``submit`` refused before it took any)
+                self._kv.give(sized)
             self._tenants[req.tenant] -= 1
             self._inflight.discard(req)
             if key is not None:

@@ -196,6 +196,39 @@ def test_admission_waits_for_room_in_the_kv_budget_and_an_end_gives_it_back():
     assert s.num_waiting == 0
 
 
+def test_a_tenant_filling_the_kv_budget_leaves_room_for_another_tenants_request():
+    """Attack: tenant A queues long prompts that fill the budget; tenant B's request, arriving after them, must not
+    wait for A's to end (there is no preemption, and on a CPU one long prompt's passes take seconds)."""
+    s = Scheduler(SchedulerConfig(kv_tokens=100))  # half of it held back for tenants with nothing running
+    a = [ScheduledRequest("a", 30, new_tokens=10) for _ in range(3)]
+    for r in a:
+        s.add(r)
+    assert s.schedule().admitted == [a[0]]  # a lone tenant's part: the 50 not held back, 80 would pass it
+    b = ScheduledRequest("b", 20, new_tokens=10)
+    s.add(b)
+    assert s.schedule().admitted == [b] and s.kv.held == 70
+    assert s.schedule().admitted == []  # two tenants: 25 each; a holds 40 already
+    s.finish(a[0])
+    assert s.schedule().admitted == [a[1]]  # its first again: whenever the whole budget holds it
+    s.finish(b)
+    assert s.schedule().admitted == [] and s.kv.held_by("a") == 40
+
+
+def test_a_lone_tenant_fills_its_part_of_the_kv_budget_and_shares_it_once_another_comes():
+    s = Scheduler(SchedulerConfig(kv_tokens=100, kv_reserve_tokens=20))
+    a = [ScheduledRequest("a", 5, new_tokens=5) for _ in range(9)]
+    for r in a:
+        s.add(r)
+    assert len(s.schedule().admitted) == 8  # 80 of 100: what is not held back
+    b = [ScheduledRequest("b", 5, new_tokens=5) for _ in range(6)]
+    for r in b:
+        s.add(r)
+    assert s.schedule().admitted == b[:2]  # its first into the reserve, then up to 100: the whole budget
+    for r in a[:6]:
+        s.finish(r)  # a holds 20, b 20: each may hold 40 of the 80
+    assert s.schedule().admitted == [a[8], *b[2:4]] and s.kv.held_by("a") == 30 and s.kv.held_by("b") == 40
+
+
 def test_take_newcomer_leaves_a_request_the_kv_budget_does_not_hold():
     s = Scheduler(SchedulerConfig(kv_tokens=64))
     a, b = ScheduledRequest("a", 40, new_tokens=8), ScheduledRequest("b", 20, new_tokens=8)
@@ -226,6 +259,8 @@ def test_bad_config_is_a_config_error():
         SchedulerConfig(queue_timeout_s=0)
     with pytest.raises(ConfigError, match="kv_tokens=0"):
         SchedulerConfig(kv_tokens=0)
+    with pytest.raises(ConfigError, match="reserve of 10 tokens"):
+        Scheduler(SchedulerConfig(kv_tokens=10, kv_reserve_tokens=10))  # none left for tenants with requests running
 
 
 def test_a_full_decode_batch_does_not_starve_prompts():

@@ -190,3 +190,34 @@ def test_without_tensorrt_llm_the_backend_refuses_to_start_naming_the_package(en
     if importlib.util.find_spec("tensorrt_llm") is None:  # in process too, unless a session fixture holds the stand-in
         with pytest.raises(ConfigError, match="tensorrt_llm"):
             require_tensorrt_llm()
+
+
+
+def test_a_tenant_past_its_part_of_the_kv_is_refused_and_another_tenant_is_served(eng, blocks):
+    """Attack: TensorRT-LLM's scheduler admits first come, first served, so a tenant filling its pool would hold up
+    every other tenant's requests. Half the pool (``max_kv_tokens``) is held back for tenants with nothing in
+    flight, each tenant may hold its part of the rest; past it, 503."""
+    from inferscale.errors import EngineBusyError
+
+    with trtllm_standin.installed() as trt:
+        from inferscale.trtllm.backend import TrtllmBackend, TrtllmOptions
+
+        trt.register_model("tiny", eng)
+        question = eng.question_ids("where did caroline move?")  # _run's
+        need = len(eng.prefix_ids) + sum(b.num_tokens for b in blocks) + len(question) + 200  # prompt + max_new
+        backend = TrtllmBackend(eng, TrtllmOptions(model="tiny", tokens_per_block=TPB, max_kv_tokens=4 * need))
+        running = [_run(backend, eng, blocks, max_new=200)[0] for _ in range(2)]  # a lone tenant's part: 2 x need
+        try:
+            with pytest.raises(EngineBusyError, match="would pass its part"):
+                _run(backend, eng, blocks, max_new=200)
+            other, other_events = _run(backend, eng, blocks, tenant="globex", max_new=4)  # its first: the reserve
+            assert isinstance(other_events.wait(), DoneEvent)
+        finally:
+            for req in running:
+                req.cancel()
+            for _ in range(600):
+                if backend.active == 0:
+                    break
+                threading.Event().wait(0.05)
+            backend.close()
+        os.environ.pop("INFERSCALE_TRTLLM_PLAN_DIR", None)
