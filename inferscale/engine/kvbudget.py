@@ -7,11 +7,14 @@ halfway. Without it only ``max_running`` x the model's context bounded the slots
 Gemma-3-270M is 77 GB, past the chart's 32 GiB limit, and a pod killed for its memory stops every tenant. Where a
 request alone needs more than the whole budget, ``check`` refuses it when it is added.
 
-Shared fairly between tenants (``fits``): without preemption, a tenant whose long prompts filled the budget held up
-every other tenant's requests until its own ended (on the CPU a 3,000-token prompt's pass alone takes seconds). So
-``reserve`` tokens are held back for tenants with nothing running, and the rest is split evenly between the tenants
-with requests running or queued: a tenant may start another request only within its part, its first one whenever
-the whole budget holds it. No lock of its own: the scheduler calls it under its lock.
+Shared between tenants (``fits``): without preemption, a tenant whose requests filled the budget held up every other
+tenant's until its own ended. Measured through ``inferscale serve`` (a 6,340-token budget, tenant A's six k=20 kv
+requests of 1,560 tokens each, their memories injected, so they held it at once): tenant B's first token came after
+2.8-3.0 s against 52 ms idle. So ``reserve`` tokens are held back for tenants with nothing running (the server holds
+back the largest request there can be, the model's context, at most half the budget), and the rest is split evenly
+between the tenants with requests running or queued: a tenant may start another request only within its part, its
+first one whenever the whole budget holds it (B then 1.1-1.5x idle). No lock of its own: the scheduler calls it
+under its lock.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ message was tokenized on the engine thread), and a full tenant queue answers 503
 from __future__ import annotations
 
 import threading
+import time
 
 import openai
 import pytest
@@ -112,3 +113,38 @@ def test_a_text_request_is_announced_with_its_memories_before_retrieval(live, me
     assert announced[0] < announced[2] < announced[1]
     ask("kv", 5)  # injected memories are not prompt tokens to compute
     assert announced[3] == announced[0]
+
+
+def test_a_tenant_filling_the_kv_budget_does_not_hold_up_another_tenants_request(live):
+    """Attack through the server: tenant acme's long-running requests would fill the K/V budget, and with no
+    preemption globex's request would wait for one of them to end. acme may hold its part of what the reserve leaves;
+    globex's first request fits beside it and ends before any of acme's."""
+    from inferscale.engine.kvbudget import KVBudget
+
+    scheduler = live.app.state.worker.loop.scheduler
+    long = dict(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "the the the"}],
+                extra_body={"ignore_eos": True, "inferscale": {"mode": "none"}})
+    prompt = live.client().chat.completions.create(**{**long, "max_tokens": 1}).usage.prompt_tokens
+    need = prompt + 64
+    saved, scheduler.kv = scheduler.kv, KVBudget(3 * need + 1, reserve=need + 1)  # a lone tenant's part: 2 x need
+    ends: dict[str, float] = {}
+
+    def ask(tenant: str, name: str, **kw) -> None:
+        live.client(tenant).chat.completions.create(**{**long, **kw})
+        ends[name] = time.monotonic()
+
+    acme = [threading.Thread(target=ask, args=("acme", f"acme{i}")) for i in range(3)]
+    try:
+        for t in acme:
+            t.start()
+        for _ in range(2000):
+            if scheduler.kv.held >= 2 * need:
+                break
+            time.sleep(0.005)
+        time.sleep(0.05)  # steps: all three would be admitted by now if the budget alone bounded them
+        ask("globex", "globex", max_tokens=4)
+        for t in acme:
+            t.join(120)
+    finally:
+        scheduler.kv = saved
+    assert len(ends) == 4 and ends["globex"] < min(ends[f"acme{i}"] for i in range(3)), ends
