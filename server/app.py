@@ -74,7 +74,7 @@ def open_backend(settings: Settings, engine: Engine) -> EngineBackend:
     """The engine seam's backend ``settings.engine`` names (inferscale/engine/backend.py)."""
     kv_tokens = settings.kv_cache_bytes // engine.kv_token_bytes  # INFERSCALE_KV_CACHE_BYTES, in the model's tokens
     # held back for tenants with nothing running: one arriving finds room for the largest request there can be
-    # beside the other tenants' (kvbudget.py)
+    # beside the other tenants' (capacity.py)
     kv_reserve = min(kv_tokens // 2, engine.loaded.layout.max_positions)
     if settings.engine == "trtllm":
         from inferscale.trtllm.backend import TrtllmBackend, TrtllmOptions

@@ -139,7 +139,7 @@ class Settings(BaseModel):
     kv_slots: int = Field(16, ge=1)
     kv_slot_tokens: int = Field(2048, ge=1)
     # The K/V the running requests may hold together (their slots'), each counted at its prompt + max_tokens from
-    # admission (inferscale/engine/kvbudget.py): a request waits for room; one needing more than all of it is
+    # admission (inferscale/engine/capacity.py): a request waits for room; one needing more than all of it is
     # refused (400). It holds the reservation above. 4 GiB: 233,016 tokens of Gemma-3-270M in bf16.
     kv_cache_bytes: int = Field(4 << 30, ge=1)
     step_tokens: int = Field(512, ge=1)

@@ -487,7 +487,7 @@ class ServingLoop:
         """Pages the slots hold past their sequences go back once they would take the pool past the K/V budget
         (``SlotCache.trim``): called wherever such pages appear (a sequence ends or moves) or the room shrinks (an
         admission). Never inside a paused pass: its rows hold some layers' K/V of tokens past their lengths."""
-        room = self.scheduler.kv.room()  # what the budget leaves beside what the running requests may hold
+        room = self.scheduler.capacity.room()  # what the budget leaves beside what the running requests may hold
         if room is not None and not self.interject.nested:
             self.slots.trim([r.length for r in self.rows], room)
 

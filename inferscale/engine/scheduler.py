@@ -19,7 +19,7 @@ pass in progress either: ``take_newcomer`` hands it to the serving loop between 
 (interject.py). A tenant's first burst is predicted at the request's own prompt size and, before a step was
 measured, at a cost prior; a queued request that the costs measured since would still make outwait the timeout is
 refused at the next step (``shed``). Room: a slot, and the K/V budget for the request's prompt + the most it may
-generate, within its tenant's part of the budget (kvbudget.py), or it waits. Thread-safe: ``add`` and ``cancel``
+generate, within its tenant's part of both (capacity.py), or it waits. Thread-safe: ``add`` and ``cancel``
 from any thread, ``schedule``/``finish``/``take_newcomer`` from the engine thread.
 """
 
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferscale.engine.kvbudget import KVBudget
+from inferscale.engine.capacity import Capacity
 from inferscale.engine.stepcost import StepCost, ewma
 from inferscale.engine.takein import Arrival, TakeIn
 from inferscale.errors import ConfigError, EngineBusyError
@@ -47,7 +47,7 @@ class ScheduledRequest:
     tenant: str
     prompt_tokens: int  # all tokens before the first generated one (prefix + memories + question)
     computed_tokens: int = 0  # already in the cache (the injected prefix and blocks count from the start)
-    new_tokens: int = 0  # the most it may generate: with its prompt, the K/V it holds while it runs (kvbudget.py)
+    new_tokens: int = 0  # the most it may generate: with its prompt, the K/V it holds while it runs (capacity.py)
     payload: Any = None  # the engine's own request object; the scheduler never looks inside
     arrived: float = field(default_factory=time.monotonic)
     id: int = field(default_factory=itertools.count().__next__)
@@ -93,6 +93,7 @@ NEWCOMER_PASS_TOKENS = 64
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 64  # slots: sequences in prefill or decode at once
+    running_reserve: int | None = None  # of those, held back for tenants with none (capacity.py); None: an eighth
     # Token budget per step (decode tokens + prompt chunk tokens). It bounds how long a step runs, which is what a
     # newly arrived request waits before its own prompt runs (at most one step).
     step_tokens: int = 512
@@ -109,9 +110,9 @@ class SchedulerConfig:
     # waited them out.
     max_pass_tokens: int | None = None
     # The K/V tokens the running requests may hold together, each at its prompt + the most it may generate
-    # (kvbudget.py); None: only ``max_running`` x the model's context bounds them.
+    # (capacity.py); None: only ``max_running`` x the model's context bounds them.
     kv_tokens: int | None = None
-    # Of those, held back for tenants with nothing running (kvbudget.py); None: half of ``kv_tokens``.
+    # Of those, held back for tenants with nothing running (capacity.py); None: half of ``kv_tokens``.
     kv_reserve_tokens: int | None = None
 
     @property
@@ -144,21 +145,21 @@ class Scheduler:
         self._arriving: dict[str, list[int]] = {}
         self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
         self._take_in = TakeIn(clock)
-        self.kv = KVBudget(self.config.kv_tokens, self.config.kv_reserve_tokens)  # what the running requests hold
+        c = self.config  # what the running requests hold, slots and K/V: admission waits for room
+        self.capacity = Capacity(c.max_running, c.kv_tokens, c.running_reserve, c.kv_reserve_tokens)
 
     # ---- any thread -----------------------------------------------------------------------------------------
     def add(self, req: ScheduledRequest) -> None:
         """Queue ``req``; EngineBusyError when its tenant's queue is full or its predicted wait for a slot exceeds
         the queue timeout; PromptTooLongError when it alone needs more K/V than the budget holds."""
         with self._lock:
-            self.kv.check(req)
+            self.capacity.check(req)
             queue = self._waiting.get(req.tenant, ())
             if len(queue) >= self.config.max_queued_per_tenant:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {len(queue)} requests queued (limit "
                                       f"{self.config.max_queued_per_tenant}); retry later",
                                       retry_after_s=self.retry_after_s())
-            # Its own size first: in a tenant's first burst the requests still arriving count at this one's size,
-            # not at none.
+            # Its own size first: in a tenant's first burst the requests still arriving count at its size, not none.
             self._typical_prompt[req.tenant] = ewma(self._typical_prompt.get(req.tenant), req.remaining_prompt)
             self._refuse_a_long_wait(req.tenant)
             req.arrived = self.clock()
@@ -250,7 +251,7 @@ class Scheduler:
                     if req is None:
                         req = queue.popleft()
                         self._prefilling.setdefault(tenant, []).append(req)
-                        self.kv.take(req)
+                        self.capacity.take(req)
                         admitted.append(req)
                     chunked.add(req.id)
                     n = min(req.remaining_prompt, chunk_tokens, budget)
@@ -298,7 +299,7 @@ class Scheduler:
             self._decoding.clear()
             self._prefilling.clear()
             self._waiting.clear()
-            self.kv.clear()
+            self.capacity.clear()
             return held
 
     def take_newcomer(self, busy: set[str], fits: Callable[[ScheduledRequest], bool]) -> ScheduledRequest | None:
@@ -312,7 +313,7 @@ class Scheduler:
                     continue
                 req = queue.popleft()
                 self._prefilling[tenant] = [req]
-                self.kv.take(req)
+                self.capacity.take(req)
                 self._served_at[tenant] = self._steps
                 return req
             return None
@@ -333,8 +334,7 @@ class Scheduler:
     # ---- internals (lock held) ------------------------------------------------------------------------------
     def _room_for(self, req: ScheduledRequest) -> bool:
         """A slot is free and the K/V budget holds ``req`` beside the running requests, within its tenant's part."""
-        tenants = len({req.tenant, *self._prompt_tenants(), *(r.tenant for r in self._decoding)})
-        return self.num_running < self.config.max_running and self.kv.fits(req, tenants)
+        return self.capacity.fits(req, len({req.tenant, *self._prompt_tenants(), *(r.tenant for r in self._decoding)}))
 
     def _prompt_budget(self, decoding: int, newcomer: bool = False, lone: bool = False) -> int:
         """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at
@@ -472,7 +472,7 @@ class Scheduler:
         return shed
 
     def _remove(self, req: ScheduledRequest) -> None:
-        self.kv.give(req)
+        self.capacity.give(req)
         if req in self._decoding:
             self._decoding.remove(req)
         started = self._prefilling.get(req.tenant, [])

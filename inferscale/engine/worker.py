@@ -99,7 +99,7 @@ class EngineWorker:
 
     @property
     def kv_usage(self) -> float | None:
-        return self.loop.scheduler.kv.usage
+        return self.loop.scheduler.capacity.usage
 
     @property
     def rounds(self) -> int:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from inferscale.engine.engine import Engine
-from inferscale.engine.kvbudget import KVBudget, tokens_held
+from inferscale.engine.capacity import Capacity, tokens_held
 from inferscale.engine.takein import Arrival
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
 from inferscale.engine.scheduler import ScheduledRequest
@@ -66,7 +66,7 @@ class TrtllmOptions:
     # the most tokens its KV cache holds (KvCacheConfig.max_tokens; INFERSCALE_KV_CACHE_BYTES): with
     # free_gpu_memory_fraction, TensorRT-LLM sizes the pool at whichever is less; its scheduler admits by free blocks
     max_kv_tokens: int | None = None
-    # Of those, held back for tenants with nothing in flight (kvbudget.py; None: half): TensorRT-LLM's scheduler
+    # Of those, held back for tenants with nothing in flight (capacity.py; None: half): TensorRT-LLM's scheduler
     # admits first come, first served, so a tenant past its part of the rest is refused here instead
     kv_reserve_tokens: int | None = None
 
@@ -96,7 +96,7 @@ class TrtllmBackend:
         self._plans: Counter[str] = Counter()  # plan key -> requests in flight that use it
         self._tenants: Counter[str] = Counter()
         self._inflight: set[GenRequest] = set()
-        self._kv = KVBudget(options.max_kv_tokens, options.kv_reserve_tokens)  # each tenant's part of the K/V
+        self._kv = Capacity(None, options.max_kv_tokens, token_reserve=options.kv_reserve_tokens)  # tenants' parts
         self._kv_held: dict[GenRequest, ScheduledRequest] = {}
         self._closed = False
         self._calls = 0
@@ -224,9 +224,10 @@ class TrtllmBackend:
         sized = ScheduledRequest(req.tenant, prompt_tokens, new_tokens=req.sampling.max_new_tokens)
         tenants = len({req.tenant, *(t for t, n in self._tenants.items() if n)})
         if not self._kv.within_part(sized, tenants):
+            shared = (self._kv.tokens or 0) - self._kv.token_reserve
             raise EngineBusyError(f"tenant {req.tenant!r} holds {self._kv.held_by(req.tenant)} tokens of K/V on the "
-                                  f"engine; {tokens_held(sized)} more would pass its part ({self._kv.part(tenants)}) "
-                                  f"while {tenants} tenants share it; retry later", retry_after_s=1)
+                                  f"engine; {tokens_held(sized)} more would pass its part of the {shared} that "
+                                  f"{tenants} tenants share; retry later", retry_after_s=1)
         self._kv.take(sized)
         self._kv_held[req] = sized
 

@@ -275,7 +275,7 @@ def test_requests_run_within_the_kv_budget_one_after_another_when_two_do_not_fit
     while loop.has_work():
         loop.step()
         most = max(most, len(loop.rows))
-        assert loop.scheduler.kv.held <= 2 * one - 1
+        assert loop.scheduler.capacity.held <= 2 * one - 1
     free.run_until_done()
     assert most == 1
     texts = lambda evs: ["".join(e.text for e in ev if isinstance(e, TokenEvent)) for ev in evs]  # noqa: E731
@@ -299,7 +299,7 @@ def test_a_cpu_slot_pool_holds_past_its_reservation_what_the_kv_budget_allows(en
                          ids=engine.question_ids(" ".join(["where did caroline go?"] * (6 if long else 1)))))
         while loop.has_work():
             loop.step()
-            assert budget is None or loop.scheduler.kv.held <= budget
+            assert budget is None or loop.scheduler.capacity.held <= budget
         return loop.slots.backed
 
     prefix = len(engine.prefix_ids)

@@ -183,14 +183,14 @@ def test_admission_waits_for_room_in_the_kv_budget_and_an_end_gives_it_back():
     for r in (a1, a2, b1):
         s.add(r)
     out = s.schedule()
-    assert sorted(out.admitted, key=lambda r: r.id) == [a1, b1] and s.kv.held == 90  # a2 would make 140
+    assert sorted(out.admitted, key=lambda r: r.id) == [a1, b1] and s.capacity.held == 90  # a2 would make 140
     run_prefill(s, out)
     assert s.schedule().admitted == [] and s.num_waiting == 1
     s.finish(a1)
-    assert s.schedule().admitted == [a2] and s.kv.held == 70
+    assert s.schedule().admitted == [a2] and s.capacity.held == 70
     s.cancel(b1)
     s.schedule()
-    assert s.kv.held == 50  # a cancelled request gives its room back too
+    assert s.capacity.held == 50  # a cancelled request gives its room back too
     with pytest.raises(PromptTooLongError, match="101 tokens"):
         s.add(ScheduledRequest("c", 90, new_tokens=11))
     assert s.num_waiting == 0
@@ -206,12 +206,12 @@ def test_a_tenant_filling_the_kv_budget_leaves_room_for_another_tenants_request(
     assert s.schedule().admitted == [a[0]]  # a lone tenant's part: the 50 not held back, 80 would pass it
     b = ScheduledRequest("b", 20, new_tokens=10)
     s.add(b)
-    assert s.schedule().admitted == [b] and s.kv.held == 70
+    assert s.schedule().admitted == [b] and s.capacity.held == 70
     assert s.schedule().admitted == []  # two tenants: 25 each; a holds 40 already
     s.finish(a[0])
     assert s.schedule().admitted == [a[1]]  # its first again: whenever the whole budget holds it
     s.finish(b)
-    assert s.schedule().admitted == [] and s.kv.held_by("a") == 40
+    assert s.schedule().admitted == [] and s.capacity.held_by("a") == 40
 
 
 def test_a_lone_tenant_fills_its_part_of_the_kv_budget_and_shares_it_once_another_comes():
@@ -226,7 +226,29 @@ def test_a_lone_tenant_fills_its_part_of_the_kv_budget_and_shares_it_once_anothe
     assert s.schedule().admitted == b[:2]  # its first into the reserve, then up to 100: the whole budget
     for r in a[:6]:
         s.finish(r)  # a holds 20, b 20: each may hold 40 of the 80
-    assert s.schedule().admitted == [a[8], *b[2:4]] and s.kv.held_by("a") == 30 and s.kv.held_by("b") == 40
+    assert s.schedule().admitted == [a[8], *b[2:4]] and s.capacity.held_by("a") == 30 and s.capacity.held_by("b") == 40
+
+
+def test_a_tenant_filling_the_slots_leaves_one_for_another_tenants_request():
+    """Attack: tenant A's burst takes every slot and its requests decode together for a whole answer; tenant B's
+    request, arriving after, must not wait for one of them to end. An eighth of the slots is held back."""
+    s = Scheduler(SchedulerConfig(max_running=8))
+    a = [ScheduledRequest("a", 4, new_tokens=200) for _ in range(9)]
+    for r in a:
+        s.add(r)
+    while s.num_running < 7:
+        run_prefill(s, s.schedule())
+    run_prefill(s, s.schedule())
+    assert s.num_running == 7 and s.num_waiting == 2  # a lone tenant's part: the 7 not held back
+    b = [ScheduledRequest("b", 4, new_tokens=4) for _ in range(2)]
+    for r in b:
+        s.add(r)
+    assert s.schedule().admitted == b[:1]  # its first into the reserve; now each may hold 3 of the 7
+    s.finish(a[0])
+    assert s.schedule().admitted == b[1:]  # the slot a gave back: b's, a holds 6
+    for r in a[1:5]:
+        s.finish(r)  # a holds 2, b 2
+    assert s.schedule().admitted == a[7:8] and s.capacity.running("a") == 3 and s.num_waiting == 1
 
 
 def test_take_newcomer_leaves_a_request_the_kv_budget_does_not_hold():
@@ -237,7 +259,7 @@ def test_take_newcomer_leaves_a_request_the_kv_budget_does_not_hold():
     s.add(b)  # 28 tokens do not fit beside a's 48
     assert s.take_newcomer({"a"}, lambda r: True) is None
     s.finish(a)
-    assert s.take_newcomer({"a"}, lambda r: True) is b and s.kv.held == 28
+    assert s.take_newcomer({"a"}, lambda r: True) is b and s.capacity.held == 28
 
 
 def test_cancelled_requests_leave_every_list():
@@ -259,8 +281,10 @@ def test_bad_config_is_a_config_error():
         SchedulerConfig(queue_timeout_s=0)
     with pytest.raises(ConfigError, match="kv_tokens=0"):
         SchedulerConfig(kv_tokens=0)
-    with pytest.raises(ConfigError, match="reserve of 10 tokens"):
+    with pytest.raises(ConfigError, match="reserve of 10 K/V tokens"):
         Scheduler(SchedulerConfig(kv_tokens=10, kv_reserve_tokens=10))  # none left for tenants with requests running
+    with pytest.raises(ConfigError, match="reserve of 4 slots"):
+        Scheduler(SchedulerConfig(max_running=4, running_reserve=4))
 
 
 def test_a_full_decode_batch_does_not_starve_prompts():
@@ -574,8 +598,10 @@ def test_take_newcomer_admits_the_first_queued_request_of_another_tenant_that_fi
     assert s.take_newcomer({"a", "b"}, short) is None  # a's own and b's wait; c's prompt does not fit
     assert s.take_newcomer({"a"}, short) is b1  # its tenant's first, not its shortest
     assert s.take_newcomer({"a"}, short) is None  # b has a prompt started now: b2 waits its turn
-    s.computed(b1, 30)  # b1's prompt done inside the pass: it decodes, and b may interject again
-    assert s.take_newcomer({"a"}, lambda r: True) is b2 and s.num_running == 3
+    s.computed(b1, 30)  # b1's prompt done inside the pass: it decodes
+    # b may interject again, but holds its part of the slots (one of three, three tenants waiting or running):
+    # c's first goes (capacity.py)
+    assert s.take_newcomer({"a"}, lambda r: True) is c1 and s.num_running == 3
     assert s.take_newcomer(set(), lambda r: True) is None  # every slot taken
 
 

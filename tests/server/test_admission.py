@@ -34,17 +34,18 @@ def test_huge_message_is_refused_before_tokenization(live, tiny_engine, monkeypa
 def test_a_request_needing_more_kv_than_the_server_holds_is_refused_with_400(live):
     """INFERSCALE_KV_CACHE_BYTES bounds what the running requests hold, each at its prompt + max_tokens: one that alone
     needs more is refused at once, naming what it needs (it could never run), and the next request is served."""
-    from inferscale.engine.kvbudget import KVBudget
+    from inferscale.engine.capacity import Capacity
 
     scheduler = live.app.state.worker.loop.scheduler
     ask = dict(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "where did caroline go?"}])
-    saved, scheduler.kv = scheduler.kv, KVBudget(8)  # fewer tokens than the chat template's alone
+    slots = scheduler.config.max_running
+    saved, scheduler.capacity = scheduler.capacity, Capacity(slots, 8)  # fewer tokens than the chat template's
     try:
         with pytest.raises(openai.BadRequestError) as e:
             live.client().chat.completions.create(**ask)
         assert e.value.body["code"] == "context_length_exceeded" and "K/V" in e.value.body["message"]
     finally:
-        scheduler.kv = saved
+        scheduler.capacity = saved
     assert live.client().chat.completions.create(**ask).usage.completion_tokens >= 1 and saved.held == 0
 
 
@@ -119,14 +120,15 @@ def test_a_tenant_filling_the_kv_budget_does_not_hold_up_another_tenants_request
     """Attack through the server: tenant acme's long-running requests would fill the K/V budget, and with no
     preemption globex's request would wait for one of them to end. acme may hold its part of what the reserve leaves;
     globex's first request fits beside it and ends before any of acme's."""
-    from inferscale.engine.kvbudget import KVBudget
+    from inferscale.engine.capacity import Capacity
 
     scheduler = live.app.state.worker.loop.scheduler
     long = dict(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "the the the"}],
                 extra_body={"ignore_eos": True, "inferscale": {"mode": "none"}})
     prompt = live.client().chat.completions.create(**{**long, "max_tokens": 1}).usage.prompt_tokens
     need = prompt + 64
-    saved, scheduler.kv = scheduler.kv, KVBudget(3 * need + 1, reserve=need + 1)  # a lone tenant's part: 2 x need
+    slots = scheduler.config.max_running  # a lone tenant's part of the K/V below: 2 x need
+    saved, scheduler.capacity = scheduler.capacity, Capacity(slots, 3 * need + 1, token_reserve=need + 1)
     ends: dict[str, float] = {}
 
     def ask(tenant: str, name: str, **kw) -> None:
@@ -138,7 +140,7 @@ def test_a_tenant_filling_the_kv_budget_does_not_hold_up_another_tenants_request
         for t in acme:
             t.start()
         for _ in range(2000):
-            if scheduler.kv.held >= 2 * need:
+            if scheduler.capacity.held >= 2 * need:
                 break
             time.sleep(0.005)
         time.sleep(0.05)  # steps: all three would be admitted by now if the budget alone bounded them
@@ -146,5 +148,5 @@ def test_a_tenant_filling_the_kv_budget_does_not_hold_up_another_tenants_request
         for t in acme:
             t.join(120)
     finally:
-        scheduler.kv = saved
+        scheduler.capacity = saved
     assert len(ends) == 4 and ends["globex"] < min(ends[f"acme{i}"] for i in range(3)), ends

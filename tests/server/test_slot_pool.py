@@ -32,9 +32,9 @@ def test_the_server_starts_with_the_slot_pool_its_settings_reserve(tmp_path, tin
             pool = app.state.worker.loop.slots
             assert pool.reserved == (7, 300)  # backed before it listens; on a CPU, mapped to the whole context
             assert pool.grown_s == 0.0  # the warm-up's requests fit it too
-            kv = app.state.worker.loop.scheduler.kv
+            kv = app.state.worker.loop.scheduler.capacity
             assert kv.tokens == 5000  # INFERSCALE_KV_CACHE_BYTES, in tokens
             # held back for a tenant arriving: the largest request there can be, at most half the budget
-            assert kv.reserve == min(2500, tiny_engine.loaded.layout.max_positions)
+            assert kv.token_reserve == min(2500, tiny_engine.loaded.layout.max_positions)
     finally:
         store.close()
