@@ -19,8 +19,10 @@ and it prints the single-stream step (TPOT p50 at N=1) against that floor and ea
 ``--flood`` adds issue 12's scenario on a second server with the production queue settings: tenant A sends
 ``--flood-requests`` long ``text`` requests (k=``--flood-k``; ``--flood-words`` pastes a document of that many
 words before each question), then tenant B sends kv requests (k=3, one token);
-B's TTFT against its idle TTFT, and how fast A's excess is refused. ``--repeats`` runs it all again on the same
-servers and reports medians with min and max.
+B's TTFT against its idle TTFT, and how fast A's excess is refused. ``--hold`` does the same on that server with
+tenant A's kv requests (k=``-k``), one for each of its ``HOLD_REQUESTS`` slots, each 4x ``--tokens`` long: a burst
+that would take every slot and keep it for a whole answer (engine/capacity.py holds some back). ``--repeats`` runs it
+all again on the same servers and reports medians with min and max.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="users the N streams ask as, each with k memories and a question of its own (1: one user's "
                         "concurrent questions, the same question N times)")
     p.add_argument("--flood", action="store_true", help="also run the tenant flood scenario (issue 12)")
+    p.add_argument("--hold", action="store_true",
+                   help="also run a hold: tenant A's long kv answers, one for each slot, then tenant B's probes")
     p.add_argument("--flood-requests", type=int, default=32, help="tenant A's long text requests in the flood")
     p.add_argument("--flood-k", type=int, default=40, help="memories in each of tenant A's flood requests")
     p.add_argument("--flood-words", type=int, default=0,
@@ -148,7 +152,7 @@ def _load_memories(server: LiveServer, k: int, users: int = 1) -> None:
             raise ConfigError(f"bench load: loading memories for {tenant} failed: {r.status_code} {r.text[:200]}")
 
 
-def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
+def _summary(floor: dict, rows: list[dict], flood: dict | None, hold: dict | None = None) -> dict:
     """The ratios issue 22's bar reads, from one repeat."""
     one = {r["mode"]: r for r in rows if r["n"] == 1}
     top = max(r["n"] for r in rows)
@@ -167,12 +171,16 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None) -> dict:
         out["flood_refused_p50_ms"] = flood["a_refused_p50_ms"]
         out["flood_refused_max_ms"] = flood["a_refused_max_ms"]
         out["flood_refused_late"] = len(flood["a_refused_late_ms"])
+    if hold:
+        out["hold_ratio"] = hold["ratio"]
     return out
 
 
 # A pasted document's words in a flood prompt, at most: past the server's prompt bound (in tokens) it is refused
 # outright and floods nothing.
 MAX_FLOOD_WORDS = 4000
+# The flood server's slots (INFERSCALE_MAX_ACTIVE), and the requests of ``--hold``'s burst: one for each.
+HOLD_REQUESTS = 64
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,24 +204,29 @@ def run(args: argparse.Namespace) -> int:
                                      for n in ns for mode in modes]})
     finally:
         server.close()
-    if args.flood:  # the production queue settings: a request that would outwait them is refused
+    if args.flood or args.hold:  # the production queue settings: a request that would outwait them is refused
         server = LiveServer(args.model, args.device, max_tokens=args.tokens * 4, engine=args.engine,
-                            torch_threads=args.torch_threads, max_active=64,
+                            torch_threads=args.torch_threads, max_active=HOLD_REQUESTS,
                             max_queued_per_tenant=64, queue_timeout_s=30)
         try:
-            _load_memories(server, max(args.flood_k, B_K))
+            _load_memories(server, max(args.flood_k, B_K, args.k))
             for rep in repeats:
-                rep["flood"] = flood(server.url, server.model, args.flood_k, args.tokens, args.flood_requests,
-                                     lambda: _in_engine(server), args.flood_words)
+                if args.flood:
+                    rep["flood"] = flood(server.url, server.model, args.flood_k, args.tokens, args.flood_requests,
+                                         lambda: _in_engine(server), args.flood_words)
+                if args.hold:
+                    rep["hold"] = flood(server.url, server.model, args.k, args.tokens * 4, HOLD_REQUESTS,
+                                        lambda: _in_engine(server), mode="kv")
         finally:
             server.close()
-    summaries = [_summary(r["floor"], r["rows"], r.get("flood")) for r in repeats]
+    summaries = [_summary(r["floor"], r["rows"], r.get("flood"), r.get("hold")) for r in repeats]
     result = {"model": server.model, "device": args.device or "cpu", "cores": usable_cores(),
               "torch_threads": __import__("torch").get_num_threads(), "platform": platform.platform(),
               "tokens": args.tokens, "k": args.k, "users": args.users, "extra_body": extra, "repeats": repeats,
               "summary": spread(summaries),
               # the first repeat's rows under the names earlier versions wrote
-              "rows": repeats[0]["rows"], "flood": repeats[0].get("flood"), "floor": repeats[0]["floor"]}
+              "rows": repeats[0]["rows"], "flood": repeats[0].get("flood"), "hold": repeats[0].get("hold"),
+              "floor": repeats[0]["floor"]}
     for rep in repeats:
         _print(result, rep)
     _print_summary(result["summary"])
@@ -267,6 +280,11 @@ def _print(result: dict, rep: dict) -> None:
         long_ = f", {f['flood_question_chars']}-character prompts" if f.get("flood_question_chars", 0) > 200 else ""
         print(f"flood: {f['flood_requests']} text requests (k={f['flood_k']}{long_}) of tenant A, {shed}; tenant B's TTFT "
               f"{f['b_flood_ttft_ms']:.1f} ms vs {f['b_idle_ttft_ms']:.1f} ms idle ({f['ratio']:.2f}x)")
+    h = rep.get("hold")
+    if h:
+        print(f"hold: {h['flood_requests']} kv requests (k={h['flood_k']}) of {h['flood_tokens']} tokens of tenant A, "
+              f"one for each slot, {h['a_refused']} refused; tenant B's TTFT {h['b_flood_ttft_ms']:.1f} ms vs "
+              f"{h['b_idle_ttft_ms']:.1f} ms idle ({h['ratio']:.2f}x)")
 
 
 def _print_summary(summary: dict) -> None:

@@ -51,8 +51,9 @@ class Stream:
 class FloodSignals(TypedDict):
     """Shared between the bench and the flood's client process."""
 
-    refused: multiprocessing.sharedctypes.Synchronized  # A's requests refused so far
-    go: multiprocessing.synchronize.Event  # set by the bench: all of A's requests are in the engine or refused
+    # A's requests refused or answered so far (a short answer can end before the last of the burst is in)
+    ended: multiprocessing.sharedctypes.Synchronized
+    go: multiprocessing.synchronize.Event  # set by the bench: each of A's requests is in the engine or ended
     probed: multiprocessing.synchronize.Event  # set by the client: B's probes during the flood are done
 
 
@@ -71,18 +72,19 @@ def concurrent(url: str, model: str, mode: str, asks: list[tuple[str, str]], k: 
 
 
 def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: Callable[[], int],
-          words: int = 0) -> dict:
+          words: int = 0, mode: str = "text") -> dict:
     """Tenant A's flood and tenant B's probes, in a client process; ``in_engine()`` counts A's requests in the
     engine (read in the bench's process: no endpoint shows load to a tenant); ``words``: A's question comes after
-    that many words of a pasted document (``long_question``)."""
+    that many words of a pasted document (``long_question``); ``mode``: A's requests' (``kv``: a hold of the
+    slots, each answer ``tokens`` long)."""
     ctx = multiprocessing.get_context("spawn")
-    signals = FloodSignals(refused=ctx.Value("i", 0), go=ctx.Event(), probed=ctx.Event())
+    signals = FloodSignals(ended=ctx.Value("i", 0), go=ctx.Event(), probed=ctx.Event())
     seen: dict[str, int] = {}
 
     def watch() -> None:
         deadline = time.monotonic() + RESULT_TIMEOUT_S
         while not signals["go"].is_set() and time.monotonic() < deadline:
-            if in_engine() + signals["refused"].value >= requests:
+            if in_engine() + signals["ended"].value >= requests:
                 signals["go"].set()
             time.sleep(0.005)
         if signals["probed"].wait(RESULT_TIMEOUT_S):
@@ -91,7 +93,7 @@ def flood(url: str, model: str, k: int, tokens: int, requests: int, in_engine: C
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     steal0 = steal_s()
-    result = _spawned(_flood, url, model, k, tokens, requests, signals, long_question(words), ctx=ctx)
+    result = _spawned(_flood, url, model, k, tokens, requests, signals, long_question(words), mode, ctx=ctx)
     steal1 = steal_s()
     watcher.join(5)
     result["a_in_engine_after_probes"] = seen.get("after")
@@ -224,33 +226,34 @@ def long_question(words: int) -> str:
     return " ".join(filler[i % len(filler)] for i in range(words)) + "\n\n" + QUESTION
 
 
-async def _refusable(client, model: str, k: int, tokens: int, question: str, refused: list[float],
+async def _refusable(client, model: str, mode: str, k: int, tokens: int, question: str, refused: list[float],
                      signals: FloodSignals) -> None:
     """One of tenant A's flood requests; a refusal (429/503) is recorded as its seconds from sending."""
     from openai import APIStatusError
 
     t0 = time.perf_counter()
     try:
-        await _stream(client, model, "text", k, tokens, question)
+        await _stream(client, model, mode, k, tokens, question)
     except APIStatusError as e:
         if e.status_code not in (429, 503):
             raise
         refused.append(time.perf_counter() - t0)
-        with signals["refused"].get_lock():
-            signals["refused"].value += 1
+    finally:
+        with signals["ended"].get_lock():
+            signals["ended"].value += 1
 
 
 async def _flood(url: str, model: str, k: int, tokens: int, requests: int, signals: FloodSignals,
-                 question: str = QUESTION) -> dict:
-    """Tenant A sends ``requests`` long text prompts at once (``question`` after k memories); then tenant B sends
-    short kv requests, one token."""
+                 question: str = QUESTION, mode: str = "text") -> dict:
+    """Tenant A sends ``requests`` requests of ``mode`` at once (text: long prompts, ``question`` after k memories);
+    then tenant B sends short kv requests, one token."""
     from openai import AsyncOpenAI
 
     a = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-a"], max_retries=0, timeout=3600)
     b = AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["bench-b"], max_retries=0, timeout=3600)
     idle = [(await _stream(b, model, "kv", B_K, 1)).ttft_s for _ in range(PROBES)]
     refused: list[float] = []
-    flood_tasks = [asyncio.create_task(_refusable(a, model, k, tokens, question, refused, signals))
+    flood_tasks = [asyncio.create_task(_refusable(a, model, mode, k, tokens, question, refused, signals))
                    for _ in range(requests)]
     # Every one of A's requests is in the engine (running or queued) or refused before B asks.
     while not signals["go"].is_set():
@@ -261,7 +264,8 @@ async def _flood(url: str, model: str, k: int, tokens: int, requests: int, signa
     await a.close()
     await b.close()
     b_idle, b_flood = statistics.median(idle), statistics.median(during)
-    return {"flood_requests": requests, "flood_k": k, "flood_question_chars": len(question), "probes": PROBES,
+    return {"flood_requests": requests, "flood_mode": mode, "flood_tokens": tokens, "flood_k": k,
+            "flood_question_chars": len(question), "probes": PROBES,
             "b_idle_ttft_ms": b_idle * 1e3,
             "b_flood_ttft_ms": b_flood * 1e3, "b_flood_ttft_max_ms": max(during) * 1e3,
             "ratio": b_flood / b_idle, "a_refused": len(refused),

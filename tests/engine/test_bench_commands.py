@@ -99,7 +99,7 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
     """The load benchmark's smallest run: real server, official client, kv and text side by side, the flood."""
     out = tmp_path / "load.json"
     assert main(["bench", "load", "--model", str(model_dir), "--n", "1,2", "--tokens", "3", "-k", "2", "--flood",
-                 "--flood-requests", "2", "--users", "2", "--json", str(out)]) == 0
+                 "--flood-requests", "2", "--users", "2", "--hold", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["users"] == 2
     assert [(r["n"], r["mode"]) for r in result["rows"]] == [(1, "kv"), (1, "text"), (2, "kv"), (2, "text")]
@@ -132,6 +132,11 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
         assert (f"beside it: kv the engine's own decode steps inside the server (its step tally), 2 rows / 1 row = "
                 f"{engine['median']:.2f}x") in printed
     assert result["floor"]["floor_threads"] >= 1 and result["floor"]["torch_threads"] >= 1
+    # the hold: tenant A's kv answers, one for each of the flood server's slots, 4x --tokens long, none refused
+    hold = result["hold"]
+    assert (hold["flood_requests"], hold["flood_mode"], hold["flood_tokens"], hold["a_refused"]) == (64, "kv", 12, 0)
+    assert hold["b_flood_ttft_ms"] > 0 and summary["hold_ratio"]["median"] == hold["ratio"]
+    assert f"hold: 64 kv requests (k=2) of 12 tokens of tenant A, one for each slot, 0 refused; tenant B's TTFT" in printed
 
 
 def test_bench_load_streams_ask_as_their_users():
