@@ -173,6 +173,7 @@ def _summary(floor: dict, rows: list[dict], flood: dict | None, hold: dict | Non
         out["flood_refused_late"] = len(flood["a_refused_late_ms"])
     if hold:
         out["hold_ratio"] = hold["ratio"]
+        out["hold_refused_late"] = len(hold["a_refused_late_ms"])
     return out
 
 
@@ -216,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
                                          lambda: _in_engine(server), args.flood_words)
                 if args.hold:
                     rep["hold"] = flood(server.url, server.model, args.k, args.tokens * 4, HOLD_REQUESTS,
-                                        lambda: _in_engine(server), mode="kv")
+                                        lambda: _in_engine(server), mode="kv",
+                                        running=lambda: server.app.state.worker.active)
         finally:
             server.close()
     summaries = [_summary(r["floor"], r["rows"], r.get("flood"), r.get("hold")) for r in repeats]
@@ -269,12 +271,7 @@ def _print(result: dict, rep: dict) -> None:
               f"       {r['client_cores']:>7.2f}")
     f = rep.get("flood")
     if f:
-        shed = (f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
-                if f["a_refused"] else "none refused")
-        late = f["a_refused_late_ms"]
-        if late:
-            shed += f" ({len(late)} of them {LATE_REFUSAL_S:g} s or more after sending: " \
-                    f"{', '.join(f'{ms:.0f}' for ms in late)} ms)"
+        shed = _refusals(f)
         if f["host_steal_s"]:
             shed += f", the host took {f['host_steal_s']:.2f} s of CPU meanwhile (steal)"
         long_ = f", {f['flood_question_chars']}-character prompts" if f.get("flood_question_chars", 0) > 200 else ""
@@ -283,8 +280,20 @@ def _print(result: dict, rep: dict) -> None:
     h = rep.get("hold")
     if h:
         print(f"hold: {h['flood_requests']} kv requests (k={h['flood_k']}) of {h['flood_tokens']} tokens of tenant A, "
-              f"one for each slot, {h['a_refused']} refused; tenant B's TTFT {h['b_flood_ttft_ms']:.1f} ms vs "
+              f"one for each slot, {_refusals(h)}; tenant B's TTFT {h['b_flood_ttft_ms']:.1f} ms vs "
               f"{h['b_idle_ttft_ms']:.1f} ms idle ({h['ratio']:.2f}x)")
+
+
+def _refusals(f: dict) -> str:
+    """How many of tenant A's requests were refused, how soon, and which of them late."""
+    if not f["a_refused"]:
+        return "none refused"
+    text = f"{f['a_refused']} refused after {f['a_refused_p50_ms']:.0f} ms p50, {f['a_refused_max_ms']:.0f} max"
+    late = f["a_refused_late_ms"]
+    if late:
+        text += (f" ({len(late)} of them {LATE_REFUSAL_S:g} s or more after sending: "
+                 f"{', '.join(f'{ms:.0f}' for ms in late)} ms)")
+    return text
 
 
 def _print_summary(summary: dict) -> None:

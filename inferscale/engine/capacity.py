@@ -20,6 +20,9 @@ lock.
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Iterable
 from typing import Protocol
 
 from inferscale.errors import ConfigError, PromptTooLongError
@@ -103,6 +106,19 @@ class Capacity:
         return n == 0 or (_within(n + 1, self.slots, self.slot_reserve, tenants)
                           and _within(self.held_by(req.tenant) + tokens_held(req), self.tokens, self.token_reserve,
                                       tenants))
+
+    def seconds_until_room(self, req: Sized, tenants: int, ends: Iterable[tuple[float, Sized]]) -> float:
+        """When ``req`` fits if the running requests end as ``ends`` says (seconds from now, each with its request),
+        the soonest first: 0 if it fits now, inf if not even once all have ended."""
+        if self.fits(req, tenants):
+            return 0.0
+        trial = copy.copy(self)
+        trial._held = dict(self._held)
+        for seconds, running in sorted(ends, key=lambda end: end[0]):
+            trial.give(running)
+            if trial.fits(req, tenants):
+                return seconds
+        return math.inf
 
     def take(self, req: Sized) -> None:
         self._held[req.id] = (req.tenant, tokens_held(req))

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from inferscale.engine.scheduler import ScheduledRequest, Scheduler
+from inferscale.engine.scheduled import ScheduledRequest
+from inferscale.engine.scheduler import Scheduler
 
 
 class LayerPass(Protocol):

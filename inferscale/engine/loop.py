@@ -38,8 +38,8 @@ from inferscale.engine.interject import Interjector
 from inferscale.engine.promptbatch import next_piece, padded_groups
 from inferscale.engine.request import DoneEvent, ErrorEvent, Event, GenRequest, TokenEvent
 from inferscale.engine.sampling import find_stop, held_back, sample
-from inferscale.engine.scheduler import (NEWCOMER_PASS_TOKENS, NEWCOMER_STEP_SHARE, Arrival, ScheduledRequest,
-                                         Scheduler, SchedulerConfig)
+from inferscale.engine.scheduled import ScheduledRequest
+from inferscale.engine.scheduler import NEWCOMER_PASS_TOKENS, NEWCOMER_STEP_SHARE, Arrival, Scheduler, SchedulerConfig
 from inferscale.engine.slots import FIRST_CAPACITY, FIRST_SLOTS, SlotCache
 from inferscale.engine.spans import request_span
 from inferscale.engine.steptally import StepTally
@@ -385,6 +385,7 @@ class ServingLoop:
             self._finish(req, "stop")
             return
         req.output.append(token)
+        req.sched.generated = len(req.output)  # the scheduler predicts when it ends (stepcost.seconds_left)
         said = len(req.answer_text.text)
         grew = req.answer_text.add(token)
         now = time.perf_counter()

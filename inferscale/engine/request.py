@@ -11,7 +11,7 @@ import torch
 from inferscale.contract import DEFAULT_RECOMPUTE_RATIO
 from inferscale.engine.detokenize import AnswerText
 from inferscale.engine.sampling import Sampling
-from inferscale.engine.scheduler import ScheduledRequest
+from inferscale.engine.scheduled import ScheduledRequest
 from inferscale.kvformat import KVBlock
 
 if TYPE_CHECKING:  # the engine imports no OpenTelemetry at run time: the server hands its tracer in

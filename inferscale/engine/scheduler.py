@@ -31,43 +31,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from inferscale.engine.capacity import Capacity
+from inferscale.engine.scheduled import ScheduledRequest, SchedulerOutput
 from inferscale.engine.stepcost import StepCost, ewma
 from inferscale.engine.takein import Arrival, TakeIn
 from inferscale.errors import ConfigError, EngineBusyError
-
-
-@dataclass(eq=False)
-class ScheduledRequest:
-    """What the scheduler knows of a request: its tenant and its token counts."""
-
-    tenant: str
-    prompt_tokens: int  # all tokens before the first generated one (prefix + memories + question)
-    computed_tokens: int = 0  # already in the cache (the injected prefix and blocks count from the start)
-    new_tokens: int = 0  # the most it may generate: with its prompt, the K/V it holds while it runs (capacity.py)
-    payload: Any = None  # the engine's own request object; the scheduler never looks inside
-    arrived: float = field(default_factory=time.monotonic)
-    id: int = field(default_factory=itertools.count().__next__)
-    cancelled: bool = False
-
-    @property
-    def remaining_prompt(self) -> int:
-        return self.prompt_tokens - self.computed_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    decode: list[ScheduledRequest]  # advance one token each, in one batched pass
-    prefill: list[tuple[ScheduledRequest, int]]  # (request, number of prompt tokens to compute now)
-    admitted: list[ScheduledRequest]  # newly given a slot this step (the engine sets up their cache first)
-    expired: list[ScheduledRequest]  # waited longer than the queue timeout; never ran
-    cancelled: list[ScheduledRequest]  # cancelled by the client; the engine frees what they hold
-    # queued, but at the costs measured since they were accepted they would outwait the queue timeout: refused now
-    shed: list[ScheduledRequest] = field(default_factory=list)
-    pass_tokens: int | None = None  # the most padded prompt tokens one of the step's passes computes
 
 
 # Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
@@ -289,6 +259,8 @@ class Scheduler:
     def finish(self, req: ScheduledRequest) -> None:
         """``req`` is done (stopped, failed or cancelled): it leaves every list."""
         with self._lock:
+            if not req.cancelled and req.generated:  # an answer's length (a cancelled one says nothing of it)
+                self.cost.observe_answer(req.tenant, req.generated, req.new_tokens)
             self._remove(req)
 
     def drain(self) -> list[ScheduledRequest]:
@@ -334,7 +306,20 @@ class Scheduler:
     # ---- internals (lock held) ------------------------------------------------------------------------------
     def _room_for(self, req: ScheduledRequest) -> bool:
         """A slot is free and the K/V budget holds ``req`` beside the running requests, within its tenant's part."""
-        return self.capacity.fits(req, len({req.tenant, *self._prompt_tenants(), *(r.tenant for r in self._decoding)}))
+        return self.capacity.fits(req, self._tenants(req))
+
+    def _tenants(self, req: ScheduledRequest) -> int:
+        """Tenants with requests running or queued, ``req``'s included: how many share the capacity."""
+        return len({req.tenant, *self._prompt_tenants(), *(r.tenant for r in self._decoding)})
+
+    def _seconds_until_room(self, req: ScheduledRequest) -> float:
+        """Seconds until the capacity holds ``req``, as the running requests end when they are predicted to
+        (``StepCost.seconds_left``); 0 when it does now or before anything predicts them."""
+        running = [*self._decoding, *itertools.chain(*self._prefilling.values())]
+        ends = [(self.cost.seconds_left(r), r) for r in running]
+        if self._room_for(req) or any(s is None for s, _ in ends):
+            return 0.0
+        return self.capacity.seconds_until_room(req, self._tenants(req), ends)
 
     def _prompt_budget(self, decoding: int, newcomer: bool = False, lone: bool = False) -> int:
         """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at
@@ -456,15 +441,18 @@ class Scheduler:
 
     def _shed(self) -> list[ScheduledRequest]:
         """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on
-        a guess (its first, before its prompts were measured) is refused within steps, not after the timeout."""
+        a guess (its first, before its prompts were measured) is refused within steps, not after the timeout; so is
+        a queue whose first request waits for room (capacity.py) that the running requests' predicted ends would
+        not give it in time."""
         now, limit = self.clock(), self.config.queue_timeout_s
         work = self._prompt_work()
         shed = []
         for tenant, queue in self._waiting.items():
             ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
             drain = self._drain(tenant)
+            room = self._seconds_until_room(queue[0]) if queue else 0.0  # none of its queue starts before
             for req in list(queue):
-                if now - req.arrived + self._queue_seconds(tenant, ahead, work, drain) > limit:
+                if now - req.arrived + max(room, self._queue_seconds(tenant, ahead, work, drain)) > limit:
                     queue.remove(req)
                     shed.append(req)
                 else:

@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from inferscale.engine.scheduled import ScheduledRequest
+
 # Weight of the newest observation: a few steps follow a change of load (a flood starting) without one slow step
 # (a page fault, another process) swinging the estimate.
 SMOOTHING = 0.2
@@ -60,6 +62,11 @@ class StepCost:
     # ~2.25 s of wall time to compute where the passes priced it at ~1.57 s, so admission, and the shedding after
     # it, kept requests that then waited out the queue timeout, two of them refused 18 and 24 s late.
     overrun: float = 1.0
+    # Each tenant's answers' share of the tokens they may generate (``max_tokens``), as its answers end: what a
+    # running request is predicted to generate (``seconds_left``). All of them until one of the tenant's ended: a
+    # burst's first answers end at once or not at all before the queue timeout (a hold of every slot by 256-token
+    # answers: the requests beyond its part waited the timeout out, 30.5-30.8 s, and were refused then).
+    answer_share: dict[str, float] = field(default_factory=dict, repr=False)
 
     def observe_prefill(self, tokens: int, seconds: float, passes: int = 1, tenants: Iterable[str] = (),
                         taking_in: bool = False) -> None:
@@ -112,6 +119,22 @@ class StepCost:
             return prompt_tokens * token_s + (passes + decode_passes) * self.pass_s
         decode_s = self.decode_pass_s if self.decode_pass_s is not None else (self.shortest_pass_s or 0.0)
         return prompt_tokens * token_s + decode_passes * decode_s
+
+    def observe_answer(self, tenant: str, generated: int, new_tokens: int) -> None:
+        """One of ``tenant``'s answers ended after ``generated`` of the ``new_tokens`` it could have."""
+        if new_tokens > 0:
+            self.answer_share[tenant] = ewma(self.answer_share.pop(tenant, None), min(generated / new_tokens, 1.0))
+            while len(self.answer_share) > TENANTS_KEPT:
+                del self.answer_share[next(iter(self.answer_share))]
+
+    def seconds_left(self, req: ScheduledRequest) -> float | None:
+        """How long the running ``req`` is predicted to hold its slot and K/V: its prompt tokens still to compute and
+        the tokens its tenant's answers are seen to take (``answer_share``), at least one, at the measured costs;
+        None before a decode pass was measured."""
+        if self.decode_pass_s is None:
+            return None
+        tokens = max(math.ceil(self.answer_share.get(req.tenant, 1.0) * req.new_tokens) - req.generated, 1)
+        return tokens * self.decode_pass_s + req.remaining_prompt * (self.prompt_token_s or PROMPT_TOKEN_S_PRIOR)
 
     def prompt_tokens_within(self, seconds: float, decoding: bool, tenants: Iterable[str] = ()) -> int | None:
         """How many prompt tokens fit in ``seconds`` in one prompt pass (beside one decode pass when

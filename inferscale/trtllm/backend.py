@@ -34,7 +34,7 @@ from inferscale.engine.engine import Engine
 from inferscale.engine.capacity import Capacity, tokens_held
 from inferscale.engine.takein import Arrival
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
-from inferscale.engine.scheduler import ScheduledRequest
+from inferscale.engine.scheduled import ScheduledRequest
 from inferscale.engine.spans import request_span
 from inferscale.engine.steptally import StepKey, StepTotals
 from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, PromptSide

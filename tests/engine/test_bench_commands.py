@@ -136,7 +136,7 @@ def test_bench_load_json(model_dir, tmp_path, capsys):
     hold = result["hold"]
     assert (hold["flood_requests"], hold["flood_mode"], hold["flood_tokens"], hold["a_refused"]) == (64, "kv", 12, 0)
     assert hold["b_flood_ttft_ms"] > 0 and summary["hold_ratio"]["median"] == hold["ratio"]
-    assert "hold: 64 kv requests (k=2) of 12 tokens of tenant A, one for each slot, 0 refused; tenant B" in printed
+    assert "hold: 64 kv requests (k=2) of 12 tokens of tenant A, one for each slot, none refused; tenant B" in printed
 
 
 def test_bench_load_streams_ask_as_their_users():

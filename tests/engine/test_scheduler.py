@@ -251,6 +251,40 @@ def test_a_tenant_filling_the_slots_leaves_one_for_another_tenants_request():
     assert s.schedule().admitted == a[7:8] and s.capacity.running("a") == 3 and s.num_waiting == 1
 
 
+def test_a_queue_waiting_for_room_the_running_answers_would_not_give_in_time_is_refused_now():
+    """A tenant's burst of long answers past its part of the slots: the requests beyond it would wait for the first
+    of its answers to end, after the queue timeout (through the server they were refused then, 30.5-30.8 s late).
+    Refused within a step instead; kept where the tenant's answers are seen to end sooner."""
+    def burst(answer_share: float | None) -> tuple[Scheduler, list[ScheduledRequest], list[ScheduledRequest]]:
+        s = Scheduler(SchedulerConfig(max_running=8, queue_timeout_s=30))
+        s.cost.observe_decode(0.1)  # a decode pass: 400 tokens are 40 s
+        if answer_share is not None:
+            done = ScheduledRequest("a", 4, new_tokens=400)
+            done.generated = round(answer_share * 400)
+            s.finish(done)
+        a = [ScheduledRequest("a", 4, new_tokens=400) for _ in range(9)]
+        for r in a:
+            s.add(r)
+        shed = []
+        for _ in range(10):
+            out = s.schedule()
+            run_prefill(s, out)
+            shed += out.shed
+        return s, a, shed
+
+    s, a, shed = burst(None)  # none of a's answers ended yet: each may take all of its 400 tokens
+    assert shed == a[7:] and s.num_running == 7 and s.num_waiting == 0
+    s, a, shed = burst(0.1)  # its answers end after 40 tokens: 4 s
+    assert shed == [] and s.num_waiting == 2
+    for r in a[:7]:
+        r.generated = 39
+    run_prefill(s, s.schedule())
+    assert s.num_waiting == 2  # one token left each, not none: still waiting, not refused
+    cancelled = ScheduledRequest("a", 4, new_tokens=400, cancelled=True)
+    s.finish(cancelled)  # a cancelled answer says nothing of how long answers are
+    assert s.cost.answer_share["a"] == pytest.approx(0.1)
+
+
 def test_take_newcomer_leaves_a_request_the_kv_budget_does_not_hold():
     s = Scheduler(SchedulerConfig(kv_tokens=64))
     a, b = ScheduledRequest("a", 40, new_tokens=8), ScheduledRequest("b", 20, new_tokens=8)
