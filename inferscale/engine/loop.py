@@ -150,7 +150,7 @@ class ServingLoop:
             self._decode(decode)
             took = time.perf_counter() - t1 - self.interject.take_elapsed() - (self.slots.grown_s - grown_at_decode)
             self.threads.after_decode(len(decode), took)
-            cost.observe_decode(took)
+            cost.observe_decode(took, len(decode))
         self._settle()  # rows wait until no pass is paused; none decodes before the next step
         waited = time.perf_counter() - t0  # what the rows waited, a growth included: the tally's
         took = waited - (self.slots.grown_s - grown_s)  # a growth is no step's cost (slots.py)

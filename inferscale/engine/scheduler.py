@@ -316,7 +316,7 @@ class Scheduler:
         """Seconds until the capacity holds ``req``, as the running requests end when they are predicted to
         (``StepCost.seconds_left``); 0 when it does now or before anything predicts them."""
         running = [*self._decoding, *itertools.chain(*self._prefilling.values())]
-        ends = [(self.cost.seconds_left(r), r) for r in running]
+        ends = [(self.cost.seconds_left(r, len(running)), r) for r in running]
         if self._room_for(req) or any(s is None for s, _ in ends):
             return 0.0
         return self.capacity.seconds_until_room(req, self._tenants(req), ends)

@@ -44,6 +44,9 @@ class StepCost:
     # token in a pass costs (the fetch planner's recompute cost too: recomputed tokens ride in the question's pass)
     prompt_token_s: float | None = None
     decode_pass_s: float | None = None  # seconds of one batched decode pass at the current batch size
+    # seconds each decode row adds to a pass beyond its fixed part (``pass_s``): what a pass of the rows running
+    # now will take, where the moving average still follows the smaller batches before them (``decode_seconds``)
+    decode_row_s: float | None = None
     # the fastest decode pass seen: the fixed part of any pass (a prompt pass reads every weight as it does);
     # None before a decode pass was measured (a prompt token then costs what its passes cost, fixed part and all)
     pass_s: float | None = None
@@ -93,10 +96,19 @@ class StepCost:
             per_pass = seconds / max(passes, 1)
             self.shortest_pass_s = min(self.shortest_pass_s or per_pass, per_pass)
 
-    def observe_decode(self, seconds: float) -> None:
+    def observe_decode(self, seconds: float, rows: int = 1) -> None:
         if seconds > 0:
             self.decode_pass_s = ewma(self.decode_pass_s, seconds)
             self.pass_s = min(self.pass_s or seconds, seconds)
+            if rows > 1:
+                self.decode_row_s = ewma(self.decode_row_s, max(seconds - self.pass_s, 0.0) / (rows - 1))
+
+    def decode_seconds(self, rows: int) -> float | None:
+        """A decode pass of ``rows`` rows: the fixed part and each row's, once passes of more than one row were
+        measured, else the moving average; None before any."""
+        if self.decode_row_s is None or self.pass_s is None:
+            return self.decode_pass_s
+        return self.pass_s + max(rows - 1, 0) * self.decode_row_s
 
     def observe_step(self, seconds: float, prompt_tokens: int, passes: int, decoded: bool,
                      taking_in: bool = False) -> None:
@@ -127,14 +139,15 @@ class StepCost:
             while len(self.answer_share) > TENANTS_KEPT:
                 del self.answer_share[next(iter(self.answer_share))]
 
-    def seconds_left(self, req: ScheduledRequest) -> float | None:
+    def seconds_left(self, req: ScheduledRequest, rows: int) -> float | None:
         """How long the running ``req`` is predicted to hold its slot and K/V: its prompt tokens still to compute and
-        the tokens its tenant's answers are seen to take (``answer_share``), at least one, at the measured costs;
-        None before a decode pass was measured."""
-        if self.decode_pass_s is None:
+        the tokens its tenant's answers are seen to take (``answer_share``), at least one, in decode passes of
+        ``rows`` rows; None before a decode pass was measured."""
+        decode_s = self.decode_seconds(rows)
+        if decode_s is None:
             return None
         tokens = max(math.ceil(self.answer_share.get(req.tenant, 1.0) * req.new_tokens) - req.generated, 1)
-        return tokens * self.decode_pass_s + req.remaining_prompt * (self.prompt_token_s or PROMPT_TOKEN_S_PRIOR)
+        return tokens * decode_s + req.remaining_prompt * (self.prompt_token_s or PROMPT_TOKEN_S_PRIOR)
 
     def prompt_tokens_within(self, seconds: float, decoding: bool, tenants: Iterable[str] = ()) -> int | None:
         """How many prompt tokens fit in ``seconds`` in one prompt pass (beside one decode pass when

@@ -285,6 +285,18 @@ def test_a_queue_waiting_for_room_the_running_answers_would_not_give_in_time_is_
     assert s.cost.answer_share["a"] == pytest.approx(0.1)
 
 
+def test_a_decode_pass_is_predicted_at_the_rows_that_run_now():
+    """A burst admitted: the moving average still follows the small batches before it, where a pass of the rows
+    running now costs each row's part too (a queue's wait for room is predicted with it)."""
+    cost = StepCost()
+    cost.observe_decode(0.02)
+    cost.observe_decode(0.02 + 15 * 0.002, rows=16)
+    assert cost.decode_seconds(56) == pytest.approx(0.02 + 55 * 0.002) and cost.decode_pass_s < 0.04
+    req = ScheduledRequest("a", 4, computed_tokens=4, new_tokens=100)
+    req.generated = 60
+    assert cost.seconds_left(req, 56) == pytest.approx(40 * (0.02 + 55 * 0.002))  # all 100, until answers end
+
+
 def test_take_newcomer_leaves_a_request_the_kv_budget_does_not_hold():
     s = Scheduler(SchedulerConfig(kv_tokens=64))
     a, b = ScheduledRequest("a", 40, new_tokens=8), ScheduledRequest("b", 20, new_tokens=8)
