@@ -107,13 +107,18 @@ class Capacity:
                           and _within(self.held_by(req.tenant) + tokens_held(req), self.tokens, self.token_reserve,
                                       tenants))
 
+    def copy(self) -> Capacity:
+        """The same capacity holding the same requests: admissions and ends tried on it leave this one as it is."""
+        trial = copy.copy(self)
+        trial._held = dict(self._held)
+        return trial
+
     def seconds_until_room(self, req: Sized, tenants: int, ends: Iterable[tuple[float, Sized]]) -> float:
         """When ``req`` fits if the running requests end as ``ends`` says (seconds from now, each with its request),
         the soonest first: 0 if it fits now, inf if not even once all have ended."""
         if self.fits(req, tenants):
             return 0.0
-        trial = copy.copy(self)
-        trial._held = dict(self._held)
+        trial = self.copy()
         for seconds, running in sorted(ends, key=lambda end: end[0]):
             trial.give(running)
             if trial.fits(req, tenants):

@@ -312,14 +312,24 @@ class Scheduler:
         """Tenants with requests running or queued, ``req``'s included: how many share the capacity."""
         return len({req.tenant, *self._prompt_tenants(), *(r.tenant for r in self._decoding)})
 
-    def _seconds_until_room(self, req: ScheduledRequest) -> float:
-        """Seconds until the capacity holds ``req``, as the running requests end when they are predicted to
-        (``StepCost.seconds_left``); 0 when it does now or before anything predicts them."""
+    def _room_waits(self, queue: deque[ScheduledRequest]) -> list[float]:
+        """Seconds until each of a tenant's queued requests gets room (capacity.py), in order: those ahead of it
+        admitted while they fit, the running ones and those ending when predicted (``StepCost.seconds_left``, in
+        passes of the rows that run once the queues are in); all 0 before anything predicts them."""
         running = [*self._decoding, *itertools.chain(*self._prefilling.values())]
-        ends = [(self.cost.seconds_left(r, len(running)), r) for r in running]
-        if self._room_for(req) or any(s is None for s, _ in ends):
-            return 0.0
-        return self.capacity.seconds_until_room(req, self._tenants(req), ends)
+        rows = min(self.config.max_running, len(running) + self.num_waiting)
+        left = [self.cost.seconds_left(r, rows) for r in [*running, *queue]]
+        if not queue or None in left:
+            return [0.0] * len(queue)
+        trial, ends, tenants = self.capacity.copy(), list(zip(left, running)), self._tenants(queue[0])
+        waits: list[float] = []
+        for req, req_left in zip(queue, left[len(running):]):
+            wait = max([trial.seconds_until_room(req, tenants, ends), *waits[-1:]])  # FIFO: not before those ahead
+            if wait == 0.0:
+                trial.take(req)
+                ends.append((req_left, req))
+            waits.append(wait)
+        return waits
 
     def _prompt_budget(self, decoding: int, newcomer: bool = False, lone: bool = False) -> int:
         """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at
@@ -450,8 +460,7 @@ class Scheduler:
         for tenant, queue in self._waiting.items():
             ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
             drain = self._drain(tenant)
-            room = self._seconds_until_room(queue[0]) if queue else 0.0  # none of its queue starts before
-            for req in list(queue):
+            for req, room in zip(list(queue), self._room_waits(queue)):
                 if now - req.arrived + max(room, self._queue_seconds(tenant, ahead, work, drain)) > limit:
                     queue.remove(req)
                     shed.append(req)
