@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -62,17 +63,16 @@ class Capacity:
         self.slot_reserve = _reserve(slots, slot_reserve, 8, "slots")
         self.token_reserve = _reserve(tokens, token_reserve, 2, "K/V tokens")
         self._held: dict[int, tuple[str, int]] = {}  # request id -> (its tenant, K/V tokens held)
-
-    @property
-    def held(self) -> int:
-        """K/V tokens the running requests hold."""
-        return sum(n for _, n in self._held.values())
+        # the same summed, kept as requests come and go: admission asks them for every queue at every step
+        self.held = 0  # K/V tokens the running requests hold
+        self._tokens: Counter[str] = Counter()  # tenant -> K/V tokens its running requests hold
+        self._running: Counter[str] = Counter()  # tenant -> its running requests
 
     def held_by(self, tenant: str) -> int:
-        return sum(n for t, n in self._held.values() if t == tenant)
+        return self._tokens[tenant]
 
     def running(self, tenant: str) -> int:
-        return sum(1 for t, _ in self._held.values() if t == tenant)
+        return self._running[tenant]
 
     def room(self) -> int | None:
         """K/V tokens the budget leaves beside what the running requests hold (None: no bound)."""
@@ -110,7 +110,7 @@ class Capacity:
     def copy(self) -> Capacity:
         """The same capacity holding the same requests: admissions and ends tried on it leave this one as it is."""
         trial = copy.copy(self)
-        trial._held = dict(self._held)
+        trial._held, trial._tokens, trial._running = dict(self._held), self._tokens.copy(), self._running.copy()
         return trial
 
     def seconds_until_room(self, req: Sized, tenants: int, ends: Iterable[tuple[float, Sized]]) -> float:
@@ -126,11 +126,25 @@ class Capacity:
         return math.inf
 
     def take(self, req: Sized) -> None:
+        self.give(req)  # (taken again: counted once)
         self._held[req.id] = (req.tenant, tokens_held(req))
+        self.held += tokens_held(req)
+        self._tokens[req.tenant] += tokens_held(req)
+        self._running[req.tenant] += 1
 
     def give(self, req: Sized) -> None:
         """``req`` no longer runs (idempotent)."""
-        self._held.pop(req.id, None)
+        held = self._held.pop(req.id, None)
+        if held is not None:
+            tenant, tokens = held
+            self.held -= tokens
+            self._tokens[tenant] -= tokens
+            self._running[tenant] -= 1
+            if not self._running[tenant]:
+                del self._tokens[tenant], self._running[tenant]
 
     def clear(self) -> None:
         self._held.clear()
+        self._tokens.clear()
+        self._running.clear()
+        self.held = 0

@@ -314,22 +314,21 @@ class Scheduler:
 
     def _room_waits(self, queue: deque[ScheduledRequest]) -> list[float]:
         """Seconds until each of a tenant's queued requests gets room (capacity.py), in order: those ahead of it
-        admitted while they fit, the running ones and those ending when predicted (``StepCost.seconds_left``, in
-        passes of the rows that run once the queues are in); all 0 before anything predicts them."""
+        admitted while they fit; the first that does not, and all behind it (FIFO), wait for the running ones and
+        those to end when predicted (``StepCost.seconds_left``, in passes of the rows that run once the queues are
+        in); all 0 before anything predicts them. One such wait a queue: every step asks it of every queue."""
         running = [*self._decoding, *itertools.chain(*self._prefilling.values())]
         rows = min(self.config.max_running, len(running) + self.num_waiting)
         left = [self.cost.seconds_left(r, rows) for r in [*running, *queue]]
         if not queue or None in left:
             return [0.0] * len(queue)
         trial, ends, tenants = self.capacity.copy(), list(zip(left, running)), self._tenants(queue[0])
-        waits: list[float] = []
-        for req, req_left in zip(queue, left[len(running):]):
-            wait = max([trial.seconds_until_room(req, tenants, ends), *waits[-1:]])  # FIFO: not before those ahead
-            if wait == 0.0:
-                trial.take(req)
-                ends.append((req_left, req))
-            waits.append(wait)
-        return waits
+        for i, (req, req_left) in enumerate(zip(queue, left[len(running):])):
+            if not trial.fits(req, tenants):
+                return [0.0] * i + [trial.seconds_until_room(req, tenants, ends)] * (len(queue) - i)
+            trial.take(req)
+            ends.append((req_left, req))
+        return [0.0] * len(queue)
 
     def _prompt_budget(self, decoding: int, newcomer: bool = False, lone: bool = False) -> int:
         """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at
