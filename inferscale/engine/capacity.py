@@ -23,8 +23,8 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypeVar
 
 from inferscale.errors import ConfigError, PromptTooLongError
 
@@ -34,6 +34,9 @@ class Sized(Protocol):
     tenant: str
     prompt_tokens: int
     new_tokens: int
+
+
+R = TypeVar("R", bound=Sized)
 
 
 def tokens_held(req: Sized) -> int:
@@ -91,7 +94,7 @@ class Capacity:
                                      f"requests ({self.tokens}); ask for fewer memories, a shorter prompt or fewer "
                                      f"tokens")
 
-    def fits(self, req: Sized, tenants: int = 1) -> bool:
+    def fits(self, req: Sized, tenants: int) -> bool:
         """A slot is free and the K/V budget holds ``req`` beside the running requests, within its tenant's part
         (``within_part``)."""
         return ((self.slots is None or len(self._held) < self.slots)
@@ -124,6 +127,19 @@ class Capacity:
             if trial.fits(req, tenants):
                 return seconds
         return math.inf
+
+    def room_waits(self, queue: Sequence[R], tenants: int, ends: list[tuple[float, R]],
+                   seconds_left: Callable[[R], float]) -> list[float]:
+        """Seconds until each of a tenant's queued requests gets room, in order, if the running requests end as
+        ``ends`` says: those ahead of it admitted while they fit (each then ending ``seconds_left`` of it later);
+        the first that does not, and all behind it (FIFO), wait for those ends."""
+        trial, ends = self.copy(), list(ends)
+        for i, req in enumerate(queue):
+            if not trial.fits(req, tenants):
+                return [0.0] * i + [trial.seconds_until_room(req, tenants, ends)] * (len(queue) - i)
+            trial.take(req)
+            ends.append((seconds_left(req), req))
+        return [0.0] * len(queue)
 
     def take(self, req: Sized) -> None:
         self.give(req)  # (taken again: counted once)

@@ -25,6 +25,7 @@ from any thread, ``schedule``/``finish``/``take_newcomer`` from the engine threa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -312,23 +313,15 @@ class Scheduler:
         """Tenants with requests running or queued, ``req``'s included: how many share the capacity."""
         return len({req.tenant, *self._prompt_tenants(), *(r.tenant for r in self._decoding)})
 
-    def _room_waits(self, queue: deque[ScheduledRequest]) -> list[float]:
-        """Seconds until each of a tenant's queued requests gets room (capacity.py), in order: those ahead of it
-        admitted while they fit; the first that does not, and all behind it (FIFO), wait for the running ones and
-        those to end when predicted (``StepCost.seconds_left``, in passes of the rows that run once the queues are
-        in); all 0 before anything predicts them. One such wait a queue: every step asks it of every queue."""
+    def _running_ends(self) -> tuple[list[tuple[float, ScheduledRequest]], Callable[..., float]] | None:
+        """When each running request is predicted to end, and what predicts it (``StepCost.seconds_left``, in decode
+        passes of the rows that run once the queues are in); None before anything predicts them."""
         running = [*self._decoding, *itertools.chain(*self._prefilling.values())]
         rows = min(self.config.max_running, len(running) + self.num_waiting)
-        left = [self.cost.seconds_left(r, rows) for r in [*running, *queue]]
-        if not queue or None in left:
-            return [0.0] * len(queue)
-        trial, ends, tenants = self.capacity.copy(), list(zip(left, running)), self._tenants(queue[0])
-        for i, (req, req_left) in enumerate(zip(queue, left[len(running):])):
-            if not trial.fits(req, tenants):
-                return [0.0] * i + [trial.seconds_until_room(req, tenants, ends)] * (len(queue) - i)
-            trial.take(req)
-            ends.append((req_left, req))
-        return [0.0] * len(queue)
+        if self.cost.decode_seconds(rows) is None:
+            return None
+        left = functools.partial(self.cost.seconds_left, rows=rows)
+        return [(left(r), r) for r in running], left
 
     def _prompt_budget(self, decoding: int, newcomer: bool = False, lone: bool = False) -> int:
         """Prompt tokens this step may compute: the token budget left by the decode rows (a quarter of it at
@@ -454,12 +447,13 @@ class Scheduler:
         a queue whose first request waits for room (capacity.py) that the running requests' predicted ends would
         not give it in time."""
         now, limit = self.clock(), self.config.queue_timeout_s
-        work = self._prompt_work()
+        work, running = self._prompt_work(), self._running_ends() if self.num_waiting else None
         shed = []
         for tenant, queue in self._waiting.items():
             ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
             drain = self._drain(tenant)
-            for req, room in zip(list(queue), self._room_waits(queue)):
+            rooms = self.capacity.room_waits(queue, self._tenants(queue[0]), *running) if queue and running else ()
+            for req, room in itertools.zip_longest(list(queue), rooms, fillvalue=0.0):
                 if now - req.arrived + max(room, self._queue_seconds(tenant, ahead, work, drain)) > limit:
                     queue.remove(req)
                     shed.append(req)

@@ -88,10 +88,8 @@ class StepCost:
             replace = self._fixed_part_unknown and self.pass_s is not None
             self.prompt_token_s = learn(None if replace else self.prompt_token_s, marginal, weight, taking_in)
             for tenant in tenants:
-                old = None if replace else self.tenant_token_s.pop(tenant, None)
-                self.tenant_token_s[tenant] = learn(old, marginal, weight, taking_in)  # re-inserted: the newest last
-            while len(self.tenant_token_s) > TENANTS_KEPT:
-                del self.tenant_token_s[next(iter(self.tenant_token_s))]
+                old = None if replace else self.tenant_token_s.get(tenant)
+                remember(self.tenant_token_s, tenant, learn(old, marginal, weight, taking_in))
             self._fixed_part_unknown = self.pass_s is None
             per_pass = seconds / max(passes, 1)
             self.shortest_pass_s = min(self.shortest_pass_s or per_pass, per_pass)
@@ -135,9 +133,7 @@ class StepCost:
     def observe_answer(self, tenant: str, generated: int, new_tokens: int) -> None:
         """One of ``tenant``'s answers ended after ``generated`` of the ``new_tokens`` it could have."""
         if new_tokens > 0:
-            self.answer_share[tenant] = ewma(self.answer_share.pop(tenant, None), min(generated / new_tokens, 1.0))
-            while len(self.answer_share) > TENANTS_KEPT:
-                del self.answer_share[next(iter(self.answer_share))]
+            remember(self.answer_share, tenant, ewma(self.answer_share.get(tenant), min(generated / new_tokens, 1.0)))
 
     def seconds_left(self, req: ScheduledRequest, rows: int) -> float | None:
         """How long the running ``req`` is predicted to hold its slot and K/V: its prompt tokens still to compute and
@@ -175,6 +171,15 @@ class StepCost:
 def ewma(old: float | None, new: float, weight: float = SMOOTHING) -> float:
     """The moving average after ``new`` (``old`` None: the first observation)."""
     return new if old is None else old + weight * (new - old)
+
+
+def remember(table: dict[str, float], tenant: str, value: float) -> None:
+    """``tenant``'s ``value`` into ``table``, re-inserted as its newest entry; the oldest go past TENANTS_KEPT (a
+    tenant not seen for that many others is measured anew)."""
+    table.pop(tenant, None)
+    table[tenant] = value
+    while len(table) > TENANTS_KEPT:
+        del table[next(iter(table))]
 
 
 def learn(old: float | None, new: float, weight: float, taking_in: bool) -> float:

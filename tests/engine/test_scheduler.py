@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections import deque
 
 import pytest
 
+from inferscale.engine.capacity import Capacity
 from inferscale.engine.scheduler import (NEWCOMER_STEP_SHARE, SHED_AT, SHED_AT_UNMEASURED, ScheduledRequest, Scheduler,
                                          SchedulerConfig)
+from inferscale.engine import stepcost
 from inferscale.engine.stepcost import StepCost
 from inferscale.errors import ConfigError, EngineBusyError, PromptTooLongError
 
@@ -283,6 +287,30 @@ def test_a_queue_waiting_for_room_the_running_answers_would_not_give_in_time_is_
     cancelled = ScheduledRequest("a", 4, new_tokens=400, cancelled=True)
     s.finish(cancelled)  # a cancelled answer says nothing of how long answers are
     assert s.cost.answer_share["a"] == pytest.approx(0.1)
+
+
+def test_a_queued_request_gets_room_when_those_ahead_are_admitted_and_the_soonest_end_gives_it():
+    """Capacity.room_waits: the queue's first requests are admitted while they fit (each then ending as predicted);
+    the first that does not, and those behind it (FIFO), wait for the soonest end that makes room."""
+    capacity = Capacity(2, None, slot_reserve=0)
+    running = ScheduledRequest("a", 4, new_tokens=10)
+    capacity.take(running)
+    queue = deque(ScheduledRequest("a", 4, new_tokens=10) for _ in range(3))
+    assert capacity.room_waits(queue, 1, [(10.0, running)], lambda r: 3.0) == [0.0, 3.0, 3.0]  # queue[0]'s end
+    assert capacity.room_waits(queue, 1, [(1.0, running)], lambda r: 3.0) == [0.0, 1.0, 1.0]
+    assert capacity.running("a") == 1  # tried on a copy
+    assert Capacity(1, 10, slot_reserve=0, token_reserve=0).room_waits(
+        deque([ScheduledRequest("a", 8, new_tokens=8)]), 1, [], lambda r: 1.0) == [math.inf]  # never fits
+
+
+def test_the_costs_kept_by_tenant_forget_the_tenant_seen_longest_ago(monkeypatch):
+    """Per-tenant estimates are bounded (TENANTS_KEPT): a tenant seen again becomes the newest, the oldest goes."""
+    monkeypatch.setattr(stepcost, "TENANTS_KEPT", 2)
+    cost = StepCost()
+    for tenant in ("a", "b", "a", "c"):
+        cost.observe_prefill(64, 0.064, tenants=[tenant])
+        cost.observe_answer(tenant, 10, 100)
+    assert list(cost.tenant_token_s) == ["a", "c"] and list(cost.answer_share) == ["a", "c"]
 
 
 def test_a_decode_pass_is_predicted_at_the_rows_that_run_now():
