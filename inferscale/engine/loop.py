@@ -197,18 +197,9 @@ class ServingLoop:
             req.length = kv.shape[3]
             self._prompt_done(req, logits)
             return
-        if req.mode == "text":
-            kv = eng.prefix_kv
-            req.pending = [t for b in req.blocks for t in b.token_ids] + list(req.ids)
-        elif req.blocks:  # straight into the slot, each layer group windowed: flat in k
-            req.length = inject_into_slot(self.slots, req.slot, eng.prefix_kv, req.blocks, eng.loaded.layout)
-            req.pending = list(req.recompute_ids) + list(req.ids)  # computed behind the injected blocks, chunked
-            return
-        else:
-            kv = eng.prefix_kv
-            req.pending = list(req.recompute_ids) + list(req.ids)
-        self.slots.write(req.slot, kv)
-        req.length = kv.shape[3]
+        # text computes its memories' tokens, kv what it recomputes behind the injected blocks; chunked
+        memory = [t for b in req.blocks for t in b.token_ids] if req.mode == "text" else list(req.recompute_ids)
+        req.pending, req.slot_filled = memory + list(req.ids), False  # filled before its first prompt pass (_fill)
 
     def _prefill(self, chunks: list[tuple[GenRequest, int]], pass_tokens: int | None) -> tuple[int, int]:
         """Compute the step's prompt chunks (request, tokens) in padded groups, one forward pass each (promptbatch)
@@ -231,6 +222,8 @@ class ServingLoop:
                         return done, passes
                     self._refuse(self.scheduler.shed_queued())
                 first = False
+                for r in [pieces[i][0] for i in group if not pieces[i][0].slot_filled and pieces[i][0].slot >= 0]:
+                    self._guarded(r, self._fill)
                 batch = [pieces[i] for i in group if pieces[i][0].slot >= 0]  # not failed by an earlier group
                 t0, taking_in, grown_s = time.perf_counter(), self.scheduler.taking_in(), self.slots.grown_s
                 if len(batch) == 1:
@@ -244,6 +237,19 @@ class ServingLoop:
                 done, passes = done + computed, passes + 1
             chunks = [(r, n - m) for (r, n), (_, m) in zip(chunks, pieces) if n > m and r.slot >= 0 and r.pending]
         return done, passes
+
+    def _fill(self, req: GenRequest) -> None:
+        """``req``'s slot gets the prefix, and in kv modes its blocks (each layer group windowed: flat in k), right
+        before its first prompt pass: a burst's admissions filled at once held up the step for every tenant (a fresh
+        server's first burst of k=20 requests, 15-16 of them in 200-250 ms, first touches of pages), where between
+        passes another tenant's request on its way goes first (``Scheduler.interrupted``)."""
+        eng = self.engine
+        if req.mode != "text" and req.blocks:
+            req.length = inject_into_slot(self.slots, req.slot, eng.prefix_kv, req.blocks, eng.loaded.layout)
+        else:
+            self.slots.write(req.slot, eng.prefix_kv)
+            req.length = eng.prefix_kv.shape[3]
+        req.slot_filled = True
 
     def _prefill_batch(self, batch: list[tuple[GenRequest, int]]) -> int:
         """One forward pass over several requests' next prompt chunks: each a row, padded to the longest with

@@ -69,6 +69,7 @@ class GenRequest:
     slot: int = -1
     length: int = 0  # tokens in the slot
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet computed
+    slot_filled: bool = True  # the prefix (and kv blocks) are in its slot: at admission False (ServingLoop._fill)
     output: list[int] = field(default_factory=list)  # generated tokens, stop token excluded
     last: int | None = None  # the token the next decode step feeds
     first_token: int | None = None
