@@ -105,12 +105,12 @@ class ServingLoop:
                                      f"the model's context of {limit}")
         computed = p if req.mode == "text" else p + memory
         req.sched = ScheduledRequest(tenant=req.tenant, prompt_tokens=total, computed_tokens=computed,
-                                     new_tokens=req.sampling.max_new_tokens, payload=req)
+                                     new_tokens=req.sampling.max_new_tokens, payload=req, kind=req.mode)
         self.scheduler.add(req.sched)
 
-    def expect(self, tenant: str, prompt_tokens: int = 0) -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> Arrival:
         """Announce a request of ``tenant`` before its blocks are fetched (Scheduler.expect: refused early)."""
-        return self.scheduler.expect(tenant, prompt_tokens)
+        return self.scheduler.expect(tenant, prompt_tokens, mode)
 
     @property
     def active(self) -> int:

@@ -113,8 +113,9 @@ class Scheduler:
         self._steps = 0
         self.cost = StepCost()  # the loop reports what its steps took
         # tenant -> the prompt tokens known of each request announced by ``expect`` and not added yet
-        self._arriving: dict[str, list[int]] = {}
-        self._typical_prompt: dict[str, float] = {}  # tenant -> moving average of its prompts' tokens to compute
+        self._arriving: dict[str, list[tuple[int, str]]] = {}  # with the kind of each (ScheduledRequest.kind)
+        # (tenant, kind) -> moving average of its prompts' tokens to compute; by kind: by tenant alone, a tenant's kv
+        self._typical_prompt: dict[tuple[str, str], float] = {}  # questions after its text flood counted ~2,000 each
         self._take_in = TakeIn(clock)
         c = self.config  # what the running requests hold, slots and K/V: admission waits for room
         self.capacity = Capacity(c.max_running, c.kv_tokens, c.running_reserve, c.kv_reserve_tokens)
@@ -131,32 +132,33 @@ class Scheduler:
                                       f"{self.config.max_queued_per_tenant}); retry later",
                                       retry_after_s=self.retry_after_s())
             # Its own size first: in a tenant's first burst the requests still arriving count at its size, not none.
-            self._typical_prompt[req.tenant] = ewma(self._typical_prompt.get(req.tenant), req.remaining_prompt)
+            key = req.tenant, req.kind
+            self._typical_prompt[key] = ewma(self._typical_prompt.get(key), req.remaining_prompt)
             self._refuse_a_long_wait(req.tenant)
             req.arrived = self.clock()
             self._waiting.setdefault(req.tenant, deque()).append(req)
 
-    def expect(self, tenant: str, prompt_tokens: int = 0) -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0, kind: str = "") -> Arrival:
         """A request of ``tenant`` is on its way (retrieval and KV fetch come before ``add``): EngineBusyError now
         when the tenant's queue would outwait the timeout, before any work is spent on it. Until the arrival is
         closed (just before ``add``, or when the request fails) it counts in every prediction at the tenant's
-        typical prompt or at ``prompt_tokens`` (what is known of its own: the question's tokens, and a text
+        typical prompt of its ``kind`` or at ``prompt_tokens`` (what is known of its own: the question's tokens, and a text
         request's memories at the user's mean size), whichever is more, so a burst is refused on arrival, not
         after its retrievals, its first one included: 32 prompts of ~2,000 tokens announced at once were counted
         at nothing, retrieved, and refused only when added, 0.7-1.1 s later."""
         with self._lock:
             self._refuse_a_long_wait(tenant)
             self._take_in.spend(bool(self._arriving))
-            self._arriving.setdefault(tenant, []).append(prompt_tokens)
-        return Arrival(self, tenant, prompt_tokens)
+            self._arriving.setdefault(tenant, []).append((prompt_tokens, kind))
+        return Arrival(self, tenant, prompt_tokens, kind)
 
-    def arrived(self, tenant: str, prompt_tokens: int = 0) -> None:
+    def arrived(self, tenant: str, prompt_tokens: int = 0, kind: str = "") -> None:
         """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
         with self._lock:
             self._take_in.spend(bool(self._arriving))
             arriving = self._arriving.get(tenant, [])
-            if prompt_tokens in arriving:
-                arriving.remove(prompt_tokens)
+            if (prompt_tokens, kind) in arriving:
+                arriving.remove((prompt_tokens, kind))
             if not arriving:
                 self._arriving.pop(tenant, None)
 
@@ -395,8 +397,8 @@ class Scheduler:
         """Seconds until a request of ``tenant`` queued now would get a slot: the prompt tokens of the tenant's
         requests ahead of it (those still arriving at its typical size or their own, the larger), at its
         round-robin share of the measured prompt rate."""
-        work, typical = self._prompt_work(), self._typical_prompt.get(tenant, 0.0)
-        ahead = work.get(tenant, 0) + round(sum(max(known, typical) for known in self._arriving.get(tenant, ())))
+        work = self._prompt_work()
+        ahead = work.get(tenant, 0) + round(sum(self._arriving_sizes(tenant)))
         return self._queue_seconds(tenant, ahead, work, self._drain(tenant)) if ahead else 0.0
 
     def _queue_seconds(self, tenant: str, ahead: int, work: dict[str, int],
@@ -434,8 +436,16 @@ class Scheduler:
         per_step = self._prompt_budget(len(self._decoding), lone=lone)
         pass_tokens = self._pass_tokens()
         chunk = self._chunk_tokens(lone, pass_tokens)
-        longer = max([self._typical_prompt.get(tenant, 0.0), *self._arriving.get(tenant, ())]) > chunk
+        kinds = {r.kind for r in itertools.chain(self._prefilling.get(tenant, ()), self._waiting.get(tenant, ()))}
+        typical = [self._typical_prompt.get((tenant, kind), 0.0) for kind in kinds]
+        longer = max([*typical, *self._arriving_sizes(tenant)], default=0.0) > chunk
         return per_step, chunk if longer else None, pass_tokens
+
+    def _arriving_sizes(self, tenant: str) -> list[float]:
+        """The prompt tokens of ``tenant``'s announced requests: each its own known size or its kind's typical one,
+        the larger."""
+        return [max(known, self._typical_prompt.get((tenant, kind), 0.0))
+                for known, kind in self._arriving.get(tenant, ())]
 
     def _prompt_tenants(self) -> set[str]:
         """Tenants with prompt work started or queued: the round-robin's share of the prompt rate."""

@@ -731,6 +731,22 @@ def test_a_short_announced_question_counts_at_the_tenants_typical_prompt():
     assert len(arrivals) == 2  # as for an announced request of unknown size
 
 
+def test_a_tenants_typical_prompt_is_kept_by_kind():
+    """A tenant's kv questions after its own text flood: counted on arrival at the flood's typical ~1,000 tokens,
+    through the server 42-51 of 64 kv requests (k=20) were refused on arrival where 56 would have run. The typical
+    prompt is kept by kind: a kv question counts at its own size, a text request still at its kind's."""
+    s = Scheduler(SchedulerConfig(queue_timeout_s=30))
+    s.cost.observe_prefill(100, 1.0, passes=100, tenants={"a"})  # A's: 10 ms a prompt token
+    s.add(ScheduledRequest("a", prompt_tokens=1000, kind="text"))
+    kv = [s.expect("a", prompt_tokens=20, kind="kv") for _ in range(32)]  # 640 tokens: 6.4 s
+    text = s.expect("a", prompt_tokens=20, kind="text")  # after the queue and the 32: 16.4 s
+    with pytest.raises(EngineBusyError):
+        s.expect("a", prompt_tokens=20, kind="text")  # after that one's 1,000 too: 26.4 s
+    for arrival in [*kv, text]:
+        arrival.close()
+    assert not s._arriving
+
+
 def test_steps_that_run_past_their_price_lengthen_the_predicted_wait():
     """The passes are timed alone; a whole step also holds the scheduler, the emission of its tokens and questions
     interjected into its passes. Steps measured at 1.5x what the model prices them at make every predicted wait

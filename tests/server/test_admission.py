@@ -95,9 +95,12 @@ def test_a_text_request_is_announced_with_its_memories_before_retrieval(live, me
     announced: list[int] = []
     original = worker.expect
 
-    def spy(tenant: str, prompt_tokens: int = 0):
+    modes: list[str] = []
+
+    def spy(tenant: str, prompt_tokens: int = 0, mode: str = ""):
         announced.append(prompt_tokens)
-        return original(tenant, prompt_tokens)
+        modes.append(mode)  # a tenant's typical prompt is kept by mode (scheduler.py)
+        return original(tenant, prompt_tokens, mode)
 
     monkeypatch.setattr(worker, "expect", spy)
     client = live.client()
@@ -113,7 +116,7 @@ def test_a_text_request_is_announced_with_its_memories_before_retrieval(live, me
     ask("text", 2)
     assert announced[0] < announced[2] < announced[1]
     ask("kv", 5)  # injected memories are not prompt tokens to compute
-    assert announced[3] == announced[0]
+    assert announced[3] == announced[0] and modes == ["none", "text", "text", "kv"]
 
 
 def test_a_tenant_filling_the_kv_budget_does_not_hold_up_another_tenants_request(live):
