@@ -45,8 +45,12 @@ class StepCost:
     prompt_token_s: float | None = None
     decode_pass_s: float | None = None  # seconds of one batched decode pass at the current batch size
     # seconds each decode row adds to a pass beyond its fixed part (``pass_s``): what a pass of the rows running
-    # now will take, where the moving average still follows the smaller batches before them (``decode_seconds``)
+    # now will take, where the moving average still follows the smaller batches before them (``decode_seconds``).
+    # A least-squares slope over the recent passes (``_row_fit``), so a pass of many rows outweighs one of two, whose
+    # time the OS moves by more than a row costs: a per-pass average of (seconds - pass_s) / (rows - 1) read 9.5 ms a
+    # row after a flood where 56 rows cost 1.2 ms each, and a burst that would have run was refused.
     decode_row_s: float | None = None
+    _row_fit: tuple[float, float] = field(default=(0.0, 0.0), repr=False)  # decayed sums of (rows-1)*extra, (rows-1)^2
     # the fastest decode pass seen: the fixed part of any pass (a prompt pass reads every weight as it does);
     # None before a decode pass was measured (a prompt token then costs what its passes cost, fixed part and all)
     pass_s: float | None = None
@@ -99,7 +103,9 @@ class StepCost:
             self.decode_pass_s = ewma(self.decode_pass_s, seconds)
             self.pass_s = min(self.pass_s or seconds, seconds)
             if rows > 1:
-                self.decode_row_s = ewma(self.decode_row_s, max(seconds - self.pass_s, 0.0) / (rows - 1))
+                extra, n, (num, den) = max(seconds - self.pass_s, 0.0), rows - 1, self._row_fit
+                self._row_fit = num * (1 - SMOOTHING) + n * extra, den * (1 - SMOOTHING) + n * n
+                self.decode_row_s = self._row_fit[0] / self._row_fit[1]
 
     def decode_seconds(self, rows: int) -> float | None:
         """A decode pass of ``rows`` rows: the fixed part and each row's, once passes of more than one row were

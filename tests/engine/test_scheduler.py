@@ -325,6 +325,18 @@ def test_a_decode_pass_is_predicted_at_the_rows_that_run_now():
     assert cost.seconds_left(req, 56) == pytest.approx(40 * (0.02 + 55 * 0.002))  # all 100, until answers end
 
 
+def test_a_few_row_pass_held_up_does_not_make_a_many_row_pass_predicted_dearer():
+    """Each row's part of a decode pass is a least-squares slope over the recent passes: a pass of two rows that the
+    OS held up 180 ms says little beside three of sixteen rows (each row 2 ms). Averaged per pass, it had said 94 ms a
+    row, and a 56-row pass 5.2 s instead of 0.13."""
+    cost = StepCost()
+    cost.observe_decode(0.02)
+    cost.observe_decode(0.2, rows=2)
+    for _ in range(3):
+        cost.observe_decode(0.02 + 15 * 0.002, rows=16)
+    assert cost.decode_seconds(56) == pytest.approx(0.02 + 55 * 0.002, rel=0.1)
+
+
 def test_take_newcomer_leaves_a_request_the_kv_budget_does_not_hold():
     s = Scheduler(SchedulerConfig(kv_tokens=64))
     a, b = ScheduledRequest("a", 40, new_tokens=8), ScheduledRequest("b", 20, new_tokens=8)
