@@ -114,8 +114,8 @@ class Scheduler:
         self.cost = StepCost()  # the loop reports what its steps took
         # tenant -> the prompt tokens known of each request announced by ``expect`` and not added yet
         self._arriving: dict[str, list[tuple[int, str]]] = {}  # with the kind of each (ScheduledRequest.kind)
-        # (tenant, kind) -> moving average of its prompts' tokens to compute; by kind: by tenant alone, a tenant's kv
-        self._typical_prompt: dict[tuple[str, str], float] = {}  # questions after its text flood counted ~2,000 each
+        # (tenant, kind) -> moving average of its prompts' tokens to compute (kept by tenant alone, a tenant's kv
+        self._typical_prompt: dict[tuple[str, str], float] = {}  # questions after its text flood counted ~2,000 each)
         self._take_in = TakeIn(clock)
         c = self.config  # what the running requests hold, slots and K/V: admission waits for room
         self.capacity = Capacity(c.max_running, c.kv_tokens, c.running_reserve, c.kv_reserve_tokens)
@@ -142,8 +142,8 @@ class Scheduler:
         """A request of ``tenant`` is on its way (retrieval and KV fetch come before ``add``): EngineBusyError now
         when the tenant's queue would outwait the timeout, before any work is spent on it. Until the arrival is
         closed (just before ``add``, or when the request fails) it counts in every prediction at the tenant's
-        typical prompt of its ``kind`` or at ``prompt_tokens`` (what is known of its own: the question's tokens, and a text
-        request's memories at the user's mean size), whichever is more, so a burst is refused on arrival, not
+        typical prompt of its ``kind`` or at ``prompt_tokens`` (what is known of its own: the question's tokens, and a
+        text request's memories at the user's mean size), whichever is more, so a burst is refused on arrival, not
         after its retrievals, its first one included: 32 prompts of ~2,000 tokens announced at once were counted
         at nothing, retrieved, and refused only when added, 0.7-1.1 s later."""
         with self._lock:
