@@ -116,30 +116,28 @@ class Capacity:
         trial._held, trial._tokens, trial._running = dict(self._held), self._tokens.copy(), self._running.copy()
         return trial
 
-    def seconds_until_room(self, req: Sized, tenants: int, ends: Iterable[tuple[float, Sized]]) -> float:
-        """When ``req`` fits if the running requests end as ``ends`` says (seconds from now, each with its request),
-        the soonest first: 0 if it fits now, inf if not even once all have ended."""
-        if self.fits(req, tenants):
-            return 0.0
-        trial = self.copy()
-        for seconds, running in sorted(ends, key=lambda end: end[0]):
-            trial.give(running)
-            if trial.fits(req, tenants):
-                return seconds
-        return math.inf
-
     def room_waits(self, queue: Sequence[R], tenants: int, ends: list[tuple[float, R]],
                    seconds_left: Callable[[R], float]) -> list[float]:
         """Seconds until each of a tenant's queued requests gets room, in order, if the running requests end as
         ``ends`` says: those ahead of it admitted while they fit (each then ending ``seconds_left`` of it later);
-        the first that does not, and all behind it (FIFO), wait for those ends."""
+        the first that does not, and all behind it (FIFO), wait for the soonest of those ends that makes room for it
+        (inf if none does)."""
         trial, ends = self.copy(), list(ends)
         for i, req in enumerate(queue):
             if not trial.fits(req, tenants):
-                return [0.0] * i + [trial.seconds_until_room(req, tenants, ends)] * (len(queue) - i)
+                return [0.0] * i + [trial._give_until_room(req, tenants, ends)] * (len(queue) - i)
             trial.take(req)
             ends.append((seconds_left(req), req))
         return [0.0] * len(queue)
+
+    def _give_until_room(self, req: Sized, tenants: int, ends: Iterable[tuple[float, Sized]]) -> float:
+        """Give the running requests back as they end (``ends``: seconds from now, each with its request), the
+        soonest first, until ``req`` fits: when it does, inf if never. On a trial copy (``room_waits``'s)."""
+        for seconds, running in sorted(ends, key=lambda end: end[0]):
+            self.give(running)
+            if self.fits(req, tenants):
+                return seconds
+        return math.inf
 
     def take(self, req: Sized) -> None:
         self.give(req)  # (taken again: counted once)

@@ -180,7 +180,7 @@ class ServingLoop:
             return None
 
     def _admit(self, req: GenRequest) -> None:
-        """Give ``req`` a slot holding what it starts from: the prefix, plus its blocks in kv modes."""
+        """Give ``req`` a slot, filled with what it starts from right before its first prompt pass (``_fill``)."""
         eng = self.engine
         req.span = request_span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks)})
         req.answer_text = AnswerText(eng.tokenizer)

@@ -35,7 +35,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     decode: list[ScheduledRequest]  # advance one token each, in one batched pass
     prefill: list[tuple[ScheduledRequest, int]]  # (request, number of prompt tokens to compute now)
-    admitted: list[ScheduledRequest]  # newly given a slot this step (the engine sets up their cache first)
+    admitted: list[ScheduledRequest]  # newly given a slot this step (filled before its first prompt pass)
     expired: list[ScheduledRequest]  # waited longer than the queue timeout; never ran
     cancelled: list[ScheduledRequest]  # cancelled by the client; the engine frees what they hold
     # queued, but at the costs measured since they were accepted they would outwait the queue timeout: refused now
