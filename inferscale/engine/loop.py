@@ -3,18 +3,15 @@ worker thread are all clients of ``ServingLoop``.
 
 ``step()`` has three beats (nano-vllm's shape):
   schedule     the Scheduler picks the running sequences to decode and the prompt chunks to compute
-  forward      the prompt chunks (at most ``chunk_tokens`` each) run as rows of padded passes, chunks of like
-               length together (promptbatch.py: a pass reads every weight once, whatever its rows); then one
-               batched pass advances every running sequence by a token (rows of the SlotCache, each with its own
-               prefix and blocks)
+  forward      the prompt chunks (at most ``chunk_tokens`` each) in padded passes, like lengths together
+               (promptbatch.py); then one batched pass advances every running sequence a token (SlotCache rows)
   postprocess  sample, detokenize, emit events, stop, free slots
 A long ``text`` prompt is prefilled chunk by chunk, so running streams wait at most one chunk per step.
 
 The fault boundary: whatever one request's admission, prompt chunk, decode row or sampling raises fails that
 request alone (an ``ErrorEvent`` to its client) and the step goes on for the others. A batched decode pass that
 raises is run again row by row, and a batched prompt pass chunk by chunk, so only the rows that fail alone fail.
-An exception out of ``step`` itself is a bug of the loop, not of a request: the worker treats it as fatal
-(``inferscale.engine.worker``).
+An exception out of ``step`` is the loop's bug, not a request's: fatal to the worker (``inferscale.engine.worker``).
 
 Slots: rows [0, decoding) hold decoding sequences, the rows after them sequences still prefilling, so the batched
 decode reads contiguous rows (a view, no gather). Rows move only when a sequence starts decoding or finishes.
@@ -143,12 +140,12 @@ class ServingLoop:
         cost = self.scheduler.cost  # measured here, read by the scheduler's time bound and admission check
         prompt_tokens, prompt_passes = self._prefill([(s.payload, n) for s, n in out.prefill
                                                       if s.payload.slot >= 0 and s.payload.pending], out.pass_tokens)
-        t1, grown_at_decode = time.perf_counter(), self.slots.grown_s
+        t1, aside_at_decode = time.perf_counter(), self.slots.aside_s
         decode = [r for r in decode if r.slot >= 0]
         if decode:
             self.threads.before_decode(len(decode))
             self._decode(decode)
-            took = time.perf_counter() - t1 - self.interject.take_elapsed() - (self.slots.grown_s - grown_at_decode)
+            took = time.perf_counter() - t1 - self.interject.take_elapsed() - (self.slots.aside_s - aside_at_decode)
             self.threads.after_decode(len(decode), took)
             cost.observe_decode(took, len(decode))
         self._settle()  # rows wait until no pass is paused; none decodes before the next step
@@ -225,13 +222,13 @@ class ServingLoop:
                 for r in [pieces[i][0] for i in group if not pieces[i][0].slot_filled and pieces[i][0].slot >= 0]:
                     self._guarded(r, self._fill)
                 batch = [pieces[i] for i in group if pieces[i][0].slot >= 0]  # not failed by an earlier group
-                t0, taking_in, grown_s = time.perf_counter(), self.scheduler.taking_in(), self.slots.grown_s
+                t0, taking_in, aside_s = time.perf_counter(), self.scheduler.taking_in(), self.slots.aside_s
                 if len(batch) == 1:
                     computed = self._guarded(batch[0][0], self._prefill_chunk, batch[0][1]) or 0
                 else:
                     computed = self._prefill_batch(batch) if batch else 0
-                # neither the questions run between its layers nor the slot cache growing are this pass's cost
-                took = time.perf_counter() - t0 - self.interject.take_elapsed() - (self.slots.grown_s - grown_s)
+                # neither the questions run between its layers nor the slot cache growing or moving rows are its cost
+                took = time.perf_counter() - t0 - self.interject.take_elapsed() - (self.slots.aside_s - aside_s)
                 self.scheduler.cost.observe_prefill(computed, took, 1, {r.sched.tenant for r, _ in batch},
                                                     taking_in or self.scheduler.taking_in())
                 done, passes = done + computed, passes + 1
@@ -326,7 +323,9 @@ class ServingLoop:
             return
         for r in reqs:
             r.length += 1
-        for r, (lg, g) in zip(reqs, self._choices(head, reqs)):
+        # the last slot first: a row that ends is then the last running, freed with nothing moved (in slot order a
+        # 56-row burst ending in one pass moved each row's K/V into a freed slot: that pass took 441 ms against ~80)
+        for r, (lg, g) in reversed(list(zip(reqs, self._choices(head, reqs)))):
             self._guarded(r, self._postprocess, lg, g)
 
     def _choices(self, head: Head, deciding: list[GenRequest]) -> list[tuple[torch.Tensor | None, int]]:
@@ -473,19 +472,20 @@ class ServingLoop:
         if req.slot < 0:
             return
         if req.slot < self.decoding:
-            self._swap(req, self.decoding - 1)
+            self._swap(req, self.decoding - 1, keep=False)
             self.decoding -= 1
-        self._swap(req, len(self.rows) - 1)
+        self._swap(req, len(self.rows) - 1, keep=False)
         self.rows.pop()
         req.slot = -1
         req.blocks = []  # leased DRAM views: drop them now
         self._trim()
 
-    def _swap(self, req: GenRequest, dst: int) -> None:
+    def _swap(self, req: GenRequest, dst: int, keep: bool = True) -> None:
+        """``req`` and the row in slot ``dst`` change places; a ``req`` that ends need not ``keep`` its K/V."""
         if req.slot == dst:
             return
         other = self.rows[dst]
-        self.slots.swap(req.slot, dst, req.length, other.length)
+        self.slots.swap(req.slot, dst, req.length if keep else 0, other.length)
         self.rows[req.slot], self.rows[dst] = other, req
         other.slot, req.slot = req.slot, dst
         self._trim()
