@@ -25,6 +25,7 @@ class ScheduledRequest:
     cancelled: bool = False
     generated: int = 0  # tokens generated so far (the serving loop counts them): when it may end (stepcost.py)
     kind: str = ""  # what its prompt is made of (the serving loop's mode): a tenant's typical prompt is kept by kind
+    kept: bool = False  # a step's shedding kept it once: from then on its predicted wait may reach the queue timeout
 
     @property
     def remaining_prompt(self) -> int:

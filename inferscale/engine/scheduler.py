@@ -348,12 +348,8 @@ class Scheduler:
         lone tenant's step (untimed) runs its chunks in passes of this size, ``interrupted`` between them: another
         tenant arriving waits for the pass in progress. Measured (bench load, 3 repeats): passes of all of
         step_time_s gave 16 streams 7.0x one but the flood's tenant B 2.6x its idle TTFT; passes of half of it
-        5.9x and 1.8x. Once decode's products ran on the AMX kernel (B's own question pass 60-70 ms instead of ~95),
-        half of it gave B 2.2x [1.5, 2.6] (each probe follows the last, so it arrives ~40 ms into one of A's passes
-        and waits out the rest), 0.35 of it 1.8x [1.4, 2.6], 16 streams 6.6x and 6.2x, both with each tenant's own
-        token cost (2026-12-02). With the norm kernels and the LM head's screen B's idle TTFT fell to ~100 ms and
-        the same passes gave 2.35x [1.39, 2.77]; capped at ``max_pass_tokens`` (64 on the AMX kernel) 1.95x [1.53,
-        2.08], 16 streams 5.6x (4.7x uncapped) the same hour."""
+        5.9x and 1.8x; later, of 0.35 of it (each probe of B's arrives ~40 ms into one of A's passes and waits out
+        the rest) capped at ``max_pass_tokens`` 1.95x [1.53, 2.08] (docs/bench/HISTORY.md, 2026-12-02)."""
         fit = self.cost.prompt_tokens_within(self.config.step_time_s * NEWCOMER_STEP_SHARE, decoding=False,
                                              tenants=self._prompt_tenants())
         if fit is None:
@@ -455,7 +451,9 @@ class Scheduler:
         """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on
         a guess (its first, before its prompts were measured) is refused within steps, not after the timeout; so is
         a queue whose first request waits for room (capacity.py) that the running requests' predicted ends would
-        not give it in time."""
+        not give it in time. A request's first look leaves the margin its arrival does (SHED_AT): waits for room are
+        first priced here, and a full batch's pass read 69-110 ms within a second of one burst (the estimate
+        following its growing passes), so 8 requests kept at ~21 s of the 30 s timeout were refused 1.2-3.4 s in."""
         now, limit = self.clock(), self.config.queue_timeout_s
         work, running = self._prompt_work(), self._running_ends() if self.num_waiting else None
         shed = []
@@ -464,11 +462,12 @@ class Scheduler:
             drain = self._drain(tenant)
             rooms = self.capacity.room_waits(queue, self._tenants(queue[0]), *running) if queue and running else ()
             for req, room in itertools.zip_longest(list(queue), rooms, fillvalue=0.0):
-                if now - req.arrived + max(room, self._queue_seconds(tenant, ahead, work, drain)) > limit:
+                wait = max(room, self._queue_seconds(tenant, ahead, work, drain))  # its error grows with it, so
+                if now - req.arrived + (wait if req.kept else wait / SHED_AT) > limit:  # a margin the first time
                     queue.remove(req)
                     shed.append(req)
                 else:
-                    ahead += req.remaining_prompt
+                    req.kept, ahead = True, ahead + req.remaining_prompt
         return shed
 
     def _remove(self, req: ScheduledRequest) -> None:

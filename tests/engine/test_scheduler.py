@@ -289,6 +289,30 @@ def test_a_queue_waiting_for_room_the_running_answers_would_not_give_in_time_is_
     assert s.cost.answer_share["a"] == pytest.approx(0.1)
 
 
+def test_a_wait_for_room_is_first_judged_with_the_arrivals_margin_and_then_kept_to_the_timeout():
+    """The requests past a tenant's part, first priced at a step: kept only with the margin an arrival leaves
+    (SHED_AT), so an estimate that moves as a burst's passes come in does not refuse them seconds later; once kept,
+    refused only past the timeout. Through the server 8 requests kept at ~21 s of 30 were refused 1.2-3.4 s in."""
+    def burst(pass_s: float) -> tuple[Scheduler, list[ScheduledRequest], list[ScheduledRequest]]:
+        s = Scheduler(SchedulerConfig(max_running=8, queue_timeout_s=30))
+        s.cost.observe_decode(pass_s)  # each of the running answers' 400 tokens
+        a = [ScheduledRequest("a", 4, new_tokens=400) for _ in range(9)]
+        for r in a:
+            s.add(r)
+        out = s.schedule()
+        run_prefill(s, out)
+        return s, a, out.shed
+
+    s, a, shed = burst(0.06)  # room in ~24 s: past the margin
+    assert shed == a[7:] and s.num_waiting == 0
+    s, a, shed = burst(0.05)  # ~20 s: within it, kept
+    assert shed == [] and s.num_waiting == 2 and all(r.kept for r in a[7:])
+    s.cost.decode_pass_s = 0.065  # the estimate moves up: ~26 s, still within the timeout
+    assert s.schedule().shed == [] and s.num_waiting == 2
+    s.cost.decode_pass_s = 0.08  # ~32 s: past it
+    assert s.schedule().shed == a[7:]
+
+
 def test_a_queued_request_gets_room_when_those_ahead_are_admitted_and_the_soonest_end_gives_it():
     """Capacity.room_waits: the queue's first requests are admitted while they fit (each then ending as predicted);
     the first that does not, and those behind it (FIFO), wait for the soonest end that makes room."""
