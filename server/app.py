@@ -163,7 +163,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         side = concurrent.futures.ThreadPoolExecutor(SIDE_THREADS, thread_name_prefix="inferscale-io",
                                                      initializer=pin_threads, initargs=(1,))
         asyncio.get_running_loop().set_default_executor(side)
-        log.info("warmed up in %.2f s", await warm_up(worker, embedder.embed_query))  # before it listens
+        log.info("warmed up in %.2f s", await warm_up(worker, embedder.embed_query, settings.max_active,
+                                                        settings.default_k))  # before it listens
         with startup_heap_frozen():  # full collections skip what lives as long as the app (gcheap.py)
             yield
         side.shutdown(wait=False)

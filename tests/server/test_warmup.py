@@ -24,6 +24,19 @@ def test_the_engine_has_served_both_paths_before_the_first_request(acme_app):
         assert client.get("/readyz").json() == {"status": "ready"}
 
 
+def test_a_burst_of_one_request_a_slot_prices_a_full_batchs_pass_before_the_first_tenant(acme_app):
+    """The cost model knows what a pass of the lone tenant's part of the slots costs before any tenant's burst:
+    admission prices a full batch's waits for room by it (``StepCost.decode_seconds``)."""
+    worker = acme_app.state.worker
+    scheduler = worker.loop.scheduler
+    part = scheduler.config.max_running - scheduler.capacity.slot_reserve
+    with TestClient(acme_app):
+        rows = max(r for r, kind in worker.step_totals if kind == "decode")
+        assert rows == part  # every row of the warm-up tenant's part decoded together
+        assert scheduler.cost.decode_row_s is not None  # a row's cost measured: the full batch is priced by it
+        assert worker.active == 0 and worker.queued == 0 and scheduler.capacity.held == 0
+
+
 def test_its_tenant_is_no_tenant_name():
     assert not is_valid_tenant(WARMUP_TENANT)
 
