@@ -14,7 +14,7 @@ together: the cost model's price of a many-row pass (``StepCost.decode_row_s``),
 batch's waits for room by, is measured before the first tenant's burst, not learnt from that burst's own small passes.
 Without it a fresh server's first 64-request burst (`bench load --hold`, 2-core Zen 4) was priced from the warm-up's
 one-row passes and then its 11-42-row ones (a 56-row pass read 38-110 ms as they came in, against ~80-95 measured),
-and the 8 requests past the tenant's part were kept on arrival and refused 1.2-7.4 s later in 6 of 10 first bursts.
+and the 8 requests past the tenant's part were kept on arrival and refused 1.2-7.4 s later in 7 of 11 first bursts.
 No tenant's data, store, quota or metric is touched: the requests carry ``WARMUP_TENANT``, a name no tenant can have
 (``contract.is_valid_tenant``), and never pass through the HTTP routes.
 """
