@@ -102,7 +102,7 @@ class ServingLoop:
                                      f"the model's context of {limit}")
         computed = p if req.mode == "text" else p + memory
         req.sched = ScheduledRequest(tenant=req.tenant, prompt_tokens=total, computed_tokens=computed,
-                                     new_tokens=req.sampling.max_new_tokens, payload=req, kind=req.mode)
+                                     new_tokens=req.sampling.max_new_tokens, payload=req, mode=req.mode)
         self.scheduler.add(req.sched)
 
     def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> Arrival:

@@ -24,7 +24,7 @@ class ScheduledRequest:
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: bool = False
     generated: int = 0  # tokens generated so far (the serving loop counts them): when it may end (stepcost.py)
-    kind: str = ""  # what its prompt is made of (the serving loop's mode): a tenant's typical prompt is kept by kind
+    mode: str = ""  # what its prompt is made of (an opaque label here): a tenant's typical prompt is kept by mode
     kept: bool = False  # a step's shedding kept it once: from then on its predicted wait may reach the queue timeout
 
     @property

@@ -113,8 +113,8 @@ class Scheduler:
         self._steps = 0
         self.cost = StepCost()  # the loop reports what its steps took
         # tenant -> the prompt tokens known of each request announced by ``expect`` and not added yet
-        self._arriving: dict[str, list[tuple[int, str]]] = {}  # with the kind of each (ScheduledRequest.kind)
-        # (tenant, kind) -> moving average of its prompts' tokens to compute (kept by tenant alone, a tenant's kv
+        self._arriving: dict[str, list[tuple[int, str]]] = {}  # with the mode of each (ScheduledRequest.mode)
+        # (tenant, mode) -> moving average of its prompts' tokens to compute (kept by tenant alone, a tenant's kv
         self._typical_prompt: dict[tuple[str, str], float] = {}  # questions after its text flood counted ~2,000 each)
         self._take_in = TakeIn(clock)
         c = self.config  # what the running requests hold, slots and K/V: admission waits for room
@@ -132,33 +132,33 @@ class Scheduler:
                                       f"{self.config.max_queued_per_tenant}); retry later",
                                       retry_after_s=self.retry_after_s())
             # Its own size first: in a tenant's first burst the requests still arriving count at its size, not none.
-            key = req.tenant, req.kind
+            key = req.tenant, req.mode
             self._typical_prompt[key] = ewma(self._typical_prompt.get(key), req.remaining_prompt)
             self._refuse_a_long_wait(req.tenant)
             req.arrived = self.clock()
             self._waiting.setdefault(req.tenant, deque()).append(req)
 
-    def expect(self, tenant: str, prompt_tokens: int = 0, kind: str = "") -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> Arrival:
         """A request of ``tenant`` is on its way (retrieval and KV fetch come before ``add``): EngineBusyError now
         when the tenant's queue would outwait the timeout, before any work is spent on it. Until the arrival is
         closed (just before ``add``, or when the request fails) it counts in every prediction at the tenant's
-        typical prompt of its ``kind`` or at ``prompt_tokens`` (what is known of its own: the question's tokens, and a
+        typical prompt of its ``mode`` or at ``prompt_tokens`` (what is known of its own: the question's tokens, and a
         text request's memories at the user's mean size), whichever is more, so a burst is refused on arrival, not
         after its retrievals, its first one included: 32 prompts of ~2,000 tokens announced at once were counted
         at nothing, retrieved, and refused only when added, 0.7-1.1 s later."""
         with self._lock:
             self._refuse_a_long_wait(tenant)
             self._take_in.spend(bool(self._arriving))
-            self._arriving.setdefault(tenant, []).append((prompt_tokens, kind))
-        return Arrival(self, tenant, prompt_tokens, kind)
+            self._arriving.setdefault(tenant, []).append((prompt_tokens, mode))
+        return Arrival(self, tenant, prompt_tokens, mode)
 
-    def arrived(self, tenant: str, prompt_tokens: int = 0, kind: str = "") -> None:
+    def arrived(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> None:
         """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
         with self._lock:
             self._take_in.spend(bool(self._arriving))
             arriving = self._arriving.get(tenant, [])
-            if (prompt_tokens, kind) in arriving:
-                arriving.remove((prompt_tokens, kind))
+            if (prompt_tokens, mode) in arriving:
+                arriving.remove((prompt_tokens, mode))
             if not arriving:
                 self._arriving.pop(tenant, None)
 
@@ -315,14 +315,14 @@ class Scheduler:
         """Tenants with requests running or queued, ``req``'s included: how many share the capacity."""
         return len({req.tenant, *self._prompt_tenants(), *(r.tenant for r in self._decoding)})
 
-    def _running_ends(self) -> tuple[list[tuple[float, ScheduledRequest]], Callable[..., float]] | None:
+    def _running_ends(self) -> tuple[list[tuple[float, ScheduledRequest]], Callable[[ScheduledRequest], float]] | None:
         """When each running request is predicted to end, and what predicts it (``StepCost.seconds_left``, in decode
         passes of the rows that run once the queues are in); None before anything predicts them."""
         running = [*self._decoding, *itertools.chain(*self._prefilling.values())]
-        rows = min(self.config.max_running, len(running) + self.num_waiting)
-        if self.cost.decode_seconds(rows) is None:
+        decode_s = self.cost.decode_seconds(min(self.config.max_running, len(running) + self.num_waiting))
+        if decode_s is None:
             return None
-        left = functools.partial(self.cost.seconds_left, rows=rows)
+        left = functools.partial(self.cost.seconds_left, decode_s=decode_s)
         return [(left(r), r) for r in running], left
 
     def _prompt_budget(self, decoding: int, newcomer: bool = False, lone: bool = False) -> int:
@@ -432,16 +432,16 @@ class Scheduler:
         per_step = self._prompt_budget(len(self._decoding), lone=lone)
         pass_tokens = self._pass_tokens()
         chunk = self._chunk_tokens(lone, pass_tokens)
-        kinds = {r.kind for r in itertools.chain(self._prefilling.get(tenant, ()), self._waiting.get(tenant, ()))}
-        typical = [self._typical_prompt.get((tenant, kind), 0.0) for kind in kinds]
+        modes = {r.mode for r in itertools.chain(self._prefilling.get(tenant, ()), self._waiting.get(tenant, ()))}
+        typical = [self._typical_prompt.get((tenant, mode), 0.0) for mode in modes]
         longer = max([*typical, *self._arriving_sizes(tenant)], default=0.0) > chunk
         return per_step, chunk if longer else None, pass_tokens
 
     def _arriving_sizes(self, tenant: str) -> list[float]:
-        """The prompt tokens of ``tenant``'s announced requests: each its own known size or its kind's typical one,
+        """The prompt tokens of ``tenant``'s announced requests: each its own known size or its mode's typical one,
         the larger."""
-        return [max(known, self._typical_prompt.get((tenant, kind), 0.0))
-                for known, kind in self._arriving.get(tenant, ())]
+        return [max(known, self._typical_prompt.get((tenant, mode), 0.0))
+                for known, mode in self._arriving.get(tenant, ())]
 
     def _prompt_tenants(self) -> set[str]:
         """Tenants with prompt work started or queued: the round-robin's share of the prompt rate."""

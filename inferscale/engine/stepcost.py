@@ -141,13 +141,10 @@ class StepCost:
         if new_tokens > 0:
             remember(self.answer_share, tenant, ewma(self.answer_share.get(tenant), min(generated / new_tokens, 1.0)))
 
-    def seconds_left(self, req: ScheduledRequest, rows: int) -> float | None:
+    def seconds_left(self, req: ScheduledRequest, decode_s: float) -> float:
         """How long the running ``req`` is predicted to hold its slot and K/V: its prompt tokens still to compute and
         the tokens its tenant's answers are seen to take (``answer_share``), at least one, in decode passes of
-        ``rows`` rows; None before a decode pass was measured."""
-        decode_s = self.decode_seconds(rows)
-        if decode_s is None:
-            return None
+        ``decode_s`` seconds each (``decode_seconds``)."""
         tokens = max(math.ceil(self.answer_share.get(req.tenant, 1.0) * req.new_tokens) - req.generated, 1)
         return tokens * decode_s + req.remaining_prompt * (self.prompt_token_s or PROMPT_TOKEN_S_PRIOR)
 

@@ -35,17 +35,17 @@ class TakeIn:
 
 
 class Announced(Protocol):
-    def arrived(self, tenant: str, prompt_tokens: int = 0, kind: str = "") -> None: ...
+    def arrived(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> None: ...
 
 
 class Arrival:
     """A request announced to the scheduler before it is added (``Scheduler.expect``); ``close`` is idempotent."""
 
-    def __init__(self, scheduler: Announced | None, tenant: str, prompt_tokens: int = 0, kind: str = "") -> None:
+    def __init__(self, scheduler: Announced | None, tenant: str, prompt_tokens: int = 0, mode: str = "") -> None:
         self._scheduler, self._tenant = scheduler, tenant  # None: a backend whose own scheduler queues (no-op)
-        self.prompt_tokens, self.kind = prompt_tokens, kind
+        self.prompt_tokens, self.mode = prompt_tokens, mode
 
     def close(self) -> None:
         if self._scheduler is not None:
-            self._scheduler.arrived(self._tenant, self.prompt_tokens, self.kind)
+            self._scheduler.arrived(self._tenant, self.prompt_tokens, self.mode)
             self._scheduler = None

@@ -346,7 +346,8 @@ def test_a_decode_pass_is_predicted_at_the_rows_that_run_now():
     assert cost.decode_seconds(56) == pytest.approx(0.02 + 55 * 0.002) and cost.decode_pass_s < 0.04
     req = ScheduledRequest("a", 4, computed_tokens=4, new_tokens=100)
     req.generated = 60
-    assert cost.seconds_left(req, 56) == pytest.approx(40 * (0.02 + 55 * 0.002))  # all 100, until answers end
+    # all 100 tokens, until the tenant's answers are seen to end
+    assert cost.seconds_left(req, cost.decode_seconds(56)) == pytest.approx(40 * (0.02 + 55 * 0.002))
 
 
 def test_a_few_row_pass_held_up_does_not_make_a_many_row_pass_predicted_dearer():
@@ -767,17 +768,17 @@ def test_a_short_announced_question_counts_at_the_tenants_typical_prompt():
     assert len(arrivals) == 2  # as for an announced request of unknown size
 
 
-def test_a_tenants_typical_prompt_is_kept_by_kind():
+def test_a_tenants_typical_prompt_is_kept_by_mode():
     """A tenant's kv questions after its own text flood: counted on arrival at the flood's typical ~1,000 tokens,
     through the server 42-51 of 64 kv requests (k=20) were refused on arrival where 56 would have run. The typical
-    prompt is kept by kind: a kv question counts at its own size, a text request still at its kind's."""
+    prompt is kept by mode: a kv question counts at its own size, a text request still at its mode's."""
     s = Scheduler(SchedulerConfig(queue_timeout_s=30))
     s.cost.observe_prefill(100, 1.0, passes=100, tenants={"a"})  # A's: 10 ms a prompt token
-    s.add(ScheduledRequest("a", prompt_tokens=1000, kind="text"))
-    kv = [s.expect("a", prompt_tokens=20, kind="kv") for _ in range(32)]  # 640 tokens: 6.4 s
-    text = s.expect("a", prompt_tokens=20, kind="text")  # after the queue and the 32: 16.4 s
+    s.add(ScheduledRequest("a", prompt_tokens=1000, mode="text"))
+    kv = [s.expect("a", prompt_tokens=20, mode="kv") for _ in range(32)]  # 640 tokens: 6.4 s
+    text = s.expect("a", prompt_tokens=20, mode="text")  # after the queue and the 32: 16.4 s
     with pytest.raises(EngineBusyError):
-        s.expect("a", prompt_tokens=20, kind="text")  # after that one's 1,000 too: 26.4 s
+        s.expect("a", prompt_tokens=20, mode="text")  # after that one's 1,000 too: 26.4 s
     for arrival in [*kv, text]:
         arrival.close()
     assert not s._arriving
