@@ -462,8 +462,9 @@ class Scheduler:
             drain = self._drain(tenant)
             rooms = self.capacity.room_waits(queue, self._tenants(queue[0]), *running) if queue and running else ()
             for req, room in itertools.zip_longest(list(queue), rooms, fillvalue=0.0):
-                wait = max(room, self._queue_seconds(tenant, ahead, work, drain))  # its error grows with it, so
-                if now - req.arrived + (wait if req.kept else wait / SHED_AT) > limit:  # a margin the first time
+                wait = max(room, self._queue_seconds(tenant, ahead, work, drain))
+                # the first look leaves the arrival's margin (a prediction errs in proportion); once kept, the timeout
+                if now - req.arrived + (wait if req.kept else wait / SHED_AT) > limit:
                     queue.remove(req)
                     shed.append(req)
                 else:
