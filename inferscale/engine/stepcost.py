@@ -28,6 +28,11 @@ FULL_WEIGHT_TOKENS = 32
 # The most a whole step is believed to overrun what its passes are priced at (``StepCost.overrun``): one step the OS
 # held up must not make admission refuse everything.
 OVERRUN_MAX = 4.0
+# The most a decode pass is believed to run past what it was predicted to take, once a row's cost is known: one pass
+# the OS or a collection held up then moves the estimates by at most SMOOTHING of that much, where a sustained
+# slowdown is still learnt within a few dozen passes. Through the server one 56-row pass of 441 ms against ~80 (rows
+# moving, since left out of it) doubled a row's price at once (1.39 -> 2.83 ms), which refuses requests kept for room.
+DECODE_OUTLIER_X = 2.0
 # Tenants whose own prompt-token cost is remembered (the most recently observed; older ones fall back to the
 # overall estimate).
 TENANTS_KEPT = 1024
@@ -100,6 +105,8 @@ class StepCost:
 
     def observe_decode(self, seconds: float, rows: int = 1) -> None:
         if seconds > 0:
+            if self.decode_row_s is not None and self.pass_s is not None:
+                seconds = min(seconds, DECODE_OUTLIER_X * (self.pass_s + max(rows - 1, 0) * self.decode_row_s))
             self.decode_pass_s = ewma(self.decode_pass_s, seconds)
             self.pass_s = min(self.pass_s or seconds, seconds)
             if rows > 1:

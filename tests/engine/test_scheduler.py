@@ -337,6 +337,22 @@ def test_the_costs_kept_by_tenant_forget_the_tenant_seen_longest_ago(monkeypatch
     assert list(cost.tenant_token_s) == ["a", "c"] and list(cost.answer_share) == ["a", "c"]
 
 
+def test_one_held_up_many_row_pass_moves_a_full_batchs_price_a_little_and_a_sustained_slowdown_is_learnt():
+    """A 56-row pass the OS held up (0.5 s against 0.075) priced the next full batches 2.5x dearer at once, and a
+    queue kept for room was refused seconds later; believed at most DECODE_OUTLIER_X its prediction, it moves the
+    price by a fifth. A pass twice as slow, again and again, is the new price within a few dozen passes."""
+    cost = StepCost()
+    cost.observe_decode(0.02)
+    for _ in range(20):
+        cost.observe_decode(0.02 + 55 * 0.001, rows=56)
+    before = cost.decode_seconds(56)
+    cost.observe_decode(0.5, rows=56)
+    assert before == pytest.approx(0.075) and cost.decode_seconds(56) <= 1.25 * before
+    for _ in range(30):
+        cost.observe_decode(2 * (0.02 + 55 * 0.001), rows=56)
+    assert cost.decode_seconds(56) >= 1.9 * before
+
+
 def test_a_decode_pass_is_predicted_at_the_rows_that_run_now():
     """A burst admitted: the moving average still follows the small batches before it, where a pass of the rows
     running now costs each row's part too (a queue's wait for room is predicted with it)."""
