@@ -24,7 +24,7 @@ from inferscale.memories import Charge, EngineWorker, Memory, MemoryBook
 from inferscale.retrieval import Embedder, injection_order
 from inferscale.store import ItemInfo, KVStore
 from inferscale.server.auth import Tenant, require_tenant
-from inferscale.store.fetcher import Fetcher, Planned
+from inferscale.store.fetcher import Fetcher, Planned, default_planner, resident_tiers
 from inferscale.store.fleet import Fleet
 from inferscale.server.genai_metrics import ServerMetrics
 from inferscale.server.httperrors import ApiError
@@ -47,7 +47,8 @@ class MemoryService:
         self.book = MemoryBook(store, embedder, worker, engine)
         self.store, self.engine, self.meters, self.worker = store, engine, meters, worker
         self.fleet = fleet if fleet is not None else Fleet(store)  # the pod's one fleet (server/app.py)
-        self.fetcher = Fetcher(self.fleet)  # fetch or recompute each retrieved block (inferscale/store/fetcher.py)
+        # fetch or recompute each retrieved block (inferscale/store/fetcher.py), never one the engine reads in place
+        self.fetcher = Fetcher(self.fleet, default_planner(resident_tiers(engine.device.type)))
         self.locks = self.book.locks
         self._borrowing = False  # a retrieval is running on the engine's thread (``_on_idle_cores``)
 

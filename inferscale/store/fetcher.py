@@ -22,18 +22,28 @@ import time
 from dataclasses import dataclass, field
 
 from inferscale.kvformat import KVBlock
-from inferscale.store.fetchplan import FetchPlan, FetchPlanner, LinearCost, PlanBlock
+from inferscale.store.fetchplan import DEVICE_TIER, FetchPlan, FetchPlanner, LinearCost, PlanBlock
 from inferscale.store.fleet import Fetched, Fleet
 from inferscale.store.memrecord import MemoryRecord
 from inferscale.store.results import FetchStats
 
-PLANNED_TIERS = ("dram", "disk")  # tiers a block may be recomputed around; "gpu" blocks are always used
+PLANNED_TIERS = ("dram", "disk")  # tiers whose fetches teach the planner; "gpu" blocks are always used
 
 
-def default_planner() -> FetchPlanner:
+def resident_tiers(engine_device: str) -> frozenset[str]:
+    """The tiers an engine on ``engine_device`` ("cuda", "cpu") injects blocks from in place, never recomputed around:
+    the device tier, and on a CPU engine DRAM, whose blocks it reads as zero-copy views. A DRAM "fetch" there moves
+    no bytes: its measured seconds are lookups and waits for the interpreter's lock, which a recompute would not
+    save. Planned, they flipped answers with load: one slow DRAM fetch amid another tenant's flood made the next kv
+    request recompute its two memories and answer otherwise (a CI run of tests/server/test_answers_under_load.py;
+    reproduced by a 0.3 s stall in the DRAM fetch's meter: the same changed answer, 2026-12-07)."""
+    return frozenset({DEVICE_TIER, "dram"} if engine_device == "cpu" else {DEVICE_TIER})
+
+
+def default_planner(resident: frozenset[str] = frozenset({DEVICE_TIER})) -> FetchPlanner:
     """Priors until the first transfers are measured: DRAM fast, disk fast enough to be fetched (and so measured)."""
     return FetchPlanner(tiers={"dram": LinearCost(rate=10e9, fixed_s=1e-5), "disk": LinearCost(rate=1e9, fixed_s=1e-4)},
-                        prefill=LinearCost(rate=1.0), overlap=False)
+                        prefill=LinearCost(rate=1.0), overlap=False, resident=resident)
 
 
 @dataclass

@@ -126,6 +126,9 @@ class FetchPlanner:
     # A tier skipped by this many plans in a row has one block fetched anyway: only fetches measure a tier, so
     # without a probe a tier once slow would be recomputed around forever, even after it recovers. 0: never.
     probe_after: int = 32
+    # Tiers the engine reads its blocks from in place: used at no transfer cost, never recomputed around
+    # (``fetcher.resident_tiers``: the device tier; on a CPU engine DRAM too).
+    resident: frozenset[str] = frozenset({DEVICE_TIER})
     _skipped: dict[str, int] = field(default_factory=dict, repr=False)
 
     def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
@@ -140,14 +143,14 @@ class FetchPlanner:
         self.prefill = LinearCost(rate=1.0 / seconds_per_token)
 
     def fetch_cost(self, block: PlanBlock) -> float:
-        return 0.0 if block.tier == DEVICE_TIER else self._tier(block.tier).predict(block.bytes)
+        return 0.0 if block.tier in self.resident else self._tier(block.tier).predict(block.bytes)
 
     def compute_cost(self, tokens: int) -> float:
         return self.prefill.predict(tokens) if tokens > 0 else 0.0
 
     def plan(self, blocks: list[PlanBlock], question_tokens: int = 0) -> FetchPlan:
-        resident = [b for b in blocks if b.tier == DEVICE_TIER]
-        movable = [b for b in blocks if b.tier != DEVICE_TIER]
+        resident = [b for b in blocks if b.tier in self.resident]
+        movable = [b for b in blocks if b.tier not in self.resident]
         if self.overlap:
             fetched, recomputed = self._split_overlapped(movable, question_tokens)
         else:

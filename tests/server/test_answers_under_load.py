@@ -2,7 +2,9 @@
 model, the official SDK over loopback): another tenant's long `text` prompts, seeded sampled streams and streams the
 client closes after their first chunk. Each row's numbers must not depend on the batch, on a prompt pass it was put
 between the layers of, or on how its prompt was split; a load probe found an answer that did ("The answer is 2011."
-alone, "2012." beside any other request: a lone row's products summed in other chains, 2026-12-06)."""
+alone, "2012." beside any other request: a lone row's products summed in other chains, 2026-12-06), nor on the
+fetch planner: a DRAM fetch that stalled under the load once had the chat's memories recomputed (a CI run,
+2026-12-07; ``fetcher.resident_tiers``)."""
 
 from __future__ import annotations
 

@@ -109,3 +109,22 @@ def test_throttled_disk_recomputes_faster_and_fast_disk_fetches(server):
             break
     assert seen[-1] == K, seen
     assert answer == answer_kv
+
+
+def test_a_dram_fetch_measured_slow_never_makes_a_cpu_engine_recompute(server):
+    """On a CPU engine DRAM blocks are read in place (``fetcher.resident_tiers``): a DRAM fetch that stalled (the
+    interpreter's lock, amid another tenant's load) once made the next kv request recompute its memories and answer
+    otherwise. Here the planner is told that DRAM takes seconds a block: the request still injects every block."""
+    state = server.app.state
+    r = httpx.put(f"{server.url}/v1/memories/{USER}", json={"items": ITEMS}, headers=server.headers(), timeout=120)
+    assert r.status_code == 200, r.text
+    _ask(server, "none")
+    assert state.worker.prompt_token_s is not None
+    answer_kv, _, attrs = _ask(server)
+    assert attrs["inferscale.kv.plan.tier.dram"] == K
+    planner = state.memories.fetcher.planner
+    for _ in range(3):
+        planner.observe_transfer("dram", 1 << 20, 5.0)  # 5 s a block: far past any recompute
+    answer, _, attrs = _ask(server)
+    assert attrs["inferscale.kv.plan.tier.dram"] == K and attrs["inferscale.kv.plan.recomputed_blocks"] == 0, attrs
+    assert answer == answer_kv

@@ -136,3 +136,17 @@ def test_a_skipped_tier_is_probed_so_its_recovery_is_seen():
         plans.append(plan)
     assert probes == 2  # throttled: one probe every 8 plans, the rest recomputed
     assert plans[-1].recompute == () and len(plans[-1].fetch["disk"]) == 10
+
+
+def test_a_resident_tier_is_never_recomputed_however_slow_it_was_measured():
+    """A CPU engine reads DRAM blocks in place (``fetcher.resident_tiers("cpu")``): measured slow (a stall), they
+    are still used, at no transfer cost; a CUDA engine's DRAM blocks are planned as a transfer."""
+    from inferscale.store.fetcher import resident_tiers
+
+    for device, recomputed in (("cpu", 0), ("cuda", 10)):
+        p = planner()
+        p.resident = resident_tiers(device)
+        transfers(p, "dram", gbs=0.001, fixed_s=0.5)  # far slower than recomputing 30 tokens at 30k tokens/s
+        plan = p.plan(blocks("dram"))
+        assert len(plan.recompute) == recomputed, device
+        assert plan.fetch_s == 0 or device == "cuda"
