@@ -71,8 +71,9 @@ async def _run_paths(backend: EngineBackend, embed_query: Callable[[str, str], o
     if rows > 1 and "kv" in backend.modes:
         burst = Sampling(max_new_tokens=BURST_TOKENS, ignore_eos=True, stop=(), temperature=0.0, seed=0)
         await asyncio.gather(*(_generate(backend, ids, blocks * max(k, 1), "kv", burst) for _ in range(rows)))
-        # the step that answered the last of them measured its pass before the app freezes its heap (gcheap.py): a
-        # full collection holding the GIL while that step emitted made an 8-row pass read 339 ms against ~15
+        # the step that answered the last of them ends (its pass measured) before the app freezes its heap
+        # (gcheap.py): one such step read an 8-row pass at 339 ms against ~15 (a collection or rows moving: not told
+        # apart; moves are now left out of a pass's time, slots.py ``aside_s``)
         await backend.call(lambda _engine: None)
 
 

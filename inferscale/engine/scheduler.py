@@ -40,11 +40,9 @@ from inferscale.engine.stepcost import StepCost, ewma
 from inferscale.engine.takein import Arrival, TakeIn
 from inferscale.errors import ConfigError, EngineBusyError
 
-
 # Refuse once the predicted wait reaches this fraction of the queue timeout: the prediction leaves out the decode
 # rows the requests ahead add once their prompts are done, and their tokens' streaming. ``bench load --flood``, 2-core
-# CPU, once passes beside arrivals stopped raising the estimates (takein.py): at 0.8, up to 17 of 32 kept and one
-# shed 6-7 s in (2 repeats of 6); at 0.7, 10-15 served and none refused later than 0.44 s (12 repeats).
+# CPU (takein.py): at 0.8, up to 17 of 32 kept and one shed 6-7 s in (2 repeats of 6); at 0.7 none later than 0.44 s.
 SHED_AT = 0.7
 # The same while the tenant's own prompts were not measured (``StepCost.tenant_token_s``): its wait is priced at other
 # tenants' costs. A first flood's ~2,300-token text prompts (``--flood-words 1500``) cost 1.4-2.8x a token of another
@@ -382,12 +380,14 @@ class Scheduler:
                                               for t in self._arriving)
 
     def _refuse_a_long_wait(self, tenant: str) -> None:
-        wait, limit = self._predicted_wait(tenant), self.config.queue_timeout_s
-        at = SHED_AT if tenant in self.cost.tenant_token_s else SHED_AT_UNMEASURED
+        wait, limit, at = self._predicted_wait(tenant), self.config.queue_timeout_s, self._margin(tenant)
         if wait > at * limit:
             raise EngineBusyError(f"tenant {tenant!r}'s queue would take about {wait:.0f} s to reach this request "
                                   f"(queue timeout {limit:g} s); retry later",
                                   retry_after_s=max(1, math.ceil(wait - at * limit)))
+
+    def _margin(self, tenant: str) -> float:  # the share of the timeout a first price of tenant's prompts may reach
+        return SHED_AT if tenant in self.cost.tenant_token_s else SHED_AT_UNMEASURED
 
     def _predicted_wait(self, tenant: str) -> float:
         """Seconds until a request of ``tenant`` queued now would get a slot: the prompt tokens of the tenant's
@@ -448,23 +448,23 @@ class Scheduler:
         return {*self._prefilling, *(t for t, q in self._waiting.items() if q)}
 
     def _shed(self) -> list[ScheduledRequest]:
-        """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on
-        a guess (its first, before its prompts were measured) is refused within steps, not after the timeout; so is
-        a queue whose first request waits for room (capacity.py) that the running requests' predicted ends would
-        not give it in time. A request's first look leaves the margin its arrival does (SHED_AT): waits for room are
-        first priced here, and a full batch's pass read 69-110 ms within a second of one burst (the estimate
-        following its growing passes), so 8 requests kept at ~21 s of the 30 s timeout were refused 1.2-3.4 s in."""
+        """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on a
+        guess (before its prompts were measured) is refused within steps; so is a queue whose first request waits for
+        room (capacity.py) the running requests' predicted ends would not give in time. A first look leaves margins:
+        the arrival's for the prompts ahead (``_margin``), SHED_AT for a wait for room, first priced here (without,
+        8 kept at ~21 s of 30 were refused 1.2-3.4 s in: a full batch's pass read 69-110 ms after one burst)."""
         now, limit = self.clock(), self.config.queue_timeout_s
         work, running = self._prompt_work(), self._running_ends() if self.num_waiting else None
         shed = []
         for tenant, queue in self._waiting.items():
             ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
-            drain = self._drain(tenant)
+            drain, margin = self._drain(tenant), self._margin(tenant)
             rooms = self.capacity.room_waits(queue, self._tenants(queue[0]), *running) if queue and running else ()
             for req, room in itertools.zip_longest(list(queue), rooms, fillvalue=0.0):
-                wait = max(room, self._queue_seconds(tenant, ahead, work, drain))
-                # the first look leaves the arrival's margin (a prediction errs in proportion); once kept, the timeout
-                if now - req.arrived + (wait if req.kept else wait / SHED_AT) > limit:
+                prompts = self._queue_seconds(tenant, ahead, work, drain)
+                # a first look leaves each prediction its arrival margin (errs in proportion); once kept, the timeout
+                wait = max(room, prompts) if req.kept else max(room / SHED_AT, prompts / margin)
+                if now - req.arrived + wait > limit:
                     queue.remove(req)
                     shed.append(req)
                 else:

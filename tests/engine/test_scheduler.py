@@ -930,3 +930,19 @@ def test_a_tenant_not_measured_yet_is_refused_at_half_the_timeout():
     unmeasured, own = kept(measured({"b"})), kept(measured({"a"}))
     assert 2 <= unmeasured < own
     assert unmeasured / own == pytest.approx(SHED_AT_UNMEASURED / SHED_AT, abs=0.15)
+
+
+def test_a_first_look_at_a_queue_leaves_its_prompts_the_margin_of_their_arrival():
+    """``_shed``'s first look at a queued request prices the prompts ahead with the margin its arrival had: half the
+    timeout while the tenant's own prompts were not measured (SHED_AT_UNMEASURED), SHED_AT once they were (before,
+    SHED_AT for every tenant: a request the arrival check would refuse was kept)."""
+    def shed_at(measured: set[str], share: float) -> list[ScheduledRequest]:
+        s = Scheduler(SchedulerConfig(queue_timeout_s=30))
+        s.cost.observe_decode(0.015)
+        s.cost.observe_prefill(30, 0.015 + 30 * 0.0006, tenants=measured)
+        s.add(ScheduledRequest("a", 40, new_tokens=4))
+        s._queue_seconds = lambda *_: share * 30  # the prompts ahead, priced at this share of the timeout
+        return s._shed()
+
+    assert shed_at({"b"}, 0.6) and not shed_at({"a"}, 0.6)  # between the two margins
+    assert not shed_at({"b"}, 0.45) and shed_at({"a"}, 0.75)
