@@ -109,7 +109,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
         announced = len(prompt_ids)
         if mode == "text" and owner is not None:
             announced += await app.memories.text_tokens(tenant.name, owner, k)
-        arrival = app.worker.expect(tenant.name, announced, mode if owner is not None else "none")
+        arrival = app.worker.expect(tenant.name, announced, mode if owner is not None else "none", max_tokens)
         blocks, recompute_ids, chosen = [], [], []
         if mode != "none" and owner is not None:
             # Only kv mode weighs fetching a block against recomputing it (the others need every block's KV or text).

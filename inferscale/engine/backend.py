@@ -62,11 +62,11 @@ class EngineBackend(Protocol):
     async def prompt_ids(self, turns: list[tuple[str, str]]) -> list[int]:
         """The prompt ids of a chat, tokenized off the engine's thread."""
 
-    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "", new_tokens: int = 0) -> Arrival:
         """Announce a request of ``tenant`` in ``mode`` before retrieval (``EngineBusyError`` now when it would
-        outwait its queue; ``prompt_tokens``, what is known of its prompt before retrieval: the question's tokens, and
-        a text request's memories at the user's mean size); the caller closes the arrival once the request is
-        submitted or given up."""
+        outwait its queue or its room; ``prompt_tokens``, what is known of its prompt before retrieval: the question's
+        tokens, and a text request's memories at the user's mean size; ``new_tokens``, the most it may generate); the
+        caller closes the arrival once the request is submitted or given up."""
 
     def submit(self, req: GenRequest) -> None:
         """Admit ``req``; typed errors (bad mode, foreign block, too long, busy) raise here, before any work."""

@@ -105,9 +105,9 @@ class ServingLoop:
                                      new_tokens=req.sampling.max_new_tokens, payload=req, mode=req.mode)
         self.scheduler.add(req.sched)
 
-    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "", new_tokens: int = 0) -> Arrival:
         """Announce a request of ``tenant`` before its blocks are fetched (Scheduler.expect: refused early)."""
-        return self.scheduler.expect(tenant, prompt_tokens, mode)
+        return self.scheduler.expect(tenant, prompt_tokens, mode, new_tokens)
 
     @property
     def active(self) -> int:

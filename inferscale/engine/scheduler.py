@@ -13,11 +13,10 @@ token per running decode, and what is left goes to prompt chunks. Fairness betwe
 Time, not only tokens (issue 22): a step's prompt budget is also bounded by ``step_time_s`` at the measured cost
 of a prompt token and a decode pass (stepcost.py), so a request arriving during a flood waits at most one short
 step (half of ``step_time_s`` while it is announced and fetching its memories) before its own prompt runs first;
-and ``add`` refuses a request whose predicted wait for a slot exceeds the queue timeout at once (EngineBusyError:
-503 + Retry-After), instead of after waiting it out. A newcomer whose question fits one pass need not wait for the
-pass in progress either: ``take_newcomer`` hands it to the serving loop between two of that pass's layers
-(interject.py). A tenant's first burst is predicted at the request's own prompt size and, before a step was
-measured, at a cost prior; a queued request that the costs measured since would still make outwait the timeout is
+and ``expect`` (before retrieval) and ``add`` refuse a request whose predicted wait, for prompts ahead or for room,
+passes its margin of the queue timeout (EngineBusyError: 503 + Retry-After), not after waiting it out. A newcomer
+whose question fits one pass is handed to the serving loop between two of the pass in progress's layers
+(``take_newcomer``, interject.py). A queued request the costs measured since would make outwait the timeout is
 refused at the next step (``shed``). Room: a slot, and the K/V budget for the request's prompt + the most it may
 generate, within its tenant's part of both (capacity.py), or it waits. Thread-safe: ``add`` and ``cancel``
 from any thread, ``schedule``/``finish``/``take_newcomer`` from the engine thread.
@@ -53,9 +52,8 @@ SHED_AT_UNMEASURED = 0.5
 NEWCOMER_STEP_SHARE = 0.35
 # The most prompt tokens the serving loop lets a timed pass hold where the model's fast kernels take more
 # (``LoadedModel.pass_rows``: 128 on AVX512-BF16): a newcomer not run between its layers (interject.py) waits out
-# the pass in progress. On the 2-core Zen 4 machine, 2026-12-04, ``bench load --flood`` (3 repeats): passes of up to
-# 128 tokens gave tenant B 2.46x [2.32, 2.55] its idle TTFT, of up to 64 1.43x [1.34, 1.98] in the next run (and
-# 1.63x [1.52, 1.71] in the one after).
+# the pass in progress. 2-core Zen 4, 2026-12-04, ``bench load --flood`` (3 repeats): passes of up to 128 tokens
+# gave tenant B 2.46x [2.32, 2.55] its idle TTFT, of up to 64 1.43x [1.34, 1.98] (next run 1.63x [1.52, 1.71]).
 NEWCOMER_PASS_TOKENS = 64
 
 
@@ -73,10 +71,8 @@ class SchedulerConfig:
     # ``min_chunk_tokens``, so prompts always progress). What a request arriving mid-step waits for.
     step_time_s: float = 0.25
     # The most prompt tokens a timed pass holds (None: no limit): the rows the model's decode-path products take
-    # (``LoadedModel.pass_rows``), at most ``NEWCOMER_PASS_TOKENS`` (the serving loop sets it). Past those rows a
-    # pass changes kernel, and its cost per token with it, so the time bound, sized on the passes measured so far,
-    # missed: in a flood, passes of 66-74 tokens took 118-140 ms against the 87 ms meant, and the other tenant
-    # waited them out.
+    # (``LoadedModel.pass_rows``), at most ``NEWCOMER_PASS_TOKENS`` (the serving loop sets it). Past them a pass
+    # changes kernel and cost per token: in a flood, passes of 66-74 tokens took 118-140 ms against 87 ms meant.
     max_pass_tokens: int | None = None
     # The K/V tokens the running requests may hold together, each at its prompt + the most it may generate
     # (capacity.py); None: only ``max_running`` x the model's context bounds them.
@@ -110,8 +106,7 @@ class Scheduler:
         self._served_at: dict[str, int] = {}  # tenant -> the step it last computed a prompt chunk
         self._steps = 0
         self.cost = StepCost()  # the loop reports what its steps took
-        # tenant -> the prompt tokens known of each request announced by ``expect`` and not added yet
-        self._arriving: dict[str, list[tuple[int, str]]] = {}  # with the mode of each (ScheduledRequest.mode)
+        self._arriving: dict[str, list[ScheduledRequest]] = {}  # announced (``expect``), not added yet
         # (tenant, mode) -> moving average of its prompts' tokens to compute (kept by tenant alone, a tenant's kv
         self._typical_prompt: dict[tuple[str, str], float] = {}  # questions after its text flood counted ~2,000 each)
         self._take_in = TakeIn(clock)
@@ -136,29 +131,30 @@ class Scheduler:
             req.arrived = self.clock()
             self._waiting.setdefault(req.tenant, deque()).append(req)
 
-    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "", new_tokens: int = 0) -> Arrival:
         """A request of ``tenant`` is on its way (retrieval and KV fetch come before ``add``): EngineBusyError now
-        when the tenant's queue would outwait the timeout, before any work is spent on it. Until the arrival is
-        closed (just before ``add``, or when the request fails) it counts in every prediction at the tenant's
-        typical prompt of its ``mode`` or at ``prompt_tokens`` (what is known of its own: the question's tokens, and a
-        text request's memories at the user's mean size), whichever is more, so a burst is refused on arrival, not
-        after its retrievals, its first one included: 32 prompts of ~2,000 tokens announced at once were counted
-        at nothing, retrieved, and refused only when added, 0.7-1.1 s later."""
+        when its wait would pass its margin of the timeout, before any work is spent on it: for the prompts ahead, and
+        for room (``new_tokens``: the most it may generate). Until closed (just before ``add``, or when the request
+        fails) the arrival counts in every prediction at its ``mode``'s typical prompt or at ``prompt_tokens`` (the
+        question's, and a text request's memories at the user's mean size), the larger: a burst is refused on
+        arrival, not after its retrievals (32 ~2,000-token prompts announced at nothing were refused 0.7-1.1 s later,
+        once added; a hold burst's last were refused 0.5-0.8 s in, at the first look after retrieval)."""
+        req = ScheduledRequest(tenant, prompt_tokens, new_tokens=new_tokens, mode=mode, arrived=self.clock())
         with self._lock:
-            self._refuse_a_long_wait(tenant)
+            self._refuse_a_long_wait(tenant, self._room_wait(req))
             self._take_in.spend(bool(self._arriving))
-            self._arriving.setdefault(tenant, []).append((prompt_tokens, mode))
-        return Arrival(self, tenant, prompt_tokens, mode)
+            self._arriving.setdefault(tenant, []).append(req)
+        return Arrival(self, req)
 
-    def arrived(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> None:
-        """An announced request of ``tenant`` was added or gave up (``Arrival.close``)."""
+    def arrived(self, req: ScheduledRequest) -> None:
+        """An announced request was added or gave up (``Arrival.close``)."""
         with self._lock:
             self._take_in.spend(bool(self._arriving))
-            arriving = self._arriving.get(tenant, [])
-            if (prompt_tokens, mode) in arriving:
-                arriving.remove((prompt_tokens, mode))
+            arriving = self._arriving.get(req.tenant, [])
+            if req in arriving:
+                arriving.remove(req)
             if not arriving:
-                self._arriving.pop(tenant, None)
+                self._arriving.pop(req.tenant, None)
 
     def taking_in(self) -> bool:
         """Announced requests are being taken in (``expect``, not added yet), at most TAKE_IN_S in a row (takein.py):
@@ -379,20 +375,26 @@ class Scheduler:
         return bool(self._prefilling) and any(t not in self._prefilling and not self._waiting.get(t)
                                               for t in self._arriving)
 
-    def _refuse_a_long_wait(self, tenant: str) -> None:
-        wait, limit, at = self._predicted_wait(tenant), self.config.queue_timeout_s, self._margin(tenant)
-        if wait > at * limit:
-            raise EngineBusyError(f"tenant {tenant!r}'s queue would take about {wait:.0f} s to reach this request "
-                                  f"(queue timeout {limit:g} s); retry later",
-                                  retry_after_s=max(1, math.ceil(wait - at * limit)))
+    def _refuse_a_long_wait(self, tenant: str, room_wait: float = 0.0) -> None:
+        """EngineBusyError when the prompts ahead of ``tenant``'s request, or its ``room_wait``, pass their margins."""
+        limit, prompts = self.config.queue_timeout_s, self._predicted_wait(tenant)
+        if (over := max(prompts / self._margin(tenant), room_wait / SHED_AT) - limit) > 0:
+            raise EngineBusyError(f"tenant {tenant!r}'s request would wait about {max(prompts, room_wait):.0f} s for "
+                                  f"the engine (queue timeout {limit:g} s); retry later", retry_after_s=math.ceil(over))
+
+    def _room_wait(self, req: ScheduledRequest) -> float:
+        """Seconds until ``req``, behind its tenant's queue and arrivals, gets room (0 if never: refused once added)."""
+        running = self._running_ends()
+        queue = [*self._waiting.get(req.tenant, ()), *self._arriving.get(req.tenant, ()), req]
+        wait = self.capacity.room_waits(queue, self._tenants(req), *running)[-1] if running else 0.0
+        return wait if math.isfinite(wait) else 0.0
 
     def _margin(self, tenant: str) -> float:  # the share of the timeout a first price of tenant's prompts may reach
         return SHED_AT if tenant in self.cost.tenant_token_s else SHED_AT_UNMEASURED
 
     def _predicted_wait(self, tenant: str) -> float:
-        """Seconds until a request of ``tenant`` queued now would get a slot: the prompt tokens of the tenant's
-        requests ahead of it (those still arriving at its typical size or their own, the larger), at its
-        round-robin share of the measured prompt rate."""
+        """Seconds until a request of ``tenant`` queued now gets its prompts ahead computed (those still arriving at
+        their typical size or their own, the larger), at its round-robin share of the measured prompt rate."""
         work = self._prompt_work()
         ahead = work.get(tenant, 0) + round(sum(self._arriving_sizes(tenant)))
         return self._queue_seconds(tenant, ahead, work, self._drain(tenant)) if ahead else 0.0
@@ -409,9 +411,8 @@ class Scheduler:
     @staticmethod
     def _share(tenant: str, ahead: int, work: dict[str, int]) -> float:
         """Prompt tokens computed for all tenants per one of ``tenant``'s until its ``ahead`` tokens are done
-        (``work``: ``_prompt_work``): the round robin gives every tenant with prompt work an equal part, one with
-        less than ``ahead`` only until it is done. As a whole tenant, one ~30-token question of B's beside A's queue of
-        ~2,300-token prompts halved A's predicted rate: two of A's kept requests were shed ~1.1 s in, as it came."""
+        (``work``: ``_prompt_work``): every tenant with prompt work an equal part, one with less than ``ahead`` until
+        done (as a whole tenant, one question of B's halved A's rate: two of A's kept were shed ~1.1 s in)."""
         return 1.0 + sum(min(n, ahead) for t, n in work.items() if t != tenant) / max(ahead, 1)
 
     def _prompt_work(self) -> dict[str, int]:
@@ -422,12 +423,10 @@ class Scheduler:
 
     def _drain(self, tenant: str) -> tuple[int, int | None, int | None]:
         """How a step computes ``tenant``'s queue: (prompt tokens a step, every tenant's included; the chunk a step
-        of each tenant's when its prompts are longer, else None; the most a pass holds). A request gets one chunk a
-        step and a tenant finishes its started prompt before it starts another, so prompts longer than a chunk go
-        one chunk a step (a lone tenant's chunk is one pass), whatever the budget: priced at the budget, 32 ~2,000-
-        token prompts were predicted at ~1.5 s each where they took ~2.25, and two of the kept ones were shed 18 and
-        24 s after they arrived. Announced sizes count too: priced at the whole budget, 7 of 11 first-burst ~2,900-
-        token text requests kept on arrival were refused once retrieved, when the first one set the typical size."""
+        of each tenant's when its prompts, announced ones too, are longer, else None; the most a pass holds). A
+        request gets one chunk a step and a tenant finishes a started prompt before another, so longer prompts go a
+        chunk a step whatever the budget (priced at the budget, 32 ~2,000-token prompts were predicted at ~1.5 s each
+        where they took ~2.25, two kept ones shed 18 and 24 s in; 7 of 11 announced ones refused once retrieved)."""
         lone = self._lone(tenant)
         per_step = self._prompt_budget(len(self._decoding), lone=lone)
         pass_tokens = self._pass_tokens()
@@ -440,8 +439,8 @@ class Scheduler:
     def _arriving_sizes(self, tenant: str) -> list[float]:
         """The prompt tokens of ``tenant``'s announced requests: each its own known size or its mode's typical one,
         the larger."""
-        return [max(known, self._typical_prompt.get((tenant, mode), 0.0))
-                for known, mode in self._arriving.get(tenant, ())]
+        return [max(r.prompt_tokens, self._typical_prompt.get((tenant, r.mode), 0.0))
+                for r in self._arriving.get(tenant, ())]
 
     def _prompt_tenants(self) -> set[str]:
         """Tenants with prompt work started or queued: the round-robin's share of the prompt rate."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from inferscale.engine.scheduled import ScheduledRequest
+
 TAKE_IN_S = 1.5
 
 
@@ -35,17 +37,16 @@ class TakeIn:
 
 
 class Announced(Protocol):
-    def arrived(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> None: ...
+    def arrived(self, req: ScheduledRequest) -> None: ...
 
 
 class Arrival:
     """A request announced to the scheduler before it is added (``Scheduler.expect``); ``close`` is idempotent."""
 
-    def __init__(self, scheduler: Announced | None, tenant: str, prompt_tokens: int = 0, mode: str = "") -> None:
-        self._scheduler, self._tenant = scheduler, tenant  # None: a backend whose own scheduler queues (no-op)
-        self.prompt_tokens, self.mode = prompt_tokens, mode
+    def __init__(self, scheduler: Announced | None, req: ScheduledRequest | None = None) -> None:
+        self._scheduler, self.req = scheduler, req  # None: a backend whose own scheduler queues (no-op)
 
     def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.arrived(self._tenant, self.prompt_tokens, self.mode)
+        if self._scheduler is not None and self.req is not None:
+            self._scheduler.arrived(self.req)
             self._scheduler = None

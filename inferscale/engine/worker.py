@@ -119,10 +119,10 @@ class EngineWorker:
         build = (lambda: side.question_ids(turns[0][1])) if len(turns) == 1 else (lambda: side.chat_ids(turns))
         return await asyncio.wrap_future(self._tokenize_pool.submit(build))
 
-    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "", new_tokens: int = 0) -> Arrival:
         """Announce a request of ``tenant`` in ``mode`` before retrieval (``prompt_tokens``: what is known of its
-        prompt by then): EngineBusyError now when it would outwait its queue."""
-        return self.loop.expect(tenant, prompt_tokens, mode)
+        prompt by then; ``new_tokens``: the most it may generate): EngineBusyError now when it would wait too long."""
+        return self.loop.expect(tenant, prompt_tokens, mode, new_tokens)
 
     def submit(self, req: GenRequest) -> None:
         """Queue a generation; its events go to ``req.emit`` on the worker thread. Typed errors raise here."""

@@ -137,9 +137,9 @@ class TrtllmBackend:
     check_chars = EngineWorker.check_chars
     prompt_ids = EngineWorker.prompt_ids
 
-    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "") -> Arrival:
+    def expect(self, tenant: str, prompt_tokens: int = 0, mode: str = "", new_tokens: int = 0) -> Arrival:
         """TensorRT-LLM queues in its own scheduler: the per-tenant bound is checked at ``submit``."""
-        return Arrival(None, tenant, prompt_tokens, mode)
+        return Arrival(None)
 
     def submit(self, req: GenRequest) -> None:
         if self._closed:

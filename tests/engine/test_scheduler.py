@@ -946,3 +946,32 @@ def test_a_first_look_at_a_queue_leaves_its_prompts_the_margin_of_their_arrival(
 
     assert shed_at({"b"}, 0.6) and not shed_at({"a"}, 0.6)  # between the two margins
     assert not shed_at({"b"}, 0.45) and shed_at({"a"}, 0.75)
+
+
+def test_a_burst_past_the_tenants_part_is_refused_on_arrival_when_its_room_comes_too_late():
+    """Announced (``expect``, before retrieval) with the most each may generate, the requests past a tenant's part
+    of the slots are priced at their wait for room and refused then, not once retrieved and queued (through the
+    server a burst's last were refused 0.5-0.8 s after sending, at the first look after their retrieval); kept
+    where the running answers end in time. Once added, the first look keeps them to the same margin."""
+    def announce(pass_s: float) -> tuple[Scheduler, list, int]:
+        s = Scheduler(SchedulerConfig(max_running=8, queue_timeout_s=30))
+        s.cost.observe_decode(pass_s)
+        for _ in range(7):  # the tenant's part: running, each may take 400 tokens
+            s.add(ScheduledRequest("a", 4, new_tokens=400))
+        run_prefill(s, s.schedule())
+        arrivals, refused = [], 0
+        for _ in range(3):
+            try:
+                arrivals.append(s.expect("a", 4, "kv", new_tokens=400))
+            except EngineBusyError as e:
+                refused += 1
+                assert e.retry_after_s >= 1
+        return s, arrivals, refused
+
+    assert announce(0.1)[2] == 3  # the first end in ~40 s: each refused on arrival
+    s, arrivals, refused = announce(0.01)  # ~4 s: announced, then queued and kept
+    assert refused == 0 and len(s._arriving["a"]) == 3
+    for arrival in arrivals:
+        arrival.close()
+        s.add(ScheduledRequest("a", 4, new_tokens=400))
+    assert not s._arriving and s.schedule().shed == [] and s.num_waiting == 3

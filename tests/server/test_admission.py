@@ -97,10 +97,10 @@ def test_a_text_request_is_announced_with_its_memories_before_retrieval(live, me
 
     modes: list[str] = []
 
-    def spy(tenant: str, prompt_tokens: int = 0, mode: str = ""):
+    def spy(tenant: str, prompt_tokens: int = 0, mode: str = "", new_tokens: int = 0):
         announced.append(prompt_tokens)
         modes.append(mode)  # a tenant's typical prompt is kept by mode (scheduler.py)
-        return original(tenant, prompt_tokens, mode)
+        return original(tenant, prompt_tokens, mode, new_tokens)
 
     monkeypatch.setattr(worker, "expect", spy)
     client = live.client()
