@@ -311,9 +311,10 @@ class Scheduler:
 
     def _running_ends(self) -> tuple[list[tuple[float, ScheduledRequest]], Callable[[ScheduledRequest], float]] | None:
         """When each running request is predicted to end, and what predicts it (``StepCost.seconds_left``, in decode
-        passes of the rows that run once the queues are in); None before anything predicts them."""
+        passes of the rows that run once the queues and arrivals are in); None before anything predicts them."""
         running = [*self._decoding, *itertools.chain(*self._prefilling.values())]
-        decode_s = self.cost.decode_seconds(min(self.config.max_running, len(running) + self.num_waiting))
+        rows = len(running) + self.num_waiting + sum(map(len, self._arriving.values()))
+        decode_s = self.cost.decode_seconds(min(self.config.max_running, rows))
         if decode_s is None:
             return None
         left = functools.partial(self.cost.seconds_left, decode_s=decode_s)

@@ -975,3 +975,19 @@ def test_a_burst_past_the_tenants_part_is_refused_on_arrival_when_its_room_comes
         arrival.close()
         s.add(ScheduledRequest("a", 4, new_tokens=400))
     assert not s._arriving and s.schedule().shed == [] and s.num_waiting == 3
+
+
+def test_a_burst_arriving_at_an_idle_engine_is_priced_at_the_batch_it_will_make():
+    """Nothing runs yet when a burst arrives: the requests ahead of an arrival are arrivals too, and their answers
+    end in passes of the batch they make, not of the rows running now (none): priced so, the arrivals past the
+    tenant's part are refused on arrival (a hold burst's 8 past A's part were still refused ~0.7 s in, once added)."""
+    s = Scheduler(SchedulerConfig(max_running=8, queue_timeout_s=30))
+    s.cost.observe_decode(0.01)
+    s.cost.observe_decode(0.08, rows=8)  # a pass: 10 ms and 10 ms a row
+    refused = 0
+    for _ in range(9):
+        try:
+            s.expect("a", 4, "kv", new_tokens=400)
+        except EngineBusyError:
+            refused += 1
+    assert refused == 2 and len(s._arriving["a"]) == 7  # the tenant's part: ~400 passes of 7-8 rows (28-32 s)
