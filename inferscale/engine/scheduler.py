@@ -379,19 +379,20 @@ class Scheduler:
     def _refuse_a_long_wait(self, tenant: str, room_wait: float = 0.0) -> None:
         """EngineBusyError when the prompts ahead of ``tenant``'s request, or its ``room_wait``, pass their margins."""
         limit, prompts = self.config.queue_timeout_s, self._predicted_wait(tenant)
-        if (over := max(prompts / self._margin(tenant), room_wait / SHED_AT) - limit) > 0:
+        if (over := self._first_price(tenant, prompts, room_wait) - limit) > 0:
             raise EngineBusyError(f"tenant {tenant!r}'s request would wait about {max(prompts, room_wait):.0f} s for "
                                   f"the engine (queue timeout {limit:g} s); retry later", retry_after_s=math.ceil(over))
 
-    def _room_wait(self, req: ScheduledRequest) -> float:
-        """Seconds until ``req``, behind its tenant's queue and arrivals, gets room (0 if never: refused once added)."""
+    def _room_wait(self, req: ScheduledRequest) -> float:  # behind its tenant's queue and arrivals; inf: see ``add``
         running = self._running_ends()
         queue = [*self._waiting.get(req.tenant, ()), *self._arriving.get(req.tenant, ()), req]
         wait = self.capacity.room_waits(queue, self._tenants(req), *running)[-1] if running else 0.0
         return wait if math.isfinite(wait) else 0.0
 
-    def _margin(self, tenant: str) -> float:  # the share of the timeout a first price of tenant's prompts may reach
-        return SHED_AT if tenant in self.cost.tenant_token_s else SHED_AT_UNMEASURED
+    def _first_price(self, tenant: str, prompts: float, room: float) -> float:
+        """A wait first judged, each part over its margin: SHED_AT (an unmeasured tenant's prompts: ..._UNMEASURED)."""
+        margin = SHED_AT if tenant in self.cost.tenant_token_s else SHED_AT_UNMEASURED
+        return max(prompts / margin, room / SHED_AT)
 
     def _predicted_wait(self, tenant: str) -> float:
         """Seconds until a request of ``tenant`` queued now gets its prompts ahead computed (those still arriving at
@@ -450,20 +451,19 @@ class Scheduler:
     def _shed(self) -> list[ScheduledRequest]:
         """Queued requests that, at the costs measured now, would wait out the queue timeout: a burst accepted on a
         guess (before its prompts were measured) is refused within steps; so is a queue whose first request waits for
-        room (capacity.py) the running requests' predicted ends would not give in time. A first look leaves margins:
-        the arrival's for the prompts ahead (``_margin``), SHED_AT for a wait for room, first priced here (without,
-        8 kept at ~21 s of 30 were refused 1.2-3.4 s in: a full batch's pass read 69-110 ms after one burst)."""
+        room (capacity.py) the running requests' predicted ends would not give in time. A first look judges as an
+        arrival is (``_first_price``): 8 kept at ~21 s of 30 without a margin were refused 1.2-3.4 s in."""
         now, limit = self.clock(), self.config.queue_timeout_s
         work, running = self._prompt_work(), self._running_ends() if self.num_waiting else None
         shed = []
         for tenant, queue in self._waiting.items():
             ahead = sum(r.remaining_prompt for r in self._prefilling.get(tenant, ()))
-            drain, margin = self._drain(tenant), self._margin(tenant)
+            drain = self._drain(tenant)
             rooms = self.capacity.room_waits(queue, self._tenants(queue[0]), *running) if queue and running else ()
             for req, room in itertools.zip_longest(list(queue), rooms, fillvalue=0.0):
                 prompts = self._queue_seconds(tenant, ahead, work, drain)
-                # a first look leaves each prediction its arrival margin (errs in proportion); once kept, the timeout
-                wait = max(room, prompts) if req.kept else max(room / SHED_AT, prompts / margin)
+                # a first look judges as an arrival is judged; once kept, the timeout alone
+                wait = max(room, prompts) if req.kept else self._first_price(tenant, prompts, room)
                 if now - req.arrived + wait > limit:
                     queue.remove(req)
                     shed.append(req)

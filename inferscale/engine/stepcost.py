@@ -106,7 +106,7 @@ class StepCost:
     def observe_decode(self, seconds: float, rows: int = 1) -> None:
         if seconds > 0:
             if self.decode_row_s is not None and self.pass_s is not None:
-                seconds = min(seconds, DECODE_OUTLIER_X * (self.pass_s + max(rows - 1, 0) * self.decode_row_s))
+                seconds = min(seconds, DECODE_OUTLIER_X * self.decode_seconds(rows))
             self.decode_pass_s = ewma(self.decode_pass_s, seconds)
             self.pass_s = min(self.pass_s or seconds, seconds)
             if rows > 1:
