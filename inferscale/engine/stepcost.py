@@ -29,10 +29,16 @@ FULL_WEIGHT_TOKENS = 32
 # held up must not make admission refuse everything.
 OVERRUN_MAX = 4.0
 # The most a decode pass is believed to run past what it was predicted to take, once a row's cost is known: one pass
-# the OS or a collection held up then moves the estimates by at most SMOOTHING of that much, where a sustained
-# slowdown is still learnt within a few dozen passes. Through the server one 56-row pass of 441 ms against ~80 (rows
-# moving, since left out of it) doubled a row's price at once (1.39 -> 2.83 ms), which refuses requests kept for room.
+# the OS or a collection held up then moves the estimates little, where a sustained slowdown is still learnt within
+# a hundred passes (ROW_SMOOTHING). Through the server one 56-row pass of 441 ms against ~80 (rows moving, since left
+# out of it) doubled a row's price at once (1.39 -> 2.83 ms), which refuses requests kept for room.
 DECODE_OUTLIER_X = 2.0
+# Weight of the newest pass in a row's price (``decode_row_s``), smaller than SMOOTHING: that price predicts waits for
+# room, hundreds of passes long, so it follows the mean of many passes rather than the last few. A fresh server's
+# first 64-request hold: its first 30 full passes took 100-134 ms, the next ~230 about 80; at SMOOTHING the kept
+# queue's wait was priced past the timeout and refused 2.6 s in, though room came 21-24 s after arrival in the
+# same burst's other runs (those passes replayed: the worst total wait priced 34.3 s at 0.2, 25.7 at this weight).
+ROW_SMOOTHING = 0.03
 # Tenants whose own prompt-token cost is remembered (the most recently observed; older ones fall back to the
 # overall estimate).
 TENANTS_KEPT = 1024
@@ -51,9 +57,10 @@ class StepCost:
     decode_pass_s: float | None = None  # seconds of one batched decode pass at the current batch size
     # seconds each decode row adds to a pass beyond its fixed part (``pass_s``): what a pass of the rows running
     # now will take, where the moving average still follows the smaller batches before them (``decode_seconds``).
-    # A least-squares slope over the recent passes (``_row_fit``), so a pass of many rows outweighs one of two, whose
-    # time the OS moves by more than a row costs: a per-pass average of (seconds - pass_s) / (rows - 1) read 9.5 ms a
-    # row after a flood where 56 rows cost 1.2 ms each, and a burst that would have run was refused.
+    # A least-squares slope over the recent passes (``_row_fit``, decayed by ROW_SMOOTHING), so a pass of many rows
+    # outweighs one of two, whose time the OS moves by more than a row costs: a per-pass average of
+    # (seconds - pass_s) / (rows - 1) read 9.5 ms a row after a flood where 56 rows cost 1.2 ms each, and a burst that
+    # would have run was refused.
     decode_row_s: float | None = None
     _row_fit: tuple[float, float] = field(default=(0.0, 0.0), repr=False)  # decayed sums of (rows-1)*extra, (rows-1)^2
     # the fastest decode pass seen: the fixed part of any pass (a prompt pass reads every weight as it does);
@@ -111,7 +118,7 @@ class StepCost:
             self.pass_s = min(self.pass_s or seconds, seconds)
             if rows > 1:
                 extra, n, (num, den) = max(seconds - self.pass_s, 0.0), rows - 1, self._row_fit
-                self._row_fit = num * (1 - SMOOTHING) + n * extra, den * (1 - SMOOTHING) + n * n
+                self._row_fit = num * (1 - ROW_SMOOTHING) + n * extra, den * (1 - ROW_SMOOTHING) + n * n
                 self.decode_row_s = self._row_fit[0] / self._row_fit[1]
 
     def decode_seconds(self, rows: int) -> float | None:

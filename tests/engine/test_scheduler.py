@@ -340,7 +340,8 @@ def test_the_costs_kept_by_tenant_forget_the_tenant_seen_longest_ago(monkeypatch
 def test_one_held_up_many_row_pass_moves_a_full_batchs_price_a_little_and_a_sustained_slowdown_is_learnt():
     """A 56-row pass the OS held up (0.5 s against 0.075) priced the next full batches 2.5x dearer at once, and a
     queue kept for room was refused seconds later; believed at most DECODE_OUTLIER_X its prediction, it moves the
-    price by a fifth. A pass twice as slow, again and again, is the new price within a few dozen passes."""
+    price by a fifth at most. A pass twice as slow, again and again, is the new price within a hundred passes (a
+    row's price follows many passes: ROW_SMOOTHING)."""
     cost = StepCost()
     cost.observe_decode(0.02)
     for _ in range(20):
@@ -348,9 +349,34 @@ def test_one_held_up_many_row_pass_moves_a_full_batchs_price_a_little_and_a_sust
     before = cost.decode_seconds(56)
     cost.observe_decode(0.5, rows=56)
     assert before == pytest.approx(0.075) and cost.decode_seconds(56) <= 1.25 * before
-    for _ in range(30):
+    for _ in range(100):
         cost.observe_decode(2 * (0.02 + 55 * 0.001), rows=56)
     assert cost.decode_seconds(56) >= 1.9 * before
+
+
+# The passes a fresh server measured (rows, ms): its warm-up's, then its first 64-request hold's first 30 full ones
+# (56 rows), slower than the ~80 ms of the ~230 after them (not explained).
+WARM_UP_PASSES = [(18, 25.2), (36, 41.1), (53, 55.0), (70, 74.1), (86, 85.2), (101, 96.6), (112, 115.9), (112, 123.0),
+                  (112, 116.9), (112, 122.9), (112, 137.9), (94, 114.0), (91, 115.8), (75, 91.9), (58, 62.4),
+                  (42, 46.9), (27, 33.8), (16, 19.8), (16, 21.4), (16, 25.8)]
+HOLD_FIRST_PASSES = [107.2, 109.0, 134.4, 97.3, 104.6, 98.2, 100.2, 90.6, 108.0, 100.0, 86.4, 92.1, 78.9, 76.7, 87.3,
+                     92.0, 102.7, 109.8, 102.2, 87.9, 98.0, 97.3, 101.2, 119.0, 120.2, 120.3, 98.8, 94.3, 99.1, 94.0]
+
+
+def test_a_full_batchs_price_follows_the_mean_of_a_holds_passes_not_its_first_slow_ones():
+    """A queue kept for room waits hundreds of passes, so its wait is their mean: priced at the last few of a hold's
+    first passes (1.31x the hold's mean), the kept queue was refused 2.6 s in, where room came in time in the same
+    burst's other runs."""
+    cost = StepCost()
+    cost.observe_decode(0.0138)
+    for rows, ms in WARM_UP_PASSES:
+        cost.observe_decode(ms / 1000, rows=rows)
+    hold = [ms / 1000 for ms in HOLD_FIRST_PASSES] + [0.080] * 226
+    priced = []
+    for seconds in hold:
+        cost.observe_decode(seconds, rows=56)
+        priced.append(cost.decode_seconds(56))
+    assert max(priced) <= 1.15 * sum(hold) / len(hold)
 
 
 def test_a_decode_pass_is_predicted_at_the_rows_that_run_now():
@@ -369,13 +395,13 @@ def test_a_decode_pass_is_predicted_at_the_rows_that_run_now():
 def test_a_few_row_pass_held_up_does_not_make_a_many_row_pass_predicted_dearer():
     """Each row's part of a decode pass is a least-squares slope over the recent passes: a pass of two rows that the
     OS held up 180 ms says little beside three of sixteen rows (each row 2 ms). Averaged per pass, it had said 94 ms a
-    row, and a 56-row pass 5.2 s instead of 0.13."""
+    row, and a 56-row pass 5.2 s instead of 0.13 (here within 15 %: the slope keeps its passes long, ROW_SMOOTHING)."""
     cost = StepCost()
     cost.observe_decode(0.02)
     cost.observe_decode(0.2, rows=2)
     for _ in range(3):
         cost.observe_decode(0.02 + 15 * 0.002, rows=16)
-    assert cost.decode_seconds(56) == pytest.approx(0.02 + 55 * 0.002, rel=0.1)
+    assert cost.decode_seconds(56) == pytest.approx(0.02 + 55 * 0.002, rel=0.15)
 
 
 def test_take_newcomer_leaves_a_request_the_kv_budget_does_not_hold():
@@ -488,9 +514,9 @@ def test_one_held_up_pass_before_any_decode_does_not_set_the_rate_that_sheds():
 def test_a_lone_tenants_burst_starts_in_one_step_in_passes_another_tenant_interrupts():
     """Issue 22: 16 questions of one tenant (31 tokens each) while its first decodes. Costs about as measured on
     the 2-core CPU: a pass's fixed part 60 ms, 0.8 ms a prompt token. A 0.25 s step beside its prompt pass and
-    the decode pass would fit four of them, so the burst took four steps and more, each with a decode pass. Nobody else waits: the step takes them all,
-    the loop runs them in passes of what fits in step_time_s, and another tenant's arrival ends the step after
-    the pass in progress."""
+    the decode pass would fit four of them, so the burst took four steps and more, each with a decode pass. Nobody
+    else waits: the step takes them all, the loop runs them in passes of what fits in step_time_s, and another
+    tenant's arrival ends the step after the pass in progress."""
     s = Scheduler(SchedulerConfig(step_tokens=512, chunk_tokens=128, step_time_s=0.25))
     first = ScheduledRequest("a", 5, 4)
     s.add(first)
