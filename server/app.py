@@ -82,7 +82,7 @@ def open_backend(settings: Settings, engine: Engine) -> EngineBackend:
         return TrtllmBackend(engine, TrtllmOptions(
             model=settings.trtllm_model or settings.model, tokens_per_block=settings.trtllm_tokens_per_block,
             max_in_flight_per_tenant=settings.max_active + settings.max_queued_per_tenant, max_kv_tokens=kv_tokens,
-            kv_reserve_tokens=kv_reserve))
+            kv_reserve_tokens=kv_reserve, max_batch_size=settings.max_active, queue_timeout_s=settings.queue_timeout_s))
     return EngineWorker(engine, SchedulerConfig(
         max_running=settings.max_active, step_tokens=settings.step_tokens, chunk_tokens=settings.chunk_tokens,
         max_queued_per_tenant=settings.max_queued_per_tenant, queue_timeout_s=settings.queue_timeout_s,

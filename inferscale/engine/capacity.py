@@ -77,6 +77,10 @@ class Capacity:
     def running(self, tenant: str) -> int:
         return self._running[tenant]
 
+    def tenants(self) -> list[str]:
+        """The tenants with requests running."""
+        return list(self._running)
+
     def room(self) -> int | None:
         """K/V tokens the budget leaves beside what the running requests hold (None: no bound)."""
         return None if self.tokens is None else self.tokens - self.held

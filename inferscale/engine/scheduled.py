@@ -32,6 +32,11 @@ class ScheduledRequest:
         return self.prompt_tokens - self.computed_tokens
 
 
+def retry_after_s(queue_timeout_s: float) -> int:
+    """The Retry-After of a request refused for waiting (or being about to wait) out the queue timeout."""
+    return max(1, round(queue_timeout_s / 4))
+
+
 @dataclass
 class SchedulerOutput:
     decode: list[ScheduledRequest]  # advance one token each, in one batched pass

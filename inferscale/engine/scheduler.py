@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from inferscale.engine.capacity import Capacity
-from inferscale.engine.scheduled import ScheduledRequest, SchedulerOutput
+from inferscale.engine.scheduled import ScheduledRequest, SchedulerOutput, retry_after_s
 from inferscale.engine.stepcost import StepCost, ewma
 from inferscale.engine.takein import Arrival, TakeIn
 from inferscale.errors import ConfigError, EngineBusyError
@@ -167,7 +167,7 @@ class Scheduler:
             req.cancelled = True
 
     def retry_after_s(self) -> int:
-        return max(1, round(self.config.queue_timeout_s / 4))
+        return retry_after_s(self.config.queue_timeout_s)
 
     @property
     def num_waiting(self) -> int:

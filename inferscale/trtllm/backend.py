@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from inferscale.engine.engine import Engine
-from inferscale.engine.capacity import Capacity, tokens_held
+from inferscale.engine.capacity import Capacity
 from inferscale.engine.takein import Arrival
 from inferscale.engine.loop import DoneEvent, ErrorEvent, GenRequest, TokenEvent
 from inferscale.engine.scheduled import ScheduledRequest
@@ -40,6 +40,7 @@ from inferscale.engine.steptally import StepKey, StepTotals
 from inferscale.engine.worker import CHARS_PER_TOKEN_LIMIT, EngineWorker, PromptSide
 from inferscale.errors import ConfigError, EngineBusyError, InvalidInputError, PromptTooLongError, TransferError
 from inferscale.trtllm.core import cache_salt
+from inferscale.trtllm.gate import Cancelled, TenantGate
 from inferscale.trtllm.plans import InjectionEntry, PlanRegistry, prompt_key
 
 T = TypeVar("T")
@@ -67,8 +68,12 @@ class TrtllmOptions:
     # free_gpu_memory_fraction, TensorRT-LLM sizes the pool at whichever is less; its scheduler admits by free blocks
     max_kv_tokens: int | None = None
     # Of those, held back for tenants with nothing in flight (capacity.py; None: half): TensorRT-LLM's scheduler
-    # admits first come, first served, so a tenant past its part of the rest is refused here instead
+    # admits first come, first served, so a tenant past its part of the rest waits in front of it (gate.py)
     kv_reserve_tokens: int | None = None
+    # the most requests TensorRT-LLM runs at once (its LlmArgs.max_batch_size; INFERSCALE_MAX_ACTIVE; None: its
+    # own default, and no tenant's part of the slots); an eighth held back as the K/V's reserve is (gate.py)
+    max_batch_size: int | None = None
+    queue_timeout_s: float = 30.0  # the most a request waits in front of TensorRT-LLM for its tenant's part
 
 
 class TrtllmBackend:
@@ -96,14 +101,15 @@ class TrtllmBackend:
         self._plans: Counter[str] = Counter()  # plan key -> requests in flight that use it
         self._tenants: Counter[str] = Counter()
         self._inflight: set[GenRequest] = set()
-        self._kv = Capacity(None, options.max_kv_tokens, token_reserve=options.kv_reserve_tokens)  # tenants' parts
-        self._kv_held: dict[GenRequest, ScheduledRequest] = {}
+        # tenants' parts of the slots and the K/V (used on the driver loop only; ``check`` reads fixed sizes)
+        self._gate = TenantGate(Capacity(options.max_batch_size, options.max_kv_tokens,
+                                         token_reserve=options.kv_reserve_tokens), options.queue_timeout_s)
         self._closed = False
         self._calls = 0
         self.llm = LLM(model=options.model, kv_cache_config=KvCacheConfig(
             enable_block_reuse=True, tokens_per_block=options.tokens_per_block,
             free_gpu_memory_fraction=options.free_gpu_memory_fraction, max_tokens=options.max_kv_tokens),
-            kv_connector_config=KvCacheConnectorConfig(**CONNECTOR))
+            kv_connector_config=KvCacheConnectorConfig(**CONNECTOR), max_batch_size=options.max_batch_size)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="inferscale-trtllm", daemon=True)
         self._thread.start()
@@ -123,7 +129,7 @@ class TrtllmBackend:
 
     @property
     def queued(self) -> int:
-        return self._calls  # TensorRT-LLM queues its requests itself; what waits here is memory encoding
+        return self._calls + self._gate.waiting  # memory encodings, and requests waiting for their tenant's part
 
     @property
     def step_totals(self) -> dict[StepKey, StepTotals]:
@@ -145,11 +151,12 @@ class TrtllmBackend:
         if self._closed:
             raise RuntimeError("engine backend stopped")
         prompt, entry = self._layout(req)
+        sized = ScheduledRequest(req.tenant, len(prompt), new_tokens=req.sampling.max_new_tokens)
+        self._gate.capacity.check(sized)  # more K/V than the whole budget: it could never start
         with self._lock:
             if self._tenants[req.tenant] >= self.options.max_in_flight_per_tenant:
                 raise EngineBusyError(f"tenant {req.tenant!r} has {self._tenants[req.tenant]} requests in flight "
                                       f"on the engine; retry later", retry_after_s=1)
-            self._take_kv(req, len(prompt))
             self._tenants[req.tenant] += 1
             self._inflight.add(req)
         try:
@@ -158,7 +165,7 @@ class TrtllmBackend:
             self._release(req, None)
             raise
         salt = cache_salt(self._secret, req.tenant)
-        asyncio.run_coroutine_threadsafe(self._drive(req, prompt, key, salt), self._loop)
+        asyncio.run_coroutine_threadsafe(self._drive(req, sized, prompt, key, salt), self._loop)
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         if self._closed:
@@ -218,24 +225,8 @@ class TrtllmBackend:
             self._plans[key] += 1
         return key
 
-    def _take_kv(self, req: GenRequest, prompt_tokens: int) -> None:
-        """Count ``req``'s prompt + the most it may generate in its tenant's part of the K/V, or refuse it (lock
-        held): a tenant filling TensorRT-LLM's pool would hold up every other tenant's requests in its queue."""
-        sized = ScheduledRequest(req.tenant, prompt_tokens, new_tokens=req.sampling.max_new_tokens)
-        tenants = len({req.tenant, *(t for t, n in self._tenants.items() if n)})
-        if not self._kv.within_part(sized, tenants):
-            shared = (self._kv.tokens or 0) - self._kv.token_reserve
-            raise EngineBusyError(f"tenant {req.tenant!r} holds {self._kv.held_by(req.tenant)} tokens of K/V on the "
-                                  f"engine; {tokens_held(sized)} more would pass its part of the {shared} that "
-                                  f"{tenants} tenants share; retry later", retry_after_s=1)
-        self._kv.take(sized)
-        self._kv_held[req] = sized
-
     def _release(self, req: GenRequest, key: str | None) -> None:
         with self._lock:
-            sized = self._kv_held.pop(req, None)
-            if sized is not None:  # (None: a request ``submit`` refused before it took any)
-                self._kv.give(sized)
             self._tenants[req.tenant] -= 1
             self._inflight.discard(req)
             if key is not None:
@@ -254,13 +245,16 @@ class TrtllmBackend:
             min_tokens=s.min_tokens, ignore_eos=s.ignore_eos)
 
     # ---- the driver loop (one asyncio loop on its own thread) -------------------------------------------------
-    async def _drive(self, req: GenRequest, prompt: list[int], key: str | None, salt: str) -> None:
-        """Stream one request's outputs as typed events. Its plan is withdrawn before its final event goes out."""
+    async def _drive(self, req: GenRequest, sized: ScheduledRequest, prompt: list[int], key: str | None,
+                     salt: str) -> None:
+        """Stream one request's outputs as typed events, once its tenant's part holds it (``sized``, gate.py). Its
+        plan is withdrawn before its final event goes out."""
         memory = sum(b.num_tokens for b in req.blocks)
         final: DoneEvent | ErrorEvent | None = None
         span = request_span(req, "prefill", **{"inferscale.mode": req.mode, "inferscale.blocks": len(req.blocks),
                                                     "inferscale.engine": "trtllm"})
         try:
+            await self._gate.enter(sized, lambda: req.cancelled)
             out = self.llm.generate_async(prompt, self._params(req), streaming=True, cache_salt=salt)
             seen, first = 0, None
             async for update in out:
@@ -289,12 +283,15 @@ class TrtllmBackend:
                     final = DoneEvent(reason, len(prompt), memory, seen, first if first is not None else -1)
                     return
             final = ErrorEvent(RuntimeError("TensorRT-LLM ended the request without a final output"))
+        except Cancelled:
+            return  # cancelled while it waited for its tenant's part: as after an abort, no final event
         except Exception as e:  # noqa: BLE001 - reported to the request, the engine keeps serving
             final = ErrorEvent(e)
         finally:
             if isinstance(final, ErrorEvent):
                 span.record_exception(final.error)
             span.end()  # before the client hears of it: its trace is complete when the answer is
+            self._gate.leave(sized)  # (idempotent: a request the gate refused holds nothing)
             self._release(req, key)
             if final is not None and not self._closed:
                 req.emit(final)

@@ -4,6 +4,7 @@ that vanished, another tenant's salt; and the clear error where TensorRT-LLM is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -193,31 +194,86 @@ def test_without_tensorrt_llm_the_backend_refuses_to_start_naming_the_package(en
 
 
 
-def test_a_tenant_past_its_part_of_the_kv_is_refused_and_another_tenant_is_served(eng, blocks):
-    """Attack: TensorRT-LLM's scheduler admits first come, first served, so a tenant filling its pool would hold up
-    every other tenant's requests. Half the pool (``max_kv_tokens``) is held back for tenants with nothing in
-    flight, each tenant may hold its part of the rest; past it, 503."""
-    from inferscale.errors import EngineBusyError
-
+@contextlib.contextmanager
+def gated_backend(eng, **options):
+    """A backend over the stand-in with the given ``TrtllmOptions``; every request still running is cancelled at
+    the end."""
     with trtllm_standin.installed() as trt:
         from inferscale.trtllm.backend import TrtllmBackend, TrtllmOptions
 
         trt.register_model("tiny", eng)
-        question = eng.question_ids("where did caroline move?")  # _run's
-        need = len(eng.prefix_ids) + sum(b.num_tokens for b in blocks) + len(question) + 200  # prompt + max_new
-        backend = TrtllmBackend(eng, TrtllmOptions(model="tiny", tokens_per_block=TPB, max_kv_tokens=4 * need))
-        running = [_run(backend, eng, blocks, max_new=200)[0] for _ in range(2)]  # a lone tenant's part: 2 x need
+        backend = TrtllmBackend(eng, TrtllmOptions(model="tiny", tokens_per_block=TPB, **options))
         try:
-            with pytest.raises(EngineBusyError, match="would pass its part"):
-                _run(backend, eng, blocks, max_new=200)
-            other, other_events = _run(backend, eng, blocks, tenant="globex", max_new=4)  # its first: the reserve
-            assert isinstance(other_events.wait(), DoneEvent)
+            yield backend
         finally:
-            for req in running:
+            for req in list(backend._inflight):
                 req.cancel()
-            for _ in range(600):
-                if backend.active == 0:
-                    break
-                threading.Event().wait(0.05)
+            _until(lambda: backend.active == 0)
             backend.close()
-        os.environ.pop("INFERSCALE_TRTLLM_PLAN_DIR", None)
+    os.environ.pop("INFERSCALE_TRTLLM_PLAN_DIR", None)
+
+
+def _until(done, seconds: float = 30.0) -> bool:
+    for _ in range(int(seconds / 0.05)):
+        if done():
+            return True
+        threading.Event().wait(0.05)
+    return done()
+
+
+def _prompt_tokens(eng, blocks) -> int:
+    return len(eng.prefix_ids) + sum(b.num_tokens for b in blocks) + len(eng.question_ids("where did caroline move?"))
+
+
+def test_a_tenant_past_its_part_of_the_kv_waits_and_another_tenant_is_served(eng, blocks):
+    """Attack: TensorRT-LLM's scheduler admits first come, first served, so a tenant filling its pool would hold up
+    every other tenant's requests. Half the pool (``max_kv_tokens``) is held back for tenants with nothing in
+    flight, each tenant may hold its part of the rest; past it a request waits in front of TensorRT-LLM (gate.py)
+    and goes on once its tenant's own requests end."""
+    need = _prompt_tokens(eng, blocks) + 200  # prompt + max_new
+    with gated_backend(eng, max_kv_tokens=4 * need) as backend:
+        running = [_run(backend, eng, blocks, max_new=200) for _ in range(2)]  # a lone tenant's part: 2 x need
+        third, third_events = _run(backend, eng, blocks, max_new=4)
+        other, other_events = _run(backend, eng, blocks, tenant="globex", max_new=4)  # its first: the reserve
+        assert isinstance(other_events.wait(), DoneEvent)
+        assert third_events.items == [] and backend.queued == 1  # still waiting for acme's part
+        assert not any(e.done.is_set() for _, e in running)
+        for req, _ in running:
+            req.cancel()
+        assert isinstance(third_events.wait(), DoneEvent)  # its tenant's part freed: it ran
+
+
+def test_a_tenant_filling_the_batch_waits_past_its_part_and_another_tenants_first_request_runs_at_once(eng, blocks):
+    """Attack: with TensorRT-LLM's batch full of tenant A's long answers (``max_batch_size`` 8), tenant B's request
+    waited in its first-come-first-served queue until one of A's ended. Now an eighth of the slots is held back for
+    tenants with nothing in flight: A's eighth request waits in front of TensorRT-LLM (not refused), B's first runs
+    beside A's seven and ends before any of them."""
+    with gated_backend(eng, max_batch_size=8) as backend:
+        running = [_run(backend, eng, blocks, max_new=200) for _ in range(7)]
+        eighth, eighth_events = _run(backend, eng, blocks, max_new=200)
+        other, other_events = _run(backend, eng, blocks, tenant="globex", max_new=4)
+        assert _until(other_events.done.is_set), "tenant B's request never ended"
+        assert isinstance(other_events.items[-1], DoneEvent)
+        assert not any(e.done.is_set() for _, e in running), "B waited for one of A's answers"
+        assert eighth_events.items == [] and backend.queued == 1
+        running[0][0].cancel()  # one of A's ends: its eighth takes the slot
+        assert _until(lambda: any(isinstance(e, TokenEvent) for e in eighth_events.items))
+
+
+def test_a_request_waiting_for_its_tenants_part_is_refused_at_the_queue_timeout_or_dropped_when_cancelled(eng, blocks):
+    """A request that cannot get its tenant's part within the queue timeout hears 503's error (EngineBusyError with
+    Retry-After), as the PyTorch engine's queue answers; one cancelled while it waits never reaches TensorRT-LLM and
+    holds nothing after."""
+    from inferscale.errors import EngineBusyError
+
+    with gated_backend(eng, max_batch_size=8, queue_timeout_s=0.5) as backend:
+        first = [_run(backend, eng, blocks, max_new=200) for _ in range(7)]  # a lone tenant's part: 7 of 8
+        late, late_events = _run(backend, eng, blocks, max_new=4)
+        final = late_events.wait()
+        assert isinstance(final, ErrorEvent) and isinstance(final.error, EngineBusyError)
+        assert final.error.retry_after_s >= 1 and "waited over 0.5 s" in str(final.error)
+        gone, gone_events = _run(backend, eng, blocks, max_new=4)
+        gone.cancel()
+        assert _until(lambda: backend.queued == 0 and backend.active == 7)  # only the first seven still run
+        assert gone_events.items == []
+        assert not any(e.done.is_set() for _, e in first)

@@ -98,12 +98,13 @@ class _Running:
 
 class LLM:
     def __init__(self, model: str, *, kv_cache_config: KvCacheConfig | None = None,
-                 kv_connector_config: KvCacheConnectorConfig | None = None, **_: object) -> None:
+                 kv_connector_config: KvCacheConnectorConfig | None = None, max_batch_size: int | None = None,
+                 **_: object) -> None:
         self.engine = _MODELS[model]
         self.args = TorchLlmArgs(model=model, kv_cache_config=kv_cache_config or KvCacheConfig(),
-                                 kv_connector_config=kv_connector_config)
+                                 kv_connector_config=kv_connector_config, max_batch_size=max_batch_size)
         layout, kv = self.engine.loaded.layout, self.engine.prefix_kv
-        pool = PagedPool(256, kv.shape[0], kv.shape[2], self.args.kv_cache_config.tokens_per_block, kv.shape[4],
+        pool = PagedPool(1024, kv.shape[0], kv.shape[2], self.args.kv_cache_config.tokens_per_block, kv.shape[4],
                          kv.dtype, kv.device)
         cfg = kv_connector_config
         module = importlib.import_module(cfg.connector_module)
@@ -146,7 +147,10 @@ class LLM:
                     self._cv.wait(0.5)
                 if self._stop:
                     return
-                new, self._new = self._new, []
+                # first come, first served, at most max_batch_size at once (as TensorRT-LLM's capacity scheduler)
+                room = len(self._new) if self.args.max_batch_size is None else self.args.max_batch_size - len(
+                    self._running)
+                new, self._new = self._new[:max(room, 0)], self._new[max(room, 0):]
             for r in new:
                 self._guard(r, self._context)
             for r in list(self._running):

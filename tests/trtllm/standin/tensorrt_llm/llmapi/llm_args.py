@@ -29,3 +29,4 @@ class TorchLlmArgs:
     model: str
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     kv_connector_config: KvCacheConnectorConfig | None = None
+    max_batch_size: int | None = None  # (BaseLlmArgs.max_batch_size) the most requests its executor runs at once
