@@ -130,8 +130,9 @@ class Settings(BaseModel):
     tenant_max_disk_bytes: int = Field(64 << 30, ge=0)
     tenant_dram_bytes: int | None = Field(None, ge=0)  # None: a tenant may use the whole DRAM budget
     tenant_encode_tokens_per_minute: int = Field(1_000_000, ge=0)
-    # The engine's scheduler (inferscale/engine/scheduler.py): sequences in flight (decoded in one batch), the
-    # token budget of one step, the largest prompt chunk per turn, and each tenant's bounded queue.
+    # The engine's scheduler (inferscale/engine/scheduler.py): sequences in flight (decoded in one batch; with
+    # --engine trtllm, TensorRT-LLM's max_batch_size), the token budget of one step, the largest prompt chunk per
+    # turn, and each tenant's bounded queue.
     max_active: int = Field(64, ge=1)
     # The decode slots' K/V reserved before the server listens (sequences x tokens each; 16 x 2,048: 604 MB of bf16
     # for Gemma-3-270M): past it the pool grows by reallocation, which stalls the step it falls in for every tenant
