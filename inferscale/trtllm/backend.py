@@ -71,7 +71,8 @@ class TrtllmOptions:
     # admits first come, first served, so a tenant past its part of the rest waits in front of it (gate.py)
     kv_reserve_tokens: int | None = None
     # the most requests TensorRT-LLM runs at once (its LlmArgs.max_batch_size; INFERSCALE_MAX_ACTIVE; None: its
-    # own default, and no tenant's part of the slots); an eighth held back as the K/V's reserve is (gate.py)
+    # own default, and no tenant's part of the slots); an eighth of them is held back for tenants with nothing in
+    # flight, as the K/V's reserve is, and the rest split between tenants (gate.py)
     max_batch_size: int | None = None
     queue_timeout_s: float = 30.0  # the most a request waits in front of TensorRT-LLM for its tenant's part
 
