@@ -165,11 +165,7 @@ def test_a_vanished_plan_fails_that_request_and_the_engine_keeps_serving(backend
 def test_cancel_stops_the_request_and_releases_its_plan(backend, eng, blocks):
     req, events = _run(backend, eng, blocks, max_new=40)
     req.cancel()
-    for _ in range(600):
-        if backend.active == 0:
-            break
-        threading.Event().wait(0.05)
-    assert backend.active == 0
+    assert _until(lambda: backend.active == 0)
     assert not any(isinstance(e, DoneEvent) for e in events.items)
     assert list(backend.registry.dir.iterdir()) == []
     assert backend.llm.executor.scheduler.pending == {}
